@@ -1,0 +1,46 @@
+"""Sharded checkpoints with a commit protocol.
+
+Everything importable from here is pure Python (the control plane uses it and must not load
+torch). The torch part, `ShardedCheckpointer`, lives in `checkpoints.dcp` and is imported
+only by workers.
+"""
+
+from checkpoints.catalog import (
+    CheckpointInfo,
+    LoadOutcome,
+    find_latest_good,
+    list_committed,
+    scan,
+)
+from checkpoints.integrity import CorruptCheckpoint, digest_file, verify
+from checkpoints.layout import parse_step_dir_name, step_dir, step_dir_name
+from checkpoints.manifest import (
+    Manifest,
+    ManifestError,
+    ManifestMissing,
+    read_manifest,
+    write_manifest,
+)
+from checkpoints.retention import apply_retention, delete_checkpoint, plan_retention
+
+__all__ = [
+    "CheckpointInfo",
+    "CorruptCheckpoint",
+    "LoadOutcome",
+    "Manifest",
+    "ManifestError",
+    "ManifestMissing",
+    "apply_retention",
+    "delete_checkpoint",
+    "digest_file",
+    "find_latest_good",
+    "list_committed",
+    "parse_step_dir_name",
+    "plan_retention",
+    "read_manifest",
+    "scan",
+    "step_dir",
+    "step_dir_name",
+    "verify",
+    "write_manifest",
+]

@@ -1,0 +1,206 @@
+"""ORM rows (SQLAlchemy 2). HTTP schemas live in `api/schemas.py`, not here."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from service.states import JobState
+
+# JSONB on PostgreSQL (indexable, compact), plain JSON text elsewhere.
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+# BigInteger primary keys autoincrement on SQLite only as INTEGER.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """An aware UTC datetime on every database.
+
+    SQLite has no time zone type and hands back naive datetimes, which then neither compare
+    with `utcnow()` (TypeError) nor serialise with an offset. Store UTC, read back UTC.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(timezone.utc)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value
+
+
+def as_utc(ts: datetime) -> datetime:
+    """SQLite hands back naive datetimes; everything we store is UTC."""
+    return ts if ts.tzinfo is not None else ts.replace(tzinfo=timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    # Every job has an owner from the first migration on, so that tokens and per-tenant
+    # isolation can be added without reshaping the data.
+    owner: Mapped[str] = mapped_column(String(100), default="default", index=True)
+    name: Mapped[str] = mapped_column(String(100))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    state: Mapped[JobState] = mapped_column(
+        Enum(JobState, name="job_state", native_enum=False, length=16), default=JobState.PENDING
+    )
+    state_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    strategy: Mapped[str] = mapped_column(String(16))
+    min_workers: Mapped[int] = mapped_column(Integer)
+    max_workers: Mapped[int] = mapped_column(Integer)
+    max_steps: Mapped[int] = mapped_column(Integer)
+    # The current (newest) attempt number; 0 before the first launch. Reports and
+    # checkpoint commits carry theirs and are rejected when it is older (fencing).
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    world_size: Mapped[int | None] = mapped_column(Integer, default=None)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    latest_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    last_error: Mapped[str | None] = mapped_column(Text, default=None)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    checkpoint_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+    # When the job first found fewer than min_workers available (None when it is not waiting).
+    below_min_since: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+
+    labels: Mapped[list[JobLabel]] = relationship(
+        back_populates="job", cascade="all, delete-orphan", lazy="selectin"
+    )
+
+    __table_args__ = (
+        Index("ix_jobs_state_priority", "state", "priority", "id"),
+        Index("ix_jobs_created", "created_at", "id"),
+    )
+
+    @property
+    def label_dict(self) -> dict[str, str]:
+        return {label.key: label.value for label in self.labels}
+
+
+class JobLabel(Base):
+    """Labels in their own table so `GET /v1/jobs?label=k:v` is an indexed join on any DB."""
+
+    __tablename__ = "job_labels"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(63), primary_key=True)
+    value: Mapped[str] = mapped_column(String(100))
+    job: Mapped[Job] = relationship(back_populates="labels")
+
+    __table_args__ = (Index("ix_job_labels_kv", "key", "value"),)
+
+
+class Attempt(Base):
+    """One launch of a job: a driver actor and its worker group at one world size."""
+
+    __tablename__ = "attempts"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int] = mapped_column(Integer)
+    driver_name: Mapped[str] = mapped_column(String(200))
+    resume_step: Mapped[int | None] = mapped_column(Integer, default=None)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+    outcome: Mapped[str | None] = mapped_column(String(32), default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    nodes: Mapped[list[str] | None] = mapped_column(JSONType, default=None)
+
+    __table_args__ = (UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),)
+
+
+class Event(Base):
+    """Every state transition (and notable happenings such as checkpoint fallbacks)."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    kind: Mapped[str] = mapped_column(String(32), default="transition")
+    from_state: Mapped[str | None] = mapped_column(String(16), default=None)
+    to_state: Mapped[str | None] = mapped_column(String(16), default=None)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    world_size_before: Mapped[int | None] = mapped_column(Integer, default=None)
+    world_size_after: Mapped[int | None] = mapped_column(Integer, default=None)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int | None] = mapped_column(Integer, default=None)
+    details: Mapped[dict[str, Any] | None] = mapped_column(JSONType, default=None)
+
+
+class Metric(Base):
+    """One reported training step. A later attempt that recomputes a step replaces its row."""
+
+    __tablename__ = "metrics"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    values: Mapped[dict[str, Any]] = mapped_column(JSONType)
+
+
+class CheckpointRecord(Base):
+    """The catalogue of committed checkpoints (answerable after the Ray cluster is gone)."""
+
+    __tablename__ = "checkpoints"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    attempt: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    committed_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    manifest: Mapped[dict[str, Any] | None] = mapped_column(JSONType, default=None)
+
+    __table_args__ = (UniqueConstraint("job_id", "step", name="uq_checkpoints_job_step"),)
+
+
+class SchedulerLease(Base):
+    """At most one active scheduler per database: whoever holds this row's lease."""
+
+    __tablename__ = "scheduler_lease"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(200))
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -1,0 +1,218 @@
+"""The job spec: the public contract accepted by `POST /v1/jobs` and `elastrain submit`.
+
+Every model forbids unknown fields and every check names the field it is about, so that
+a 422 tells the user exactly what to change. The spec is plain data (no torch, no ray):
+the API validates it, the DB stores it as JSON and the workers read it back.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+#: Built-in workloads shipped with the package (see `workers/workloads/`). Kept here as
+#: names only, so the API can validate without importing torch.
+BUILTIN_WORKLOADS: tuple[str, ...] = ("gpt", "synthetic")
+
+# "package.module:factory" (dotted module path, one colon, a Python identifier).
+_ENTRYPOINT_RE = re.compile(
+    r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+)
+
+ShortStr = Annotated[str, StringConstraints(min_length=1, max_length=100)]
+LabelKey = Annotated[
+    str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9_.\-/]+$")
+]
+LabelValue = Annotated[str, StringConstraints(max_length=100)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StrategyKind(str, Enum):
+    ddp = "ddp"
+    fsdp = "fsdp"
+    pipeline = "pipeline"
+
+
+class PipelineSchedule(str, Enum):
+    gpipe = "gpipe"
+    one_f_one_b = "1f1b"
+
+
+class MixedPrecision(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class WorkloadSpec(_Strict):
+    name: ShortStr | None = Field(
+        default=None, description=f"A built-in workload: one of {', '.join(BUILTIN_WORKLOADS)}."
+    )
+    entrypoint: Annotated[str, StringConstraints(max_length=200)] | None = Field(
+        default=None,
+        description='A custom workload factory, "package.module:factory" (exactly one of name/entrypoint).',
+    )
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the workload factory."
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> WorkloadSpec:
+        if (self.name is None) == (self.entrypoint is None):
+            raise ValueError(
+                "workload: give exactly one of 'name' (a built-in: "
+                f"{', '.join(BUILTIN_WORKLOADS)}) or 'entrypoint' ('package.module:factory')"
+            )
+        if self.name is not None and self.name not in BUILTIN_WORKLOADS:
+            raise ValueError(
+                f"workload.name: unknown built-in workload {self.name!r}; "
+                f"allowed: {', '.join(BUILTIN_WORKLOADS)}"
+            )
+        if self.entrypoint is not None and not _ENTRYPOINT_RE.match(self.entrypoint):
+            raise ValueError(
+                f"workload.entrypoint: {self.entrypoint!r} is not of the form "
+                "'package.module:factory'"
+            )
+        return self
+
+
+class StrategySpec(_Strict):
+    kind: StrategyKind = Field(default=StrategyKind.ddp, description="ddp | fsdp | pipeline")
+    pipeline_stages: int | None = Field(default=None, ge=1, le=64, description="pipeline only")
+    microbatches: int | None = Field(default=None, ge=1, le=1024, description="pipeline only")
+    schedule: PipelineSchedule | None = Field(
+        default=None, description="pipeline only: gpipe | 1f1b"
+    )
+    mixed_precision: MixedPrecision | None = Field(
+        default=None, description="null | bf16 | fp16 (GPU)"
+    )
+
+    @model_validator(mode="after")
+    def _pipeline_options(self) -> StrategySpec:
+        pipeline_only = {
+            "pipeline_stages": self.pipeline_stages,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+        }
+        if self.kind != StrategyKind.pipeline:
+            given = [k for k, v in pipeline_only.items() if v is not None]
+            if given:
+                raise ValueError(
+                    f"strategy.{given[0]}: only allowed when strategy.kind is 'pipeline' "
+                    f"(kind is {self.kind.value!r})"
+                )
+        return self
+
+    # Defaults for a pipeline job, filled when the field is left out.
+    @property
+    def stages(self) -> int:
+        return self.pipeline_stages or 2
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches or 4
+
+    @property
+    def pipeline_schedule(self) -> PipelineSchedule:
+        return self.schedule or PipelineSchedule.one_f_one_b
+
+
+class ScalingSpec(_Strict):
+    min_workers: int = Field(default=1, ge=1, le=1024)
+    max_workers: int = Field(default=2, ge=1, le=1024)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(default=1, gt=0, le=512)
+    gpus_per_worker: float = Field(default=0, ge=0, le=16)
+
+    @model_validator(mode="after")
+    def _range(self) -> ScalingSpec:
+        if self.min_workers > self.max_workers:
+            raise ValueError(
+                f"scaling.min_workers ({self.min_workers}) must be <= scaling.max_workers "
+                f"({self.max_workers})"
+            )
+        if self.use_gpu and self.gpus_per_worker == 0:
+            raise ValueError("scaling.gpus_per_worker: must be > 0 when scaling.use_gpu is true")
+        if not self.use_gpu and self.gpus_per_worker > 0:
+            raise ValueError("scaling.gpus_per_worker: must be 0 when scaling.use_gpu is false")
+        return self
+
+
+class TrainingSpec(_Strict):
+    global_batch_size: int = Field(
+        default=32, ge=1, le=1_000_000, description="fixed whatever the world size"
+    )
+    micro_batch_size: int = Field(default=8, ge=1, le=1_000_000)
+    learning_rate: float = Field(default=3e-4, gt=0, le=10)
+    max_steps: int = Field(default=200, ge=1, le=100_000_000)
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+
+    @model_validator(mode="after")
+    def _divisible(self) -> TrainingSpec:
+        if self.global_batch_size % self.micro_batch_size != 0:
+            raise ValueError(
+                f"training.global_batch_size ({self.global_batch_size}) must be divisible by "
+                f"training.micro_batch_size ({self.micro_batch_size})"
+            )
+        return self
+
+
+class CheckpointSpec(_Strict):
+    every_steps: int = Field(default=20, ge=1, le=10_000_000)
+    keep_last: int = Field(
+        default=3, ge=2, le=1000, description=">= 2: the newest is never the only one"
+    )
+    async_save: bool = True
+
+
+class FailureSpec(_Strict):
+    max_restarts: int = Field(default=5, ge=0, le=1000)
+
+
+class JobSpec(_Strict):
+    name: ShortStr
+    workload: WorkloadSpec
+    strategy: StrategySpec = Field(default_factory=StrategySpec)
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    failure: FailureSpec = Field(default_factory=FailureSpec)
+    priority: int = Field(default=0, ge=-1000, le=1000, description="higher runs first")
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> JobSpec:
+        pipeline = self.strategy.kind == StrategyKind.pipeline
+        if pipeline and self.strategy.stages > self.scaling.max_workers:
+            raise ValueError(
+                f"strategy.pipeline_stages ({self.strategy.stages}) must be <= "
+                f"scaling.max_workers ({self.scaling.max_workers})"
+            )
+        if self.strategy.mixed_precision is not None and not self.scaling.use_gpu:
+            raise ValueError(
+                "strategy.mixed_precision: bf16/fp16 needs a GPU; set scaling.use_gpu: true "
+                "or mixed_precision: null"
+            )
+        return self
+
+    @property
+    def min_world_size(self) -> int:
+        """The smallest world size the job can run at (a pipeline needs all its stages)."""
+        if self.strategy.kind == StrategyKind.pipeline:
+            return max(self.scaling.min_workers, self.strategy.stages)
+        return self.scaling.min_workers
+
+    def usable_world_size(self, capacity: int) -> int:
+        """The largest world size <= capacity the job can use, or 0 when below its minimum.
+
+        Pipeline jobs run whole replicas only (a multiple of the stage count).
+        """
+        size = min(capacity, self.scaling.max_workers)
+        if self.strategy.kind == StrategyKind.pipeline:
+            size -= size % self.strategy.stages
+        return size if size >= self.min_world_size else 0

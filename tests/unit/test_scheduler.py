@@ -1,0 +1,295 @@
+"""The scheduler's control logic, stepped one pass at a time against a fake launcher.
+
+Real DB (SQLite file), no Ray: each test runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from service import decisions, jobs
+from service.db import make_engine, make_session_factory, migrate, session_scope
+from service.launcher.base import DriverStatus
+from service.launcher.fake import FakeLauncher
+from service.scheduler import Scheduler
+from service.settings import Settings
+from service.spec import JobSpec
+from service.states import JobState
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def env(tmp_path: Path):
+    engine = make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    migrate(engine)
+    factory = make_session_factory(engine)
+    settings = Settings(
+        database_url=str(engine.url),
+        storage_path=tmp_path / "storage",
+        grow_interval_s=5,
+        below_min_timeout_s=30,
+        restart_backoff_s=0,
+    )
+    launcher = FakeLauncher({"n1": 1, "n2": 1, "n3": 1})
+    clock = Clock()
+    sched = Scheduler(session_factory=factory, launcher=launcher, settings=settings, clock=clock)
+    yield factory, launcher, sched, clock
+    engine.dispose()
+
+
+def submit(factory, **overrides) -> int:  # type: ignore[no-untyped-def]
+    body = {
+        "name": "j",
+        "workload": {"name": "synthetic"},
+        "scaling": {"min_workers": 1, "max_workers": 3},
+    }
+    body.update(overrides)
+    with session_scope(factory) as s:
+        return jobs.create_job(s, spec=JobSpec.model_validate(body)).id
+
+
+def job(factory, job_id: int):  # type: ignore[no-untyped-def]
+    with session_scope(factory) as s:
+        return jobs.get_job(s, job_id)
+
+
+def events(factory, job_id: int) -> list[tuple[str | None, str | None, str]]:
+    with session_scope(factory) as s:
+        return [(e.from_state, e.to_state, e.reason) for e in jobs.list_events(s, job_id)]
+
+
+def test_admits_at_largest_size_and_runs_to_success(env) -> None:
+    factory, launcher, sched, _ = env
+    jid = submit(factory)
+    sched.run_pass()
+    assert job(factory, jid).state == JobState.STARTING
+    assert launcher.launches[0].world_size == 3
+    d = launcher.driver(jid)
+    d.status = DriverStatus.RUNNING
+    d.placement = {0: "n1", 1: "n2", 2: "n3"}
+    d.metrics = [{"step": 1, "loss": 2.0, "world_size": 3}, {"step": 2, "loss": 1.5, "world_size": 3}]
+    sched.run_pass()
+    j = job(factory, jid)
+    assert (j.state, j.step, j.latest_loss) == (JobState.RUNNING, 2, 1.5)
+    d.status = DriverStatus.SUCCEEDED
+    sched.run_pass()
+    assert job(factory, jid).state == JobState.SUCCEEDED
+    transitions = [e[1] for e in events(factory, jid) if e[1] is not None]
+    assert transitions == ["PENDING", "STARTING", "RUNNING", "SUCCEEDED"]
+
+
+def test_gang_admission_waits_for_min_and_priority_overtakes(env) -> None:
+    factory, launcher, sched, _ = env
+    first = submit(factory, scaling={"min_workers": 3, "max_workers": 3})
+    sched.run_pass()
+    low = submit(factory, scaling={"min_workers": 2, "max_workers": 2}, priority=0)
+    high = submit(factory, scaling={"min_workers": 2, "max_workers": 2}, priority=5)
+    sched.run_pass()
+    assert job(factory, low).state == JobState.PENDING
+    assert job(factory, high).state == JobState.PENDING
+    launcher.driver(first).status = DriverStatus.SUCCEEDED
+    sched.run_pass()  # first ends; high priority admitted in the same pass, low still waits
+    assert job(factory, high).state == JobState.STARTING
+    assert job(factory, low).state == JobState.PENDING
+    assert "queued behind" in (job(factory, low).state_reason or "") or "waiting" in (
+        job(factory, low).state_reason or ""
+    )
+
+
+def test_job_larger_than_cluster_does_not_block_queue(env) -> None:
+    factory, _, sched, _ = env
+    huge = submit(factory, scaling={"min_workers": 10, "max_workers": 10})
+    small = submit(factory, scaling={"min_workers": 1, "max_workers": 1})
+    sched.run_pass()
+    assert job(factory, huge).state == JobState.PENDING
+    assert "whole cluster holds 3" in (job(factory, huge).state_reason or "")
+    assert job(factory, small).state == JobState.STARTING
+
+
+def test_node_loss_recovers_smaller_then_grows_back(env) -> None:
+    factory, launcher, sched, clock = env
+    jid = submit(factory)
+    sched.run_pass()
+    d = launcher.driver(jid, 1)
+    d.status = DriverStatus.RUNNING
+    d.placement = {0: "n1", 1: "n2", 2: "n3"}
+    sched.run_pass()
+    launcher.remove_node("n3")
+    sched.run_pass()
+    assert d.killed
+    j = job(factory, jid)
+    assert j.state == JobState.RECOVERING and j.attempt == 2
+    assert launcher.driver(jid, 2).request.world_size == 2
+    d2 = launcher.driver(jid, 2)
+    d2.status, d2.placement, d2.resumed_from_step = DriverStatus.RUNNING, {0: "n1", 1: "n2"}, 20
+    sched.run_pass()
+    assert job(factory, jid).state == JobState.RUNNING
+    evs = events(factory, jid)
+    assert any("node" in r and "lost" in r for _, _, r in evs)
+    assert ("RUNNING", "RECOVERING") in [(f, t) for f, t, _ in evs]
+    assert any("resumed from step 20 at world size 2" in r for _, _, r in evs)
+    # The node comes back: grow after the hysteresis interval, not before.
+    launcher.add_node("n4", 1)
+    sched.run_pass()
+    assert job(factory, jid).state == JobState.RUNNING
+    clock.t += 6
+    sched.run_pass()
+    assert job(factory, jid).state == JobState.RESIZING and d2.stop_requested
+    d2.status = DriverStatus.STOPPED
+    sched.run_pass()
+    assert launcher.driver(jid, 3).request.world_size == 3
+    d3 = launcher.driver(jid, 3)
+    d3.status = DriverStatus.RUNNING
+    sched.run_pass()
+    j = job(factory, jid)
+    assert (j.state, j.world_size, j.restarts) == (JobState.RUNNING, 3, 0)
+
+
+def test_below_min_waits_then_fails_after_timeout(env) -> None:
+    factory, launcher, sched, _ = env
+    jid = submit(factory, scaling={"min_workers": 2, "max_workers": 3})
+    sched.run_pass()
+    d = launcher.driver(jid)
+    d.status, d.placement = DriverStatus.RUNNING, {0: "n1", 1: "n2", 2: "n3"}
+    sched.run_pass()
+    launcher.remove_node("n2")
+    launcher.remove_node("n3")
+    sched.run_pass()
+    j = job(factory, jid)
+    assert j.state == JobState.RECOVERING and j.below_min_since is not None
+    assert "waiting below min" in (j.state_reason or "")
+    # Force the timeout by backdating the wait.
+    with session_scope(factory) as s:
+        row = jobs.get_job(s, jid)
+        row.below_min_since = row.below_min_since.replace(year=2000)
+    sched.run_pass()
+    j = job(factory, jid)
+    assert j.state == JobState.FAILED and "below min_workers" in (j.state_reason or "")
+
+
+def test_below_min_resumes_when_node_returns(env) -> None:
+    factory, launcher, sched, _ = env
+    jid = submit(factory, scaling={"min_workers": 2, "max_workers": 2})
+    sched.run_pass()
+    d = launcher.driver(jid)
+    d.status, d.placement = DriverStatus.RUNNING, {0: "n1", 1: "n2"}
+    sched.run_pass()
+    launcher.remove_node("n2")
+    launcher.remove_node("n3")
+    sched.run_pass()
+    assert job(factory, jid).attempt == 1
+    launcher.add_node("n9", 1)
+    sched.run_pass()
+    j = job(factory, jid)
+    assert j.attempt == 2 and launcher.driver(jid, 2).request.world_size == 2
+
+
+def test_worker_error_restarts_then_fails_on_repeated_error(env) -> None:
+    factory, launcher, sched, _ = env
+    jid = submit(factory, failure={"max_restarts": 10})
+    sched.run_pass()
+    for attempt in (1, 2, 3):
+        d = launcher.driver(jid, attempt)
+        d.status, d.error = DriverStatus.FAILED, "rank 1 on node n2: ValueError: boom"
+        sched.run_pass()
+    j = job(factory, jid)
+    assert j.state == JobState.FAILED
+    assert "same error" in (j.state_reason or "") and "boom" in (j.last_error or "")
+    assert j.restarts == 2
+
+
+def test_max_restarts_exhausted(env) -> None:
+    factory, launcher, sched, _ = env
+    jid = submit(factory, failure={"max_restarts": 1})
+    sched.run_pass()
+    launcher.driver(jid, 1).status = DriverStatus.FAILED
+    launcher.driver(jid, 1).error = "first"
+    sched.run_pass()
+    assert job(factory, jid).state == JobState.RECOVERING
+    launcher.driver(jid, 2).status = DriverStatus.FAILED
+    launcher.driver(jid, 2).error = "second"
+    sched.run_pass()
+    j = job(factory, jid)
+    assert j.state == JobState.FAILED and "max_restarts" in (j.state_reason or "")
+
+
+def test_cancel_running_job_kills_driver_and_frees_capacity(env) -> None:
+    factory, launcher, sched, _ = env
+    a = submit(factory, scaling={"min_workers": 3, "max_workers": 3})
+    sched.run_pass()
+    b = submit(factory, scaling={"min_workers": 3, "max_workers": 3})
+    sched.run_pass()
+    assert job(factory, b).state == JobState.PENDING
+    with session_scope(factory) as s:
+        jobs.get_job(s, a).cancel_requested = True
+    sched.run_pass()
+    assert job(factory, a).state == JobState.CANCELLED
+    assert launcher.driver(a).killed
+    assert job(factory, b).state == JobState.STARTING
+
+
+def test_driver_lost_after_control_plane_restart_is_relaunched(env) -> None:
+    factory, launcher, sched, clock = env
+    jid = submit(factory)
+    sched.run_pass()
+    launcher.driver(jid).killed = True  # the driver died with its node while we were down
+    fresh = Scheduler(session_factory=factory, launcher=launcher, settings=sched.settings, clock=clock)
+    fresh.holder = sched.holder  # same replica restarted
+    fresh.run_pass()
+    assert job(factory, jid).attempt == 2
+    assert len([r for r in launcher.launches if r.job_id == jid]) == 2
+
+
+def test_stale_attempt_reports_are_fenced(env) -> None:
+    factory, _, sched, _ = env
+    jid = submit(factory)
+    sched.run_pass()
+    with session_scope(factory) as s, pytest.raises(jobs.StaleAttempt):
+        jobs.record_metrics(s, jobs.get_job(s, jid), attempt=0, points=[{"step": 5, "loss": 1.0}])
+    with session_scope(factory) as s, pytest.raises(jobs.StaleAttempt):
+        jobs.record_checkpoint(
+            s, jobs.get_job(s, jid), attempt=0, step=5, world_size=1, path="x", size_bytes=1
+        )
+
+
+def test_second_scheduler_without_lease_does_nothing(env) -> None:
+    factory, launcher, sched, clock = env
+    submit(factory)
+    assert sched.run_pass()
+    other = Scheduler(session_factory=factory, launcher=launcher, settings=sched.settings, clock=clock)
+    submit(factory)
+    assert other.run_pass() is False
+
+
+def test_decide_failure_backoff_grows() -> None:
+    first = decisions.decide_failure(
+        cause=decisions.FailureCause.WORKER_ERROR, error="e", step=3, restarts=0, max_restarts=5,
+        recent_failures=[], backoff_s=1.0,
+    )
+    second = decisions.decide_failure(
+        cause=decisions.FailureCause.WORKER_ERROR, error="e", step=3, restarts=1, max_restarts=5,
+        recent_failures=[("e", 3)], backoff_s=1.0,
+    )
+    assert first.action == second.action == decisions.FailureAction.RETRY
+    assert second.delay_s > first.delay_s
+
+
+def test_pipeline_world_size_is_a_multiple_of_stages() -> None:
+    spec = JobSpec.model_validate(
+        {
+            "name": "p",
+            "workload": {"name": "gpt"},
+            "strategy": {"kind": "pipeline", "pipeline_stages": 2},
+            "scaling": {"min_workers": 1, "max_workers": 5},
+        }
+    )
+    assert [spec.usable_world_size(c) for c in range(7)] == [0, 0, 2, 2, 4, 4, 4]

@@ -1,0 +1,125 @@
+"""The interface every parallelism strategy (ddp, fsdp, pipeline) implements.
+
+The loop owns the data: for every optimizer step it hands the strategy this rank's share
+of the global batch already cut into micro-batches, plus `loss_scale`, the factor that
+turns a micro-batch's summed loss into this rank's contribution to the global-batch mean
+(so gradients are identical whatever the world size). The strategy owns everything about
+how the model is placed, wrapped, run and synchronised.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.api import TrainContext, Workload
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How the world is divided. `dp` data-parallel replicas, each of `pp` pipeline stages.
+
+    The loop splits the global batch over the `dp` replicas; all ranks of one replica see
+    the same share.
+    """
+
+    dp: int
+    pp: int = 1
+    dp_rank: int = 0
+    pp_rank: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOutput:
+    loss_sum: float
+    """This rank's summed per-sample loss over its share (0 on ranks that see no loss,
+    e.g. non-last pipeline stages); the loop all-reduces it to the global mean."""
+
+
+class Strategy(ABC):
+    """One instance per rank per attempt."""
+
+    layout: Layout
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    @abstractmethod
+    def setup(self, workload: Workload, ctx: TrainContext, spec: dict[str, Any]) -> None:
+        """Place and wrap `workload.model`, build the optimizer (AdamW, spec lr)."""
+
+    @abstractmethod
+    def train_step(
+        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
+    ) -> StepOutput:
+        """Forward+backward over the micro-batches, gradients synchronised, optimizer step.
+
+        Every rank of a collective group must get the same number of micro-batches (the
+        loop guarantees it), so collectives stay in lockstep.
+        """
+
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        """Model and optimizer state keyed by FQN, as `torch.distributed.checkpoint` wants
+        (DTensors for fsdp), loadable at any other world size or split."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Parameter, gradient and optimizer-state bytes held by this rank (local shards)."""
+
+        def local_bytes(t: torch.Tensor) -> int:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            return local.numel() * local.element_size()
+
+        params = sum(local_bytes(p) for p in self.model.parameters())
+        grads = sum(local_bytes(p.grad) for p in self.model.parameters() if p.grad is not None)
+        optim = 0
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    optim += local_bytes(value)
+        return {"param_bytes": params, "grad_bytes": grads, "optim_bytes": optim}
+
+
+def microbatch_loss(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    loss_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward one micro-batch: (loss to call `.backward()` on, detached summed loss).
+
+    The workload's loss is a mean over the micro-batch; times its size it becomes a sum,
+    and `loss_scale` turns that into this rank's share of the global-batch mean.
+
+    An EMPTY micro-batch (size 0 along dim 0, see `workers.sampler`) still runs a forward
+    and backward, on one all-zero dummy sample with a zero weight: every parameter then
+    gets a zero gradient and the replica joins the same gradient collectives as the
+    others. Zeros keep the trailing shape and dtype the loop gave the empty tensors, and
+    are valid token ids and features alike.
+    """
+    n = inputs.shape[0]
+    if n == 0:
+        dummy_in = inputs.new_zeros((1, *inputs.shape[1:]))
+        dummy_target = targets.new_zeros((1, *targets.shape[1:]))
+        loss = loss_fn(model(dummy_in), dummy_target)
+        return loss * 0.0, torch.zeros((), device=loss.device)
+    summed = loss_fn(model(inputs), targets) * n
+    return summed * loss_scale, summed.detach()

@@ -1,0 +1,34 @@
+# Two commands for a newcomer (see README): `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test test-fast lint bench clean
+
+$(BIN)/elastrain: pyproject.toml
+	@echo "installing into $(VENV)"
+	$(PY) -m venv $(VENV)
+	# torch first, pinned: on CPU machines 2.13.0 is a local CPU wheel; any other
+	# version would pull gigabytes of CUDA packages.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+# Start the service on the embedded defaults (SQLite, local Ray, checkpoints under
+# .elastrain/) and submit a small real GPT job; open http://127.0.0.1:8000 to watch it.
+demo: $(BIN)/elastrain
+	$(BIN)/elastrain serve --demo
+
+# The whole suite: unit, integration (real Ray, real PostgreSQL), chaos, browser.
+test: $(BIN)/elastrain
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+test-fast: $(BIN)/elastrain
+	$(BIN)/python -m pytest -q -m "not ray and not chaos and not browser"
+
+lint: $(BIN)/elastrain
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .elastrain .pytest_cache

@@ -100,8 +100,10 @@ class Job(Base):
     # When the job first found fewer than min_workers available (None when it is not waiting).
     below_min_since: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
 
+    # Loaded on access only: the labels are also in `spec["labels"]`, which is what the API
+    # shows, so reading a job costs one query, not two. The table is for filtering.
     labels: Mapped[list[JobLabel]] = relationship(
-        back_populates="job", cascade="all, delete-orphan", lazy="selectin"
+        back_populates="job", cascade="all, delete-orphan", lazy="select"
     )
 
     __table_args__ = (

@@ -104,7 +104,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     nodes: list[Any] = [None] * world_size
     dist.all_gather_object(nodes, node_id)
     if rank == 0:
-        driver.push.remote("placement", {"ranks": {str(r): n for r, n in enumerate(nodes)}})
+        pg = ray.util.get_current_placement_group()
+        driver.push.remote(
+            "placement",
+            {
+                "ranks": {str(r): n for r, n in enumerate(nodes)},
+                "placement_group": pg.id.hex() if pg is not None else None,
+            },
+        )
 
     try:
         result = train(ctx, spec, hooks)

@@ -46,6 +46,7 @@ class JobDriver:
         self._commits: list[dict[str, Any]] = []
         self._events: list[dict[str, Any]] = []
         self._placement: dict[int, str] = {}
+        self._placement_group: str | None = None
         self._error: str | None = None
         self._worker_error: str | None = None
         self._resumed_from: int | None = None
@@ -65,6 +66,7 @@ class JobDriver:
                 self._commits.append(payload)
             elif kind == "placement":
                 self._placement = {int(k): v for k, v in payload["ranks"].items()}
+                self._placement_group = payload.get("placement_group")
             elif kind == "started":
                 self._resumed_from = payload.get("resumed_from_step")
             elif kind == "error":
@@ -105,6 +107,7 @@ class JobDriver:
                 "error": self._error,
                 "resumed_from_step": self._resumed_from,
                 "placement": dict(self._placement),
+                "placement_group": self._placement_group,
                 "final_step": self._final_step,
             }
             self._metrics, self._commits, self._events = [], [], []
@@ -112,6 +115,9 @@ class JobDriver:
 
     def ping(self) -> str:
         return self._status
+
+    def placement_group_id(self) -> str | None:
+        return self._placement_group
 
     # -- the fit thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -126,7 +132,8 @@ class JobDriver:
 
     def _fit(self) -> bool:
         from ray.train import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
+
+        TorchTrainer = _trainer_class()
 
         scaling = self.spec["scaling"]
         resources = {"CPU": float(scaling["cpus_per_worker"])}
@@ -163,6 +170,28 @@ class JobDriver:
             final = self._final_step
         max_steps = int(self.spec["training"]["max_steps"])
         return final is not None and final < max_steps
+
+
+def _trainer_class():  # type: ignore[no-untyped-def]
+    """TorchTrainer without Ray Train's PlacementGroupCleaner.
+
+    That cleaner is a detached actor per run which polls the State API to notice a dead
+    controller; without the Ray dashboard (ray[train] has none) the API never answers, so
+    after every killed attempt the cleaner spins forever and the worker group's placement
+    group is never freed (the next attempt then waits 60 s for resources). The launcher
+    removes the placement group itself when it kills a driver, so the cleaner is dropped.
+    """
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.placement_group_callback import (
+        PlacementGroupCleanerCallback,
+    )
+
+    class ElastrainTorchTrainer(TorchTrainer):
+        def _create_default_callbacks(self):  # type: ignore[no-untyped-def]
+            callbacks = super()._create_default_callbacks()
+            return [c for c in callbacks if not isinstance(c, PlacementGroupCleanerCallback)]
+
+    return ElastrainTorchTrainer
 
 
 def _resolve(path: str):  # type: ignore[no-untyped-def]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -23,6 +24,14 @@ log = logging.getLogger("elastrain.launcher")
 
 _POLL_TIMEOUT_S = 10.0
 
+#: Environment of the driver process; Ray Train's controller inherits it.
+DRIVER_ENV = {
+    # The scheduler only launches a worker group that fits, so waiting for its workers
+    # may take as long as process start-up takes (minutes on a loaded machine); Ray's
+    # default of 60 s would abort and retry a start that is merely slow.
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600",
+}
+
 
 class RayLauncher:
     def __init__(self, settings: Settings) -> None:
@@ -31,6 +40,7 @@ class RayLauncher:
         self._driver_cls: Any = None
         self._handles: dict[str, Any] = {}
         self._last_status: dict[str, DriverStatus] = {}
+        self._placement_groups: dict[str, str] = {}  # driver name -> its worker group's PG
         self._connect()
 
     def _connect(self) -> None:
@@ -79,6 +89,7 @@ class RayLauncher:
             num_cpus=0,
             max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(self._home_node, soft=True),
+            runtime_env={"env_vars": DRIVER_ENV},
         ).remote(
             job_id=request.job_id,
             attempt=request.attempt,
@@ -114,6 +125,8 @@ class RayLauncher:
             return DriverReport(status=DriverStatus.LOST, error=f"driver died: {str(exc)[-300:]}")
         status = DriverStatus(out["status"])
         self._last_status[name] = status
+        if out.get("placement_group"):
+            self._placement_groups[name] = out["placement_group"]
         return DriverReport(
             status=status,
             metrics=out["metrics"],
@@ -137,16 +150,36 @@ class RayLauncher:
 
     def kill(self, job_id: int, attempt: int) -> None:
         # Killing the driver takes its TorchTrainer controller and worker actors with it
-        # (they are owned by the driver), which frees their resources.
+        # (they are owned by the driver). Their placement group outlives them (it belongs
+        # to the Ray job, not the actor), so it is removed here to free the resources now.
+        name = driver_name(job_id, attempt)
         handle = self._handle(job_id, attempt)
-        if handle is not None:
-            try:
-                ray.kill(handle, no_restart=True)
-            except Exception as exc:
-                log.warning("kill %s: %s", driver_name(job_id, attempt), exc)
+        if handle is None:
+            return
+        pg_id = self._placement_groups.get(name)
+        if pg_id is None:
+            with contextlib.suppress(Exception):
+                pg_id = ray.get(handle.placement_group_id.remote(), timeout=2)
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception as exc:
+            log.warning("kill %s: %s", name, exc)
+        if pg_id:
+            _remove_placement_group(pg_id)
 
     def release(self, job_id: int, attempt: int) -> None:
         self.kill(job_id, attempt)
         name = driver_name(job_id, attempt)
         self._handles.pop(name, None)
         self._last_status.pop(name, None)
+        self._placement_groups.pop(name, None)
+
+
+def _remove_placement_group(pg_id: str) -> None:
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    try:
+        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+    except Exception as exc:  # already removed (the run ended cleanly) is fine
+        log.debug("remove placement group %s: %s", pg_id, exc)

@@ -95,8 +95,13 @@ def test_get_round_trips_every_field(client: TestClient) -> None:
         assert key in got
 
 
-def test_list_filters_and_paginates_newest_first(client: TestClient, app_sessions: Sessions) -> None:
-    ids = [submit(client, name=f"j{i}", labels={"team": "nlp" if i % 2 else "cv"})["id"] for i in range(7)]
+def test_list_filters_and_paginates_newest_first(
+    client: TestClient, app_sessions: Sessions
+) -> None:
+    ids = [
+        submit(client, name=f"j{i}", labels={"team": "nlp" if i % 2 else "cv"})["id"]
+        for i in range(7)
+    ]
     run(app_sessions, ids[0])
     finish(app_sessions, ids[1], JobState.FAILED)
 
@@ -117,11 +122,20 @@ def test_list_filters_and_paginates_newest_first(client: TestClient, app_session
     assert {j["id"] for j in nlp["items"]} == {ids[i] for i in (1, 3, 5)}
     both = client.get("/v1/jobs", params=[("label", "team:nlp"), ("state", "FAILED")]).json()
     assert [j["id"] for j in both["items"]] == [ids[1]]
-    assert client.get("/v1/jobs", params=[("label", "team:nlp"), ("label", "x:y")]).json()["total"] == 0
+    assert (
+        client.get("/v1/jobs", params=[("label", "team:nlp"), ("label", "x:y")]).json()["total"]
+        == 0
+    )
 
 
 def test_list_rejects_bad_filters(client: TestClient) -> None:
-    for params in [{"limit": 0}, {"limit": 501}, {"offset": -1}, {"state": "SLEEPING"}, {"label": "nocolon"}]:
+    for params in [
+        {"limit": 0},
+        {"limit": 501},
+        {"offset": -1},
+        {"state": "SLEEPING"},
+        {"label": "nocolon"},
+    ]:
         response = client.get("/v1/jobs", params=params)
         assert response.status_code == 422, params
         assert next(iter(params)) in response.json()["message"]
@@ -175,7 +189,9 @@ def test_cancel_running_job_is_a_request_for_the_scheduler(
     assert kinds.count("cancel_requested") == 1
 
 
-def test_cancel_finished_job_is_409_with_a_reason(client: TestClient, app_sessions: Sessions) -> None:
+def test_cancel_finished_job_is_409_with_a_reason(
+    client: TestClient, app_sessions: Sessions
+) -> None:
     for state in (JobState.SUCCEEDED, JobState.FAILED):
         job = submit(client)
         finish(app_sessions, job["id"], state)
@@ -235,7 +251,13 @@ def test_checkpoints_newest_first(client: TestClient, app_sessions: Sessions) ->
         row = get_job(s, job["id"])
         for step in (20, 40):
             record_checkpoint(
-                s, row, attempt=1, step=step, world_size=2, path=f"/ck/step_{step}", size_bytes=step * 1000
+                s,
+                row,
+                attempt=1,
+                step=step,
+                world_size=2,
+                path=f"/ck/step_{step}",
+                size_bytes=step * 1000,
             )
     checkpoints = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()
     assert [c["step"] for c in checkpoints] == [40, 20]
@@ -261,7 +283,11 @@ def test_logs_follow_with_offset(client: TestClient, settings: Settings) -> None
     log = logs / "attempt-2.rank-0.log"
     log.write_text("step 1\n")
     first = client.get(url).json()
-    assert (first["text"], first["attempt"], first["files"]) == ("step 1\n", 2, ["attempt-2.rank-0.log"])
+    assert (first["text"], first["attempt"], first["files"]) == (
+        "step 1\n",
+        2,
+        ["attempt-2.rank-0.log"],
+    )
     with log.open("a") as fh:
         fh.write("step 2\n")
     second = client.get(url, params={"offset": first["next_offset"]}).json()

@@ -10,8 +10,8 @@ how the model is placed, wrapped, run and synchronised.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch

@@ -1,0 +1,132 @@
+"""Reading worker log files for `GET /v1/jobs/{id}/logs`, resumably.
+
+Workers write `*.log` files under `<storage>/jobs/<id>/logs/` (one per rank, possibly in a
+folder per attempt). The attempt a file belongs to is the number after `attempt` in its
+relative path (`attempt-3.rank-0.log`, `attempt_3/rank0.log`); files without one count as
+attempt 0. Several files of one attempt grow at once, so a single byte offset cannot
+say how far a client has read: the cursor holds one position per file. For the common
+single-file case it is just the byte offset, so `?offset=1234` works as one would expect.
+A cursor belongs to one attempt: a follower pins `attempt` and moves on, from offset 0,
+when `latest_attempt` says a newer one has started.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The most bytes one call returns; a follower gets the rest on its next call.
+MAX_CHUNK = 1 << 20
+
+_ATTEMPT_RE = re.compile(r"attempt[-_]?(\d+)", re.IGNORECASE)
+
+
+class BadCursor(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    text: str
+    next_offset: str
+    attempt: int | None
+    latest_attempt: int | None
+    files: list[str]
+
+
+def logs_dir(storage_path: Path, job_id: int) -> Path:
+    return storage_path / "jobs" / str(job_id) / "logs"
+
+
+def attempt_of(rel_path: str) -> int:
+    found = _ATTEMPT_RE.findall(rel_path)
+    return int(found[-1]) if found else 0
+
+
+def _decode_cursor(offset: str, names: list[str]) -> dict[str, int]:
+    offset = offset.strip()
+    if offset in ("", "0"):
+        return {}
+    if offset.isdigit():
+        # A plain byte offset: the first (usually only) file.
+        return {names[0]: int(offset)} if names else {}
+    try:
+        raw = json.loads(base64.urlsafe_b64decode(offset + "=" * (-len(offset) % 4)))
+        if not isinstance(raw, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in raw.items()
+        ):
+            raise ValueError
+    except ValueError as exc:  # binascii.Error and JSONDecodeError are ValueErrors
+        raise BadCursor(
+            "offset: pass 0, a byte offset, or the next_offset of an earlier response"
+        ) from exc
+    return raw
+
+
+def _encode_cursor(positions: dict[str, int]) -> str:
+    if len(positions) <= 1:
+        return str(next(iter(positions.values()), 0))
+    raw = json.dumps(positions, separators=(",", ":"), sort_keys=True).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _read_from(path: Path, start: int, budget: int) -> bytes:
+    with path.open("rb") as fh:
+        fh.seek(start)
+        data = fh.read(budget)
+    if len(data) == budget:
+        # Stop at a line end so that a line (or a UTF-8 sequence) is never cut in two,
+        # unless a single line is longer than the whole budget.
+        cut = data.rfind(b"\n")
+        if cut >= 0:
+            data = data[: cut + 1]
+    return data
+
+
+def read_logs(
+    directory: Path, *, offset: str = "0", attempt: int | None = None, max_bytes: int = MAX_CHUNK
+) -> Chunk:
+    """New text of one attempt's logs since `offset` (the newest attempt by default)."""
+    by_attempt: dict[int, list[str]] = {}
+    if directory.is_dir():
+        for path in directory.rglob("*.log"):
+            if path.is_file():
+                rel = path.relative_to(directory).as_posix()
+                by_attempt.setdefault(attempt_of(rel), []).append(rel)
+    latest = max(by_attempt) if by_attempt else None
+    if attempt is None:
+        attempt = latest
+    names = sorted(by_attempt.get(attempt, [])) if attempt is not None else []
+    positions = _decode_cursor(offset, names)
+
+    parts: list[str] = []
+    budget = max_bytes
+    for name in names:
+        path = directory / name
+        start = positions.get(name, 0)
+        size = path.stat().st_size
+        if start > size:  # the file was truncated or replaced: read it again from the top
+            start = 0
+        data = _read_from(path, start, budget) if budget > 0 and size > start else b""
+        positions[name] = start + len(data)
+        budget -= len(data)
+        if not data:
+            continue
+        text = data.decode("utf-8", errors="replace")
+        if len(names) > 1:
+            # Tell the ranks apart, like `ray logs` / torchrun's `[rank]:` prefixes.
+            tag = Path(name).stem
+            text = "".join(f"[{tag}] {line}" for line in text.splitlines(keepends=True))
+        parts.append(text)
+    # Keep only the files of this attempt in the cursor, in a stable order.
+    cursor = {name: positions.get(name, 0) for name in names}
+    return Chunk(
+        text="".join(parts),
+        next_offset=_encode_cursor(cursor),
+        attempt=attempt,
+        latest_attempt=latest,
+        files=names,
+    )

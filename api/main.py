@@ -1,0 +1,101 @@
+"""The FastAPI application factory.
+
+`uvicorn api.main:create_app --factory` or `elastrain serve`. Importing this module is
+cheap and touches no database: the lifespan builds the engine, migrates, and (optionally)
+starts the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from api import errors
+from api.routes import cluster, health, jobs
+from service.db import make_engine, make_session_factory, migrate
+from service.settings import Settings
+
+log = logging.getLogger("elastrain.api")
+
+#: Requests larger than this are refused before their body is read (a spec is a few KiB).
+MAX_BODY_BYTES = 1 << 20
+
+
+class _BodyLimit:
+    """413 for a declared Content-Length over the limit (pure ASGI: no per-request cost)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for name, value in scope["headers"]:
+                if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                    from starlette.responses import JSONResponse
+
+                    response = JSONResponse(
+                        {"detail": f"request body too large (limit {self.limit} bytes)"},
+                        status_code=413,
+                    )
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+def _start_scheduler(app: FastAPI, settings: Settings) -> Any:
+    # Imported here, not at the top: the scheduler reaches Ray through the launcher, and
+    # `import api.main` must stay free of Ray (tests/unit/test_imports.py).
+    from service.scheduler import start_scheduler_thread
+
+    return start_scheduler_thread(settings, app.state.session_factory)
+
+
+def _include_dashboard(app: FastAPI) -> None:
+    # The dashboard ships in its own module; the API works without it.
+    if importlib.util.find_spec("api.routes.dashboard") is None:
+        return
+    module = importlib.import_module("api.routes.dashboard")
+    app.include_router(module.router)
+
+
+def create_app(settings: Settings | None = None, *, start_scheduler: bool = False) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.ensure_dirs()
+        engine = make_engine(settings.database_url)
+        migrate(engine)
+        app.state.engine = engine
+        app.state.session_factory = make_session_factory(engine)
+        app.state.scheduler = _start_scheduler(app, settings) if start_scheduler else None
+        try:
+            yield
+        finally:
+            if app.state.scheduler is not None:
+                app.state.scheduler.stop()
+            engine.dispose()
+
+    app = FastAPI(
+        title="elastrain",
+        summary="Elastic PyTorch training on Ray: submit, watch and steer training jobs.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.scheduler = None
+    errors.install(app)
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+    app.include_router(cluster.router)
+    _include_dashboard(app)
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    return app

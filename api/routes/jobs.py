@@ -1,0 +1,255 @@
+"""`/v1/jobs`: submit, list, inspect and steer jobs.
+
+Routes only read and request: the scheduler is the one writer of run state. The exception
+is cancelling a PENDING job, which no driver holds yet, so the API cancels it at once.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import BeforeValidator, TypeAdapter
+from sqlalchemy.orm import Session
+
+from api.deps import CurrentTenant, SessionDep, SettingsDep
+from api.errors import Conflict
+from api.logs import logs_dir, read_logs
+from api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, MetricOut
+from service.jobs import (
+    JobNotFound,
+    create_job,
+    get_job,
+    list_checkpoints,
+    list_events,
+    list_jobs,
+    list_metrics,
+    record_event,
+    set_job_state,
+)
+from service.models import Job
+from service.spec import JobSpec
+from service.states import ACTIVE, JobState
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+JobId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The job's id.")]
+# Accept `?state=running` as well as `?state=RUNNING`.
+StateParam = Annotated[JobState, BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
+
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {
+    404: {"description": "No such job", "content": {"application/json": {}}}
+}
+_CONFLICT: dict[int | str, dict[str, Any]] = {
+    409: {"description": "Not possible in the job's state"}
+}
+_ACTIVE_NAMES = ", ".join(s.value for s in JobState if s in ACTIVE)
+
+
+_EVENTS = TypeAdapter(list[EventOut])
+_METRICS = TypeAdapter(list[MetricOut])
+_CHECKPOINTS = TypeAdapter(list[CheckpointOut])
+
+
+def _json(
+    body: bytes | str, status_code: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    """A ready JSON response.
+
+    Routes serialise in their own worker thread and return this, so FastAPI neither
+    re-validates the result nor hops to the threadpool again to do so: about a tenth of a
+    request's CPU (docs/bench-api.md). `response_model` on each route still documents it.
+    """
+    return Response(body, status_code=status_code, headers=headers, media_type="application/json")
+
+
+def _job(job: Job, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return _json(JobOut.model_validate(job).model_dump_json(), status_code, headers)
+
+
+def _owned_job(session: Session, job_id: int, tenant: str, *, for_update: bool = False) -> Job:
+    """The job, if the caller's tenant owns it; someone else's job is as good as absent."""
+    job = get_job(session, job_id, for_update=for_update)
+    if job.owner != tenant:
+        raise JobNotFound(job_id)
+    return job
+
+
+def _parse_labels(raw: list[str] | None) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    for i, item in enumerate(raw or []):
+        key, sep, value = item.partition(":")
+        if not sep or not key:
+            raise RequestValidationError(
+                [
+                    {
+                        "loc": ("query", "label", i),
+                        "msg": f"label: expected 'key:value', got {item!r}",
+                        "type": "value_error",
+                    }
+                ]
+            )
+        labels[key] = value
+    return labels
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobOut,
+    summary="Submit a job",
+    responses={422: {"description": "The spec is invalid; `message` says which field and why"}},
+)
+def submit_job(spec: JobSpec, session: SessionDep, tenant: CurrentTenant) -> Response:
+    job = create_job(session, spec=spec, owner=tenant)
+    session.commit()
+    return _job(job, status.HTTP_201_CREATED, {"Location": f"/v1/jobs/{job.id}"})
+
+
+@router.get("", response_model=JobList, summary="List jobs, newest first")
+def list_jobs_route(
+    session: SessionDep,
+    tenant: CurrentTenant,
+    state: Annotated[
+        list[StateParam] | None, Query(description="Only jobs in any of these states.")
+    ] = None,
+    label: Annotated[
+        list[str] | None, Query(description="Only jobs with all of these `key:value` labels.")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> Response:
+    page = list_jobs(
+        session,
+        states=state or (),
+        labels=_parse_labels(label),
+        owner=tenant,
+        limit=limit,
+        offset=offset,
+    )
+    items = [JobOut.model_validate(job) for job in page.items]
+    return _json(
+        JobList(items=items, total=page.total, limit=limit, offset=offset).model_dump_json()
+    )
+
+
+@router.get("/{job_id}", response_model=JobOut, responses=_NOT_FOUND)
+def get_job_route(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Response:
+    return _job(_owned_job(session, job_id, tenant))
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=JobOut,
+    status_code=status.HTTP_202_ACCEPTED,
+    summary="Cancel a job",
+    responses={
+        200: {"description": "Cancelled (it was PENDING, or already CANCELLED)"},
+        202: {"description": "Cancel requested; the scheduler stops the running job"},
+        **_NOT_FOUND,
+        **_CONFLICT,
+    },
+)
+def cancel_job(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Response:
+    # FOR UPDATE (PostgreSQL): the scheduler cannot admit it between our read and write.
+    job = _owned_job(session, job_id, tenant, for_update=True)
+    if job.state == JobState.CANCELLED:
+        # Idempotent: a retried cancel gets the same answer, not an error.
+        return _job(job)
+    if job.state.is_terminal:
+        raise Conflict(f"job {job_id} already finished ({job.state.value}); nothing to cancel")
+    if job.state == JobState.PENDING:
+        # No driver holds it yet: cancelled now, not by the scheduler.
+        job.cancel_requested = True
+        set_job_state(session, job, JobState.CANCELLED, reason="cancelled by user")
+        session.commit()
+        return _job(job)
+    if not job.cancel_requested:
+        job.cancel_requested = True
+        record_event(session, job, kind="cancel_requested", reason="cancel requested by user")
+        session.commit()
+    return _job(job, status.HTTP_202_ACCEPTED)
+
+
+@router.post(
+    "/{job_id}/checkpoint",
+    response_model=JobOut,
+    status_code=status.HTTP_202_ACCEPTED,
+    summary="Ask a running job to save a checkpoint now",
+    responses={**_NOT_FOUND, **_CONFLICT},
+)
+def request_checkpoint(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Response:
+    job = _owned_job(session, job_id, tenant, for_update=True)
+    if not job.state.is_active:
+        raise Conflict(
+            f"job {job_id} is {job.state.value}; a checkpoint can be requested only while "
+            f"it is {_ACTIVE_NAMES}"
+        )
+    if not job.checkpoint_requested:
+        job.checkpoint_requested = True
+        record_event(
+            session, job, kind="checkpoint_requested", reason="checkpoint requested by user"
+        )
+        session.commit()
+    return _job(job, status.HTTP_202_ACCEPTED)
+
+
+@router.get("/{job_id}/events", response_model=list[EventOut], responses=_NOT_FOUND)
+def job_events(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Response:
+    _owned_job(session, job_id, tenant)
+    return _json(
+        _EVENTS.dump_json(
+            _EVENTS.validate_python(list_events(session, job_id), from_attributes=True)
+        )
+    )
+
+
+@router.get("/{job_id}/metrics", response_model=list[MetricOut], responses=_NOT_FOUND)
+def job_metrics(
+    job_id: JobId,
+    session: SessionDep,
+    tenant: CurrentTenant,
+    since_step: Annotated[int, Query(ge=0, description="Only steps >= this one.")] = 0,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+) -> Response:
+    _owned_job(session, job_id, tenant)
+    # The reported values sit beside step/attempt/at (which win over a value of that name).
+    rows: list[dict[str, Any]] = [
+        {**m.values, "step": m.step, "attempt": m.attempt, "at": m.at}
+        for m in list_metrics(session, job_id, since_step=since_step, limit=limit)
+    ]
+    return _json(_METRICS.dump_json(_METRICS.validate_python(rows)))
+
+
+@router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut], responses=_NOT_FOUND)
+def job_checkpoints(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Response:
+    _owned_job(session, job_id, tenant)
+    rows = list_checkpoints(session, job_id)
+    return _json(_CHECKPOINTS.dump_json(_CHECKPOINTS.validate_python(rows, from_attributes=True)))
+
+
+@router.get("/{job_id}/logs", response_model=LogChunk, responses=_NOT_FOUND)
+def job_logs(
+    job_id: JobId,
+    session: SessionDep,
+    tenant: CurrentTenant,
+    settings: SettingsDep,
+    offset: Annotated[
+        str, Query(max_length=4096, description="0, a byte offset, or an earlier next_offset.")
+    ] = "0",
+    attempt: Annotated[
+        int | None, Query(ge=0, description="Which attempt (default: the newest).")
+    ] = None,
+) -> LogChunk:
+    _owned_job(session, job_id, tenant)
+    session.close()  # reading files needs no DB connection
+    chunk = read_logs(logs_dir(settings.storage_path, job_id), offset=offset, attempt=attempt)
+    return LogChunk(
+        text=chunk.text,
+        next_offset=chunk.next_offset,
+        attempt=chunk.attempt,
+        latest_attempt=chunk.latest_attempt,
+        files=chunk.files,
+    )

@@ -1,0 +1,104 @@
+"""HTTP response models. ORM rows live in `service/models.py`; these shape what clients see.
+
+Routes return ORM rows and FastAPI validates them into these models with `from_attributes`,
+so each row is read once, straight into its JSON shape.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import AliasChoices, AliasPath, BaseModel, ConfigDict, Field
+
+from service.states import JobState
+
+
+class _FromRow(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class JobOut(_FromRow):
+    # `validate_by_name`: tests and clients may build one from plain dicts with `labels=`.
+    model_config = ConfigDict(from_attributes=True, validate_by_name=True)
+
+    id: int
+    name: str
+    owner: str
+    spec: dict[str, Any] = Field(
+        description="The job spec as accepted (see the JobSpec schema), defaults filled in."
+    )
+    state: JobState
+    state_reason: str | None
+    priority: int
+    attempt: int = Field(description="The current attempt; 0 before the first launch.")
+    restarts: int
+    world_size: int | None = Field(description="Workers of the current attempt, if running.")
+    step: int = Field(description="The newest training step reported.")
+    max_steps: int
+    latest_loss: float | None
+    cancel_requested: bool
+    checkpoint_requested: bool
+    # From the spec, not the `job_labels` table: same data, no second query per job.
+    labels: dict[str, str] = Field(
+        default_factory=dict, validation_alias=AliasChoices(AliasPath("spec", "labels"), "labels")
+    )
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    last_error: str | None
+
+
+class JobList(BaseModel):
+    items: list[JobOut]
+    total: int = Field(description="Jobs matching the filters, over all pages.")
+    limit: int
+    offset: int
+
+
+class EventOut(_FromRow):
+    id: int
+    at: datetime
+    kind: str = Field(description="'transition' for a state change, else what happened.")
+    from_state: JobState | None
+    to_state: JobState | None
+    reason: str
+    world_size_before: int | None
+    world_size_after: int | None
+    attempt: int
+    step: int | None
+    details: dict[str, Any] | None
+
+
+class MetricOut(BaseModel):
+    """One training step; the reported values (loss, lr, tokens_per_s...) sit beside `step`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    step: int
+    attempt: int
+    at: datetime
+
+
+class CheckpointOut(_FromRow):
+    step: int
+    attempt: int
+    world_size: int
+    bytes: int
+    path: str
+    committed_at: datetime
+
+
+class LogChunk(BaseModel):
+    text: str = Field(description="New log text since `offset` (empty when there is none yet).")
+    next_offset: str = Field(description="Pass back as `offset` to read on from here.")
+    attempt: int | None = Field(description="The attempt whose logs these are.")
+    latest_attempt: int | None = Field(description="The newest attempt that has logs.")
+    files: list[str] = Field(description="Log files of that attempt, relative to the job's logs.")
+
+
+class Health(BaseModel):
+    status: str
+    database: str
+    scheduler: bool

@@ -1,0 +1,302 @@
+"""Checkpoint cost on CPU/gloo: training stall of sync vs async saves, and save/load
+throughput against plain sequential file I/O of the same bytes.
+
+    .venv/bin/python bench/checkpoint_bench.py [--quick] [--strategy fsdp|ddp]
+
+Two gloo ranks (spawned), a stack of nn.Linear layers + AdamW state of ~400 MB in total
+(`--quick`: ~60 MB, 3 repeats). Every figure is the median of `--repeats` runs, and every
+per-rank time is the max over ranks (collectives make the slowest rank everyone's time).
+Writes the markdown table to docs/bench-checkpoint.md.
+
+Definitions:
+- blocked: seconds `ShardedCheckpointer.save` kept the training loop from its next step
+  (sync: DCP write with fsync + rank 0's sha256 of every file + manifest).
+- extra: how much longer the K steps right after save() took than K steps without a save
+  (the background write and hashing competing with training for CPU and memory bandwidth).
+- tail: seconds finalize() still waited after those K steps (a sync save has none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from checkpoints.dcp import ShardedCheckpointer  # noqa: E402
+from checkpoints.integrity import describe_files  # noqa: E402
+from tests.unit.dist_utils import run_distributed  # noqa: E402
+
+MB = 1024 * 1024
+CHUNK = 8 * MB
+STEPS_AFTER_SAVE = 5
+
+
+def build(strategy: str, width: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    if strategy == "fsdp":
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = DDP(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, width: int) -> float:
+    started = time.perf_counter()
+    x = torch.randn(8, width)
+    optim.zero_grad()
+    F.mse_loss(model(x), x).backward()
+    optim.step()
+    return time.perf_counter() - started
+
+
+def max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def drop_cache(path: Path) -> None:
+    """Evict one folder's (or file's) pages from the page cache so reads hit the disk;
+    per file, so other users of the machine are not affected."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def plain_write(path: Path, nbytes: int) -> float:
+    buf = os.urandom(CHUNK)
+    dist.barrier()
+    started = time.perf_counter()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(memoryview(buf)[: min(CHUNK, left)])
+        f.flush()
+        os.fsync(f.fileno())
+    return max_over_ranks(time.perf_counter() - started)
+
+
+def plain_read(path: Path) -> float:
+    drop_cache(path)
+    buf = bytearray(CHUNK)
+    dist.barrier()
+    started = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    return max_over_ranks(time.perf_counter() - started)
+
+
+def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    width, layers, repeats = cfg["width"], cfg["layers"], cfg["repeats"]
+    work = Path(cfg["dir"])
+    model, optim = build(cfg["strategy"], width, layers)
+    for _ in range(3):  # warm up, and create the optimizer state
+        train_step(model, optim, width)
+
+    def state() -> dict[str, Any]:
+        m, o = get_state_dict(model, optim)
+        return {"model": m, "optim": o}
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            train_step(model, optim, width)
+
+    results: dict[str, list[float]] = {}
+
+    def record(key: str, value: float) -> None:
+        results.setdefault(key, []).append(value)
+
+    checkpointers = {
+        "sync": ShardedCheckpointer(
+            work / "sync", rank=rank, world_size=world_size, async_save=False
+        ),
+        "async": ShardedCheckpointer(
+            work / "async", rank=rank, world_size=world_size, async_save=True
+        ),
+    }
+    step = 0
+    total_bytes = 0
+    for _ in range(repeats):
+        # Baseline and both modes interleaved, so slow drift on a shared machine hits all.
+        dist.barrier()
+        started = time.perf_counter()
+        steps(STEPS_AFTER_SAVE)
+        record("baseline", max_over_ranks(time.perf_counter() - started))
+        for mode, ckpt in checkpointers.items():
+            step += 1
+            fields = {"strategy": cfg["strategy"], "world_size": world_size}
+            dist.barrier()
+            started = time.perf_counter()
+            blocked = ckpt.save(step=step, attempt=0, state=state(), manifest_fields=fields)
+            steps(STEPS_AFTER_SAVE)
+            window = time.perf_counter() - started
+            started = time.perf_counter()
+            commits = ckpt.finalize()
+            tail = time.perf_counter() - started
+            record(f"{mode}.blocked", max_over_ranks(blocked))
+            # save() + K steps, wall time: includes the other ranks waiting in collectives
+            # for rank 0's hashing, which per-rank blocked time alone would miss.
+            record(f"{mode}.window", max_over_ranks(window))
+            record(f"{mode}.tail", max_over_ranks(tail))
+            if commits:
+                total_bytes = commits[0]["bytes"]
+            if rank == 0:  # keep the disk footprint to one checkpoint per mode
+                for old in (work / mode).glob("step_*-a0"):
+                    if old.name != f"step_{step:09d}-a0":
+                        shutil.rmtree(old)
+            dist.barrier()
+
+    # Throughput: a sync save end to end, and its parts measured separately.
+    shares = [0.0]
+    for _ in range(repeats):
+        step += 1
+        ckpt = checkpointers["sync"]
+        dist.barrier()
+        started = time.perf_counter()
+        ckpt.save(step=step, attempt=0, state=state(), manifest_fields={})
+        record("save.commit", max_over_ranks(time.perf_counter() - started))
+        folder = work / "sync" / f"step_{step:09d}-a0"
+        if rank == 0:
+            started = time.perf_counter()
+            describe_files(folder)  # from page cache: the hashing cost alone
+            shares[0] = time.perf_counter() - started
+        record("save.sha256", max_over_ranks(shares[0]))
+
+        for verify in (True, False):
+            ckpt.verify_digests = verify
+            if rank == 0:
+                drop_cache(folder)
+            dist.barrier()
+            started = time.perf_counter()
+            outcome = ckpt.load_latest(state())
+            assert outcome is not None and outcome.info.step == step
+            record(
+                f"load.{'verify' if verify else 'noverify'}",
+                max_over_ranks(time.perf_counter() - started),
+            )
+        ckpt.verify_digests = True
+
+        plain = work / f"plain_{rank}.bin"
+        record("plain.write", plain_write(plain, total_bytes // world_size))
+        record("plain.read", plain_read(plain))
+        plain.unlink()
+        if rank == 0:
+            shutil.rmtree(folder)
+        dist.barrier()
+    for ckpt in checkpointers.values():
+        ckpt.close()
+    if rank != 0:
+        return None
+    return {"total_bytes": total_bytes, "results": results}
+
+
+def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
+    r = {k: statistics.median(v) for k, v in out["results"].items()}
+    mb = out["total_bytes"] / MB
+    base = r["baseline"]
+
+    def stall(mode: str) -> float:
+        return r[f"{mode}.window"] - base + r[f"{mode}.tail"]
+
+    def extra(mode: str) -> float:
+        return r[f"{mode}.window"] - base - r[f"{mode}.blocked"]
+
+    lines = [
+        "# Checkpoint benchmark",
+        "",
+        f"`bench/checkpoint_bench.py{' --quick' if cfg['quick'] else ''}`: "
+        f"{cfg['strategy'].upper()}, 2 gloo ranks on CPU "
+        f"({os.cpu_count()} cores, torch {torch.__version__}), "
+        f"{cfg['layers']} x Linear({cfg['width']}, {cfg['width']}) + AdamW: "
+        f"checkpoint of {mb:.0f} MB. Medians of {cfg['repeats']}; each time is the max over ranks.",
+        f"{STEPS_AFTER_SAVE} training steps without a save take {base:.3f} s; total stall = "
+        f"(save() + the next {STEPS_AFTER_SAVE} steps) - those {STEPS_AFTER_SAVE} steps "
+        "without a save + the wait at finalize().",
+        "",
+        "## Training stall per checkpoint",
+        "",
+        "| | sync `dcp.save` | async `dcp.async_save` (thread) |",
+        "| --- | ---: | ---: |",
+        f"| blocked in save() (s) | {r['sync.blocked']:.3f} | {r['async.blocked']:.3f} |",
+        f"| extra time of the next {STEPS_AFTER_SAVE} steps (s) "
+        f"| {extra('sync'):+.3f} | {extra('async'):+.3f} |",
+        f"| still waiting at finalize() after them (s) | {r['sync.tail']:.3f} | {r['async.tail']:.3f} |",
+        f"| **total stall (s)** | **{stall('sync'):.3f}** | **{stall('async'):.3f}** |",
+        "",
+        "## Throughput",
+        "",
+        "| operation | seconds | MB/s |",
+        "| --- | ---: | ---: |",
+    ]
+    rows = [
+        ("sync save, committed (DCP write + fsync, sha256, manifest)", "save.commit"),
+        ("  of which sha256 of every file on rank 0 (page cache)", "save.sha256"),
+        ("plain sequential write + fsync, same bytes, both ranks at once", "plain.write"),
+        ("load_latest, verifying digests (cold cache)", "load.verify"),
+        ("load_latest, sizes only (cold cache)", "load.noverify"),
+        ("plain sequential read, same bytes, both ranks at once (cold cache)", "plain.read"),
+    ]
+    for label, key in rows:
+        lines.append(f"| {label} | {r[key]:.3f} | {mb / r[key]:.0f} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="~60 MB state, 3 repeats")
+    parser.add_argument("--strategy", choices=["fsdp", "ddp"], default="fsdp")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: tmp)")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench-checkpoint.md")
+    args = parser.parse_args()
+
+    # Parameters x 3 (weights, exp_avg, exp_avg_sq) x 4 bytes: 32 x 1024^2 -> ~400 MB.
+    width, layers = (1024, 32) if not args.quick else (512, 20)
+    repeats = args.repeats or (3 if args.quick else 5)
+    scratch = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
+    cfg = {
+        "quick": args.quick,
+        "strategy": args.strategy,
+        "width": width,
+        "layers": layers,
+        "repeats": repeats,
+        "dir": str(scratch),
+    }
+    try:
+        out = run_distributed(bench_body, 2, cfg, timeout_s=3600, pg_timeout_s=600)[0]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    table = render(cfg, out)
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(table)
+
+
+if __name__ == "__main__":
+    main()

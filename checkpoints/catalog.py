@@ -1,0 +1,131 @@
+"""Which checkpoints exist under a job's root, and which one to resume from. Pure Python.
+
+Only committed checkpoints (manifest present and readable) count. The listing never raises
+on junk: a save in progress, a crashed one, a half-deleted one, or a stray file are what
+shared storage looks like after node failures.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from checkpoints.integrity import CorruptCheckpoint, verify
+from checkpoints.layout import StepDir, iter_step_dirs
+from checkpoints.manifest import Manifest, ManifestError, ManifestMissing, read_manifest
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    attempt: int
+    world_size: int
+    total_bytes: int
+    committed_at: float
+    manifest: Manifest
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.step, self.attempt)
+
+    @classmethod
+    def from_manifest(cls, path: Path, manifest: Manifest) -> CheckpointInfo:
+        return cls(
+            path=path,
+            step=manifest.step,
+            attempt=manifest.attempt,
+            world_size=manifest.world_size,
+            total_bytes=manifest.total_bytes,
+            committed_at=manifest.created_at,
+            manifest=manifest,
+        )
+
+    def to_commit_dict(self) -> dict[str, Any]:
+        """The shape `TrainHooks.checkpoint_committed` reports to the service."""
+        return {
+            "step": self.step,
+            "attempt": self.attempt,
+            "path": str(self.path),
+            "world_size": self.world_size,
+            "bytes": self.total_bytes,
+            "committed_at": self.committed_at,
+            "manifest": self.manifest.to_dict(),
+        }
+
+
+@dataclass(kw_only=True, slots=True)
+class LoadOutcome:
+    """What `ShardedCheckpointer.load_latest` restored."""
+
+    info: CheckpointInfo
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """(path, reason) of newer folders passed over: corrupt, torn or uncommitted."""
+    rank_extra: dict[str, Any] | None = None
+    """This rank's extras, only when the checkpoint was saved at the same world size
+    (per-rank RNG states mean nothing after resharding)."""
+
+
+@dataclass(slots=True)
+class Scan:
+    committed: list[CheckpointInfo]
+    uncommitted: list[StepDir]
+    """Step folders with no manifest: a save in progress, crashed or half-deleted."""
+    unreadable: list[tuple[StepDir, str]]
+    """Step folders whose manifest exists but cannot be parsed."""
+
+
+def scan(root: str | os.PathLike[str]) -> Scan:
+    """Classify every step folder under root; each list newest first."""
+    result = Scan(committed=[], uncommitted=[], unreadable=[])
+    for d in iter_step_dirs(root):
+        try:
+            manifest = read_manifest(d.path)
+        except ManifestMissing:
+            result.uncommitted.append(d)
+            continue
+        except ManifestError as e:
+            result.unreadable.append((d, e.reason))
+            continue
+        result.committed.append(CheckpointInfo.from_manifest(d.path, manifest))
+    result.committed.sort(key=lambda i: i.sort_key, reverse=True)
+    return result
+
+
+def list_committed(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
+    """Committed checkpoints, newest step first (for one step, the newest attempt first).
+    Not verified: use find_latest_good to pick one to load."""
+    return scan(root).committed
+
+
+def find_latest_good(
+    root: str | os.PathLike[str], *, verify_digests: bool = True
+) -> tuple[CheckpointInfo | None, list[tuple[str, str]]]:
+    """The newest committed checkpoint that verifies, and (path, reason) for every newer
+    step folder that was passed over (so the caller can report why it resumed further
+    back than expected)."""
+    found = scan(root)
+    candidates: list[tuple[tuple[int, int], StepDir | CheckpointInfo, str | None]] = []
+    for info in found.committed:
+        candidates.append((info.sort_key, info, None))
+    for d in found.uncommitted:
+        candidates.append((d.sort_key, d, "uncommitted: no manifest.json"))
+    for d, reason in found.unreadable:
+        candidates.append((d.sort_key, d, reason))
+    candidates.sort(key=lambda c: c[0], reverse=True)
+
+    skipped: list[tuple[str, str]] = []
+    for _key, item, reason in candidates:
+        if reason is not None:
+            skipped.append((str(item.path), reason))
+            continue
+        assert isinstance(item, CheckpointInfo)
+        try:
+            verify(item.path, item.manifest, check_digests=verify_digests)
+        except CorruptCheckpoint as e:
+            skipped.append((str(item.path), e.reason))
+            continue
+        return item, skipped
+    return None, skipped

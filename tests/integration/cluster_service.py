@@ -1,0 +1,63 @@
+"""A multi-node Ray cluster on one machine (`ray.cluster_utils.Cluster`) with the service
+on top, so that node loss is real: removing a node kills its raylet and its workers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from fastapi.testclient import TestClient
+from ray.cluster_utils import Cluster
+
+from api.main import create_app
+from service.settings import Settings
+
+
+@dataclass
+class Nodes:
+    cluster: Cluster
+    workers: list[Any] = field(default_factory=list)
+
+    def add(self, cpus: int = 1) -> Any:
+        node = self.cluster.add_node(num_cpus=cpus)
+        self.cluster.wait_for_nodes()
+        self.workers.append(node)
+        return node
+
+    def remove(self, node: Any) -> None:
+        self.workers.remove(node)
+        self.cluster.remove_node(node)
+
+    def node_of(self, node_id: str) -> Any:
+        return next(n for n in self.workers if n.node_id == node_id)
+
+
+@contextmanager
+def multi_node_service(
+    tmp: Path, *, worker_nodes: int = 3, cpus_per_node: int = 1, **settings_kw: Any
+) -> Iterator[tuple[TestClient, Nodes]]:
+    # The head holds no CPUs: training workers land only on the worker nodes, and the
+    # drivers (0 CPU, pinned to the head) survive any worker node's loss.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = Nodes(cluster)
+    for _ in range(worker_nodes):
+        nodes.add(cpus_per_node)
+    ray.init(address=cluster.address, namespace="elastrain-chaos")
+    settings = Settings(
+        database_url=f"sqlite:///{tmp / 'elastrain.db'}",
+        storage_path=tmp / "storage",
+        ray_address=cluster.address,
+        ray_namespace="elastrain-chaos",
+        scheduler_interval_s=0.3,
+        **settings_kw,
+    )
+    try:
+        with TestClient(create_app(settings, start_scheduler=True)) as client:
+            yield client, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -1,0 +1,117 @@
+"""Run a function in N torch.distributed (gloo, CPU) processes, for tests and benches.
+
+    def body(rank: int, world_size: int, root: str) -> float:
+        ...  # torch.distributed is initialised here (gloo, 127.0.0.1)
+        return 1.0
+
+    results = run_distributed(body, 2, str(tmp_path))  # [rank 0's return, rank 1's return]
+
+`fn` must be importable by name from a fresh interpreter (a module-level function), because
+the processes are spawned, not forked (forking a process that holds torch threads or Ray
+state is unsafe). Arguments and return values must be picklable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (another process may still grab it before
+    use; good enough for tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    result_dir: str,
+    backend: str,
+    num_threads: int,
+    pg_timeout_s: float,
+    args: tuple[Any, ...],
+) -> None:
+    # Loopback only: tests must not depend on the machine's network setup.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    torch.set_num_threads(num_threads)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=pg_timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        with open(Path(result_dir) / f"{rank}.pkl", "wb") as f:
+            pickle.dump(result, f)
+        # Without a barrier a fast rank may tear down its gloo pairs while a slow one still
+        # talks to it. Only on success: after a failure the peers may never get here, and
+        # the parent terminates them once it sees this rank's error.
+        dist.barrier()
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    num_threads: int = 1,
+    pg_timeout_s: float = 120.0,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` in `world_size` spawned processes with an
+    initialised process group; return each rank's return value, by rank.
+
+    A failure in any rank is raised here (torch's ProcessRaisedException carries the
+    child's traceback); the other ranks are terminated. Exceeding `timeout_s` terminates
+    every rank and raises TimeoutError (a hung collective must fail the test, not hang it).
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="dist_utils-") as result_dir:
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world_size, port, result_dir, backend, num_threads, pg_timeout_s, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                for p in ctx.processes:
+                    p.join(5)
+                raise TimeoutError(f"{fn.__name__} did not finish in {timeout_s} s")
+        results = []
+        for rank in range(world_size):
+            with open(Path(result_dir) / f"{rank}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+        return results

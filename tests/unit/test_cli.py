@@ -1,0 +1,157 @@
+"""The `elastrain` CLI against a live uvicorn server (SQLite, no scheduler)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+import yaml
+from typer.testing import CliRunner
+
+from api.cli import app
+from api.main import create_app
+from service.settings import Settings
+from tests.factories import spec_dict
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Settings]]:
+    root = tmp_path_factory.mktemp("cli")
+    settings = Settings(database_url=f"sqlite:///{root / 'db.sqlite'}", storage_path=root / "st")
+    port = _free_port()
+    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", settings
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def cli(server: tuple[str, Settings]):  # type: ignore[no-untyped-def]
+    url, _ = server
+    runner = CliRunner()
+
+    def invoke(*args: str):  # type: ignore[no-untyped-def]
+        return runner.invoke(app, ["--url", url, *args])
+
+    return invoke
+
+
+def _submit(cli, tmp_path: Path, **overrides: object) -> int:  # type: ignore[no-untyped-def]
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(yaml.safe_dump(spec_dict(**overrides)))
+    result = cli("submit", str(spec_file))
+    assert result.exit_code == 0, result.output
+    job_id, state = result.stdout.split()
+    assert state == "PENDING"
+    return int(job_id)
+
+
+def test_submit_yaml_then_list_status_events(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    job_id = _submit(cli, tmp_path, name="cli-yaml", labels={"team": "speech"})
+
+    listing = cli("list", "--label", "team:speech")
+    assert listing.exit_code == 0, listing.output
+    header, *rows = listing.stdout.strip().splitlines()
+    assert header.split()[:3] == ["ID", "NAME", "STATE"]
+    assert rows[0].split()[:3] == [str(job_id), "cli-yaml", "PENDING"]
+
+    status = cli("status", str(job_id))
+    assert status.exit_code == 0
+    assert "cli-yaml" in status.stdout and "PENDING" in status.stdout
+
+    events = cli("events", str(job_id))
+    assert events.exit_code == 0
+    assert "->PENDING" in events.stdout and "submitted" in events.stdout
+
+
+def test_submit_json(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    spec_file = tmp_path / "job.json"
+    spec_file.write_text(json.dumps(spec_dict(name="cli-json")))
+    result = cli("submit", str(spec_file))
+    assert result.exit_code == 0, result.output
+
+
+def test_cancel_then_cancel_again_then_list_by_state(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    job_id = _submit(cli, tmp_path, name="to-cancel")
+    for _ in range(2):
+        result = cli("cancel", str(job_id))
+        assert result.exit_code == 0, result.output
+        assert result.stdout.split() == [str(job_id), "CANCELLED"]
+    listing = cli("list", "--state", "CANCELLED")
+    assert str(job_id) in listing.stdout
+    assert cli("checkpoint", str(job_id)).exit_code == 1  # 409: not running
+
+
+def test_metrics_checkpoints_logs_of_a_fresh_job(cli, tmp_path: Path, server) -> None:  # type: ignore[no-untyped-def]
+    job_id = _submit(cli, tmp_path)
+    assert cli("metrics", str(job_id)).exit_code == 0
+    assert cli("checkpoints", str(job_id)).exit_code == 0
+    _, settings = server
+    logs = Path(settings.storage_path) / "jobs" / str(job_id) / "logs"
+    logs.mkdir(parents=True)
+    (logs / "attempt-1.rank-0.log").write_text("hello from rank 0\n")
+    result = cli("logs", str(job_id))
+    assert result.exit_code == 0
+    assert result.stdout == "hello from rank 0\n"
+    # -f returns once the job is terminal.
+    assert cli("cancel", str(job_id)).exit_code == 0
+    followed = cli("logs", str(job_id), "-f", "--interval", "0.1")
+    assert followed.exit_code == 0
+    assert followed.stdout == "hello from rank 0\n"
+
+
+def test_invalid_spec_exits_nonzero_naming_the_field(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    spec_file = tmp_path / "bad.yaml"
+    spec_file.write_text(yaml.safe_dump(spec_dict(scaling={"min_workers": 4, "max_workers": 2})))
+    result = cli("submit", str(spec_file))
+    assert result.exit_code == 1
+    assert "422" in result.stderr
+    assert "scaling.min_workers" in result.stderr
+
+
+def test_unreadable_or_non_mapping_spec(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    assert cli("submit", str(tmp_path / "missing.yaml")).exit_code == 1
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    result = cli("submit", str(listy))
+    assert result.exit_code == 1 and "mapping" in result.stderr
+
+
+def test_unknown_job_exits_with_the_api_message(cli) -> None:  # type: ignore[no-untyped-def]
+    result = cli("status", "987654")
+    assert result.exit_code == 1
+    assert "job 987654 not found" in result.stderr
+
+
+def test_unreachable_api_exits_2() -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    result = CliRunner().invoke(app, ["--url", url, "list"])
+    assert result.exit_code == 2
+    assert f"cannot reach the elastrain API at {url}" in result.stderr
+
+
+def test_url_from_environment(server, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    url, _ = server
+    result = CliRunner().invoke(app, ["list"], env={"ELASTRAIN_URL": url})
+    assert result.exit_code == 0, result.output

@@ -1,0 +1,61 @@
+"""Import hygiene (see DESIGN.md): the API and the service never load torch, nor the API Ray.
+
+Each check runs in a fresh interpreter (this one has loaded who knows what). Modules are
+imported one at a time and `sys.modules` is checked after each, so a failure names the
+first module that pulled the forbidden package in.
+"""
+
+from __future__ import annotations
+
+import json
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_PROBE = """
+import importlib, json, sys
+forbidden = set(sys.argv[1].split(","))
+report = {}
+for step in sys.argv[2:]:
+    if step == "create_app":
+        importlib.import_module("api.main").create_app()
+    else:
+        importlib.import_module(step)
+    report[step] = sorted({m.split(".")[0] for m in sys.modules} & forbidden)
+print(json.dumps(report))
+"""
+
+
+def _first_offender(steps: list[str], forbidden: set[str]) -> dict[str, list[str]]:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, ",".join(sorted(forbidden)), *steps],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    report: dict[str, list[str]] = json.loads(out.strip().splitlines()[-1])
+    return {step: loaded for step, loaded in report.items() if loaded}
+
+
+def test_api_loads_neither_torch_nor_ray() -> None:
+    steps = ["api.main", "api.cli", "api.routes.jobs", "create_app"]
+    assert _first_offender(steps, {"torch", "ray", "workers"}) == {}
+
+
+def _service_modules() -> list[str]:
+    import service
+
+    names = [m.name for m in pkgutil.walk_packages(service.__path__, "service.")]
+    # The launcher is the one place that talks to Ray (and it never needs torch either,
+    # but it may import Ray Train, which does).
+    return sorted(n for n in names if not n.startswith(("service.launcher", "service.migrations")))
+
+
+def test_service_does_not_load_torch() -> None:
+    modules = _service_modules()
+    assert "service.jobs" in modules
+    assert _first_offender(modules, {"torch", "workers", "api"}) == {}

@@ -1,0 +1,206 @@
+"""Every impossible spec is a 422 whose message names the field and what is allowed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from service.settings import Settings
+from tests.factories import spec_dict
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    # Validation never reaches the database, so one SQLite-backed app serves the module.
+    root: Path = tmp_path_factory.mktemp("validation")
+    settings = Settings(database_url=f"sqlite:///{root / 'db.sqlite'}", storage_path=root / "st")
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+def rejected(api: TestClient, body: Any) -> str:
+    response = api.post("/v1/jobs", json=body)
+    assert response.status_code == 422, response.text
+    payload = response.json()
+    # FastAPI's shape, plus one human line.
+    assert payload["detail"] and all({"loc", "msg", "type"} <= set(d) for d in payload["detail"])
+    message: str = payload["message"]
+    return message
+
+
+def test_min_workers_above_max_workers(api: TestClient) -> None:
+    msg = rejected(api, spec_dict(scaling={"min_workers": 4, "max_workers": 2}))
+    assert "scaling.min_workers" in msg and "scaling.max_workers" in msg
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value"),
+    [
+        ("scaling", "min_workers", 0),
+        ("scaling", "max_workers", -1),
+        ("scaling", "cpus_per_worker", 0),
+        ("training", "global_batch_size", 0),
+        ("training", "micro_batch_size", -8),
+        ("training", "max_steps", 0),
+        ("training", "learning_rate", 0),
+        ("checkpoint", "every_steps", 0),
+    ],
+)
+def test_zero_or_negative_sizes(api: TestClient, section: str, field: str, value: int) -> None:
+    msg = rejected(api, spec_dict(**{section: {field: value}}))
+    assert f"{section}.{field}" in msg
+    assert "greater than" in msg
+
+
+def test_global_batch_not_divisible_by_micro_batch(api: TestClient) -> None:
+    msg = rejected(api, spec_dict(training={"global_batch_size": 30, "micro_batch_size": 8}))
+    assert "training.global_batch_size" in msg and "divisible" in msg
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("pipeline_stages", 2), ("microbatches", 4), ("schedule", "1f1b")]
+)
+def test_pipeline_options_on_a_non_pipeline_job(api: TestClient, field: str, value: Any) -> None:
+    msg = rejected(api, spec_dict(strategy={"kind": "ddp", field: value}))
+    assert f"strategy.{field}" in msg and "pipeline" in msg
+
+
+def test_pipeline_stages_above_max_workers(api: TestClient) -> None:
+    body = spec_dict(
+        strategy={"kind": "pipeline", "pipeline_stages": 4}, scaling={"max_workers": 2}
+    )
+    msg = rejected(api, body)
+    assert "strategy.pipeline_stages" in msg and "scaling.max_workers" in msg
+
+
+def test_keep_last_below_two(api: TestClient) -> None:
+    msg = rejected(api, spec_dict(checkpoint={"keep_last": 1}))
+    assert "checkpoint.keep_last" in msg and "2" in msg
+
+
+def test_unknown_builtin_workload(api: TestClient) -> None:
+    msg = rejected(api, spec_dict(workload={"name": "bert"}))
+    assert "workload.name" in msg and "gpt" in msg and "synthetic" in msg
+
+
+@pytest.mark.parametrize(
+    "workload",
+    [{"name": "gpt", "entrypoint": "pkg.mod:make"}, {"params": {}}],
+    ids=["both", "neither"],
+)
+def test_both_or_neither_workload_source(api: TestClient, workload: dict[str, Any]) -> None:
+    msg = rejected(api, spec_dict(workload=workload))
+    assert "workload" in msg and "name" in msg and "entrypoint" in msg
+
+
+@pytest.mark.parametrize("entrypoint", ["pkg.mod", "pkg.mod:", ":make", "pkg..mod:make", "a b:c"])
+def test_malformed_entrypoint(api: TestClient, entrypoint: str) -> None:
+    msg = rejected(api, spec_dict(workload={"entrypoint": entrypoint}))
+    assert "workload.entrypoint" in msg and "package.module:factory" in msg
+
+
+def test_well_formed_entrypoint_is_accepted(api: TestClient) -> None:
+    body = spec_dict(workload={"entrypoint": "my_pkg.models:make_workload", "params": {"n": 1}})
+    assert api.post("/v1/jobs", json=body).status_code == 201
+
+
+@pytest.mark.parametrize(
+    ("body", "path"),
+    [
+        (spec_dict(gpus=4), "gpus"),
+        (spec_dict(scaling={"workers": 2}), "scaling.workers"),
+        (spec_dict(training={"epochs": 3}), "training.epochs"),
+    ],
+)
+def test_unknown_fields(api: TestClient, body: dict[str, Any], path: str) -> None:
+    msg = rejected(api, body)
+    assert f"{path}: unknown field" in msg
+    assert "allowed:" in msg
+
+
+@pytest.mark.parametrize(
+    ("body", "path"),
+    [
+        (spec_dict(name="x" * 101), "name"),
+        (spec_dict(name=""), "name"),
+        (spec_dict(labels={"team": "v" * 101}), "labels.team"),
+        (spec_dict(labels={"k" * 64: "v"}), "labels"),
+        (spec_dict(workload={"entrypoint": "a" * 200 + ".b:make_it"}), "workload.entrypoint"),
+    ],
+)
+def test_oversized_strings(api: TestClient, body: dict[str, Any], path: str) -> None:
+    msg = rejected(api, body)
+    assert path in msg
+
+
+@pytest.mark.parametrize(
+    ("body", "path"),
+    [
+        (spec_dict(name=123), "name"),
+        (spec_dict(priority="high"), "priority"),
+        (spec_dict(training={"global_batch_size": "lots"}), "training.global_batch_size"),
+        (spec_dict(scaling={"use_gpu": "maybe"}), "scaling.use_gpu"),
+        (spec_dict(strategy={"kind": "zero3"}), "strategy.kind"),
+        (spec_dict(labels=["team"]), "labels"),
+        (spec_dict(workload="gpt"), "workload"),
+    ],
+)
+def test_wrong_types(api: TestClient, body: dict[str, Any], path: str) -> None:
+    msg = rejected(api, body)
+    assert msg.startswith(path)
+
+
+def test_enum_errors_list_the_allowed_values(api: TestClient) -> None:
+    msg = rejected(api, spec_dict(strategy={"kind": "zero3"}))
+    assert "'ddp'" in msg and "'fsdp'" in msg and "'pipeline'" in msg
+
+
+def test_missing_required_fields(api: TestClient) -> None:
+    msg = rejected(api, {"workload": {"name": "gpt"}})
+    assert "name" in msg and "required" in msg.lower()
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type"),
+    [
+        (b"{not json", "application/json"),
+        (b"name: gpt-tiny\n", "application/x-yaml"),
+        (b"", "application/json"),
+        (b"[1, 2]", "application/json"),
+        (b"\xff\xfe", "application/json"),
+    ],
+)
+def test_non_json_bodies(api: TestClient, content: bytes, content_type: str) -> None:
+    response = api.post("/v1/jobs", content=content, headers={"content-type": content_type})
+    assert response.status_code == 422
+    assert response.json()["message"].startswith("request body:")
+
+
+def test_several_problems_are_all_reported(api: TestClient) -> None:
+    msg = rejected(api, spec_dict(name="", priority=5000, checkpoint={"keep_last": 0}))
+    assert "name" in msg and "priority" in msg and "checkpoint.keep_last" in msg
+
+
+def test_mixed_precision_needs_a_gpu(api: TestClient) -> None:
+    msg = rejected(api, spec_dict(strategy={"mixed_precision": "bf16"}))
+    assert "strategy.mixed_precision" in msg
+
+
+def test_unexpected_errors_are_500_without_a_traceback(tmp_path: Path) -> None:
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}", storage_path=tmp_path)
+    app = create_app(settings)
+
+    @app.get("/boom")
+    def boom() -> None:
+        raise RuntimeError("secret internals at /etc/shadow")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        response = client.get("/boom")
+    assert response.status_code == 500
+    assert response.json() == {"detail": "internal server error"}
+    assert "shadow" not in response.text

@@ -1,0 +1,97 @@
+"""Built-in workloads: deterministic data, pipeline stages that keep parameter names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.api import Workload
+from workers.workloads import WorkloadError, load_workload, stage_block_range
+
+TINY = {
+    "gpt": {"n_layer": 3, "n_embd": 16, "n_head": 2, "seq_len": 8},
+    "synthetic": {"num_samples": 64, "n_layer": 3},
+}
+
+
+def _batch(workload: Workload, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    samples = [workload.dataset[i] for i in range(n)]
+    return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+
+
+@pytest.mark.parametrize("name", ["gpt", "synthetic"])
+def test_builtin_is_deterministic(name: str) -> None:
+    torch.manual_seed(0)
+    a = load_workload({"name": name, "params": TINY[name]})
+    torch.manual_seed(0)
+    b = load_workload({"name": name, "params": TINY[name]})
+    assert len(a.dataset) == len(b.dataset) > 0
+    for i in (0, len(a.dataset) - 1):
+        assert all(torch.equal(u, v) for u, v in zip(a.dataset[i], b.dataset[i], strict=True))
+    assert all(
+        torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True)
+    )
+    assert a.flops_per_sample and a.flops_per_sample > 0
+
+
+def test_gpt_windows_are_next_token_pairs() -> None:
+    w = load_workload({"name": "gpt", "params": TINY["gpt"]})
+    x, y = w.dataset[3]
+    assert x.shape == y.shape == (8,)
+    assert torch.equal(x[1:], y[:-1])
+    assert w.tokens_per_sample == 8
+    logits = w.model(x[None])
+    assert logits.shape == (1, 8, 65)  # 65 distinct characters in Tiny Shakespeare
+
+
+@pytest.mark.parametrize("name", ["gpt", "synthetic"])
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_pipeline_stages_compose_and_keep_names(name: str, num_stages: int) -> None:
+    torch.manual_seed(0)
+    w = load_workload({"name": name, "params": TINY[name]})
+    x, _ = _batch(w)
+    full_out = w.model(x)
+    full_names = set(w.model.state_dict())
+    stages = [w.model.pipeline_stage(i, num_stages) for i in range(num_stages)]
+    h = x
+    for stage in stages:
+        h = stage(h)
+    assert torch.equal(h, full_out)
+    names = [set(stage.state_dict()) for stage in stages]
+    assert set().union(*names) == full_names  # same FQNs, so checkpoints load across splits
+    assert sum(map(len, names)) == len(full_names)  # and no parameter in two stages
+
+
+def test_shard_units_are_the_blocks() -> None:
+    w = load_workload({"name": "gpt", "params": TINY["gpt"]})
+    assert w.model.shard_units() == list(w.model.blocks.values())
+
+
+def test_stage_block_range() -> None:
+    assert [stage_block_range(5, i, 3) for i in range(3)] == [(0, 2), (2, 4), (4, 5)]
+    with pytest.raises(ValueError, match="cannot split"):
+        stage_block_range(2, 0, 3)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"name": "nope"}, "unknown built-in"),
+        ({"name": "gpt", "entrypoint": "a:b"}, "exactly one"),
+        ({"entrypoint": "no_such_module_xyz:f"}, "cannot import module"),
+        ({"entrypoint": "workers.workloads.gpt:missing"}, "no callable 'missing'"),
+        ({"entrypoint": "workers.workloads.gpt:lm_loss"}, "do not fit"),
+        ({"name": "synthetic", "params": {"bogus": 1}}, "do not fit"),
+        ({"entrypoint": "workers.workloads.gpt:load_corpus"}, "expected workers.api.Workload"),
+    ],
+)
+def test_load_workload_errors_name_the_field(spec: dict, message: str) -> None:
+    with pytest.raises(WorkloadError, match=message):
+        load_workload(spec)
+
+
+def test_custom_entrypoint() -> None:
+    w = load_workload(
+        {"entrypoint": "workers.workloads.synthetic:build", "params": {"num_samples": 8}}
+    )
+    assert len(w.dataset) == 8

@@ -1,0 +1,335 @@
+"""The training loop every rank runs. Reads top to bottom: set up, resume, step, save.
+
+Runs under any torch.distributed launcher (Ray Train, torchrun, the tests' spawn helper):
+the process group must be initialised before `train()` is called. It talks to the service
+only through `hooks` (rank 0) and returns a `TrainResult`. Any exception propagates, so
+the launcher can mark the job failed with the error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import random
+import resource
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workers.api import Control, TrainContext, TrainHooks, TrainResult
+from workers.sampler import ElasticSampler, batch_crc
+from workers.strategies import Strategy, make_strategy
+from workers.workloads import load_workload
+
+log = logging.getLogger("elastrain.workers.loop")
+
+LOG_EVERY_STEPS = 10
+
+# Control travels as a float in the per-step all-reduce (only rank 0 adds its code).
+_CONTROL_CODES = {Control.NONE: 0, Control.CHECKPOINT: 1, Control.STOP: 2}
+_CONTROL_BY_CODE = {code: control for control, code in _CONTROL_CODES.items()}
+
+
+def train(ctx: TrainContext, spec: dict[str, Any], hooks: TrainHooks) -> TrainResult:
+    """Train the job described by `spec` (a `JobSpec.model_dump(mode="json")` dict)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("train() needs an initialised torch.distributed process group")
+    with _log_to_file(ctx.log_path, ctx.rank):
+        return _train(ctx, spec, hooks)
+
+
+def _train(ctx: TrainContext, spec: dict[str, Any], hooks: TrainHooks) -> TrainResult:
+    training, ckpt_spec = spec["training"], spec["checkpoint"]
+    seed = training["seed"]
+    global_batch = training["global_batch_size"]
+    micro_batch = training["micro_batch_size"]
+    max_steps = training["max_steps"]
+    is_rank0 = ctx.rank == 0
+
+    # Same seed on every rank before building, so every rank builds the same initial model.
+    seed_everything(seed)
+    workload = load_workload(spec["workload"])
+    strategy = make_strategy(spec["strategy"]["kind"])
+    strategy.setup(workload, ctx, spec)
+    layout = strategy.layout
+    sampler = ElasticSampler(len(workload.dataset), global_batch, seed)
+    collate = Collator(workload.dataset)
+    checkpointer = make_checkpointer(ctx, spec)
+    if is_rank0:
+        log.info(
+            "job %s attempt %s: %s world_size=%d dp=%d pp=%d G=%d micro=%d accum=%d steps=%d",
+            ctx.job_id, ctx.attempt, spec["strategy"]["kind"], ctx.world_size, layout.dp,
+            layout.pp, global_batch, micro_batch,
+            sampler.num_microbatches(layout.dp, micro_batch), max_steps,
+        )  # fmt: skip
+
+    # Resume from the latest good checkpoint, whatever world size or split wrote it.
+    resumed_from = resume(checkpointer, strategy, ctx, hooks, seed)
+    start_step = resumed_from or 0
+
+    # DDP/FSDP/pipeline average gradients over the dp replicas; each replica's summed
+    # loss times dp/G makes that average the gradient of the global-batch mean loss.
+    loss_scale = layout.dp / global_batch
+    done = start_step  # optimizer steps completed
+    control = Control.NONE
+    for step in range(start_step, max_steps):
+        t0 = time.perf_counter()
+        ids = sampler.microbatches(step, layout.dp_rank, layout.dp, micro_batch)
+        out = strategy.train_step([collate(mb) for mb in ids], loss_scale)
+        polled = hooks.poll_control() if is_rank0 else Control.NONE
+        loss_sum, control = reduce_loss_and_control(out.loss_sum, polled, ctx.device)
+        done = step + 1
+        step_time = time.perf_counter() - t0
+        loss = loss_sum / global_batch
+
+        if is_rank0:
+            hooks.report_metrics(
+                metrics_point(
+                    done, loss, step_time, strategy, workload.tokens_per_sample, global_batch,
+                    ctx.world_size, batch_crc(sampler.global_batch(step)),
+                )
+            )  # fmt: skip
+            if done % LOG_EVERY_STEPS == 0 or done == start_step + 1:
+                log.info("step %d loss %.4f (%.3fs)", done, loss, step_time)
+
+        if done % ckpt_spec["every_steps"] == 0 or done == max_steps or control != Control.NONE:
+            reason = control.value if control != Control.NONE else "scheduled"
+            save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason)
+        # Every rank polls: a failed background save then raises on every rank alike.
+        commits = checkpointer.poll_commits()
+        if is_rank0:
+            forward_commits(commits, hooks)
+        if control == Control.STOP:
+            break
+
+    # Waits for the in-flight async save to commit, then stops the checkpointer's thread.
+    commits = checkpointer.close()
+    if is_rank0:
+        forward_commits(commits, hooks)
+    stopped = control == Control.STOP and done < max_steps
+    if is_rank0:
+        log.info("%s at step %d", "stopped" if stopped else "finished", done)
+    return TrainResult(final_step=done, stopped_early=stopped, resumed_from_step=resumed_from)
+
+
+# ---------------------------------------------------------------------------------------
+# Pieces of the loop
+# ---------------------------------------------------------------------------------------
+
+
+class Collator:
+    """Sample ids -> stacked (inputs, targets). An empty id list gives size-0 tensors with
+    the right trailing shape and dtype (strategies turn those into zero-weight steps)."""
+
+    def __init__(self, dataset: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.dataset = dataset
+        x0, y0 = dataset[0]
+        self.empty = (x0.new_empty((0, *x0.shape)), y0.new_empty((0, *y0.shape)))
+
+    def __call__(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not ids:
+            return self.empty
+        samples = [self.dataset[i] for i in ids]
+        return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+
+
+def make_checkpointer(ctx: TrainContext, spec: dict[str, Any]) -> Any:
+    # Imported here so the rest of `workers` imports without the DCP machinery loaded.
+    from checkpoints.dcp import ShardedCheckpointer
+
+    return ShardedCheckpointer(
+        ctx.checkpoint_root,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        async_save=spec["checkpoint"]["async_save"],
+    )
+
+
+def resume(
+    checkpointer: Any, strategy: Strategy, ctx: TrainContext, hooks: TrainHooks, seed: int
+) -> int | None:
+    """Load the latest good checkpoint into the strategy; its step, or None for a fresh
+    start. Every rank must call it (DCP loads collectively)."""
+    state = strategy.state_dict_for_checkpoint()
+    outcome = checkpointer.load_latest(state)
+    if outcome is not None and ctx.rank == 0:
+        for path, reason in outcome.skipped:
+            log.warning("skipped checkpoint %s: %s", path, reason)
+            hooks.event("checkpoint_fallback", reason, {"path": str(path)})
+    if outcome is None:
+        reseed(seed, 0, ctx.rank)
+        return None
+    strategy.load_checkpoint_state(state)
+    step: int = outcome.info.step
+    extra = outcome.rank_extra
+    if extra is not None and extra.get("world_size") == ctx.world_size:
+        set_rng_states(extra)  # same world size: continue this rank's exact RNG streams
+    else:
+        reseed(seed, step, ctx.rank)  # resharded: per-rank streams have no successor
+    if ctx.rank == 0:
+        log.info("resumed from %s at step %d", outcome.info.path, step)
+        hooks.event(
+            "resumed",
+            f"resumed from step {step} (saved at world size {outcome.info.world_size}, "
+            f"now {ctx.world_size})",
+            {"step": step, "path": str(outcome.info.path), "saved_world_size": outcome.info.world_size},
+        )
+    return step
+
+
+def reduce_loss_and_control(
+    loss_sum: float, control: Control, device: torch.device
+) -> tuple[float, Control]:
+    """One collective per step: the global summed loss, and rank 0's control decision, so
+    every rank acts on it at the same step."""
+    packed = torch.tensor([loss_sum, float(_CONTROL_CODES[control])], dtype=torch.float64)
+    packed = packed.to(device)
+    dist.all_reduce(packed)
+    total, code = packed.tolist()
+    return total, _CONTROL_BY_CODE[round(code)]
+
+
+def save_checkpoint(
+    checkpointer: Any,
+    strategy: Strategy,
+    ctx: TrainContext,
+    spec: dict[str, Any],
+    done: int,
+    *,
+    reason: str,
+) -> None:
+    training = spec["training"]
+    layout = strategy.layout
+    blocked = checkpointer.save(
+        step=done,
+        attempt=ctx.attempt,
+        state=strategy.state_dict_for_checkpoint(),
+        manifest_fields={
+            "strategy": spec["strategy"]["kind"],
+            "layout": {"dp": layout.dp, "pp": layout.pp},
+            "data_position": {
+                "step": done,
+                "samples_consumed": done * training["global_batch_size"],
+            },
+            "extra": {
+                "seed": training["seed"],
+                "global_batch_size": training["global_batch_size"],
+                "micro_batch_size": training["micro_batch_size"],
+            },
+        },
+        rank_extra=get_rng_states(ctx.world_size),
+    )
+    if ctx.rank == 0:
+        log.info("checkpoint at step %d (%s): blocked %.3fs", done, reason, blocked)
+
+
+def forward_commits(commits: list[dict[str, Any]], hooks: TrainHooks) -> None:
+    for info in commits:
+        log.info("checkpoint committed: %s", info.get("path", info))
+        hooks.checkpoint_committed(info)
+
+
+def metrics_point(
+    done: int,
+    loss: float,
+    step_time: float,
+    strategy: Strategy,
+    tokens_per_sample: int | None,
+    global_batch: int,
+    world_size: int,
+    crc: int,
+) -> dict[str, Any]:
+    samples_per_s = global_batch / step_time
+    layout = strategy.layout
+    return {
+        "step": done,
+        "loss": loss,
+        "lr": strategy.optimizer.param_groups[0]["lr"],
+        "step_time_s": step_time,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * tokens_per_sample if tokens_per_sample else None,
+        "world_size": world_size,
+        "dp": layout.dp,
+        "pp": layout.pp,
+        "memory": {**strategy.memory_bytes(), "rss_bytes": rss_bytes()},
+        "batch_crc": crc,
+    }
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux), else its peak (getrusage, KiB)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---------------------------------------------------------------------------------------
+# Randomness
+# ---------------------------------------------------------------------------------------
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Per-rank RNG streams (dropout) that depend only on (seed, step, rank)."""
+    digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
+    seed_everything(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def get_rng_states(world_size: int) -> dict[str, Any]:
+    states: dict[str, Any] = {
+        "world_size": world_size,
+        "torch_cpu": torch.get_rng_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["torch_cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch_cpu"])
+    random.setstate(_as_tuple(states["python"]))
+    if "torch_cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["torch_cuda"])
+
+
+def _as_tuple(value: Any) -> Any:
+    # random.setstate wants tuples; a serialiser may have handed back lists.
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
+
+
+# ---------------------------------------------------------------------------------------
+# Logging
+# ---------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _log_to_file(path: Path | None, rank: int) -> Iterator[None]:
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    )
+    logger = logging.getLogger("elastrain.workers")
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        handler.close()

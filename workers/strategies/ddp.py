@@ -1,0 +1,110 @@
+"""Data parallelism: `DataParallelStrategy` (what ddp and fsdp share) and `DDPStrategy`.
+
+Every rank is one data-parallel replica (Layout dp = world_size). Gradient accumulation
+over the micro-batches skips gradient sync on all but the last one; the loop's
+`loss_scale` (dp / G) makes the synced, dp-averaged gradient equal the gradient of the
+global-batch mean loss whatever the world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import abstractmethod
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from workers.api import TrainContext, Workload
+from workers.strategies.base import Layout, StepOutput, Strategy, microbatch_loss
+
+GRAD_CLIP_NORM = 1.0
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class DataParallelStrategy(Strategy):
+    """The step shared by ddp and fsdp; subclasses wrap the model and switch grad sync."""
+
+    def __init__(self, *, grad_clip: float | None = GRAD_CLIP_NORM) -> None:
+        self.grad_clip = grad_clip
+        self.autocast_dtype: torch.dtype | None = None
+        self.scaler: torch.amp.GradScaler | None = None
+
+    def setup(self, workload: Workload, ctx: TrainContext, spec: dict[str, Any]) -> None:
+        self.device = ctx.device
+        self.loss_fn = workload.loss_fn
+        self.layout = Layout(dp=ctx.world_size, dp_rank=ctx.rank)
+        precision = spec["strategy"].get("mixed_precision")
+        if precision is not None and ctx.device.type != "cuda":
+            raise ValueError(f"strategy.mixed_precision={precision!r} needs a GPU (device is cpu)")
+        self.model = self.wrap(workload.model.to(ctx.device), _DTYPES.get(precision))
+        if precision == "fp16":
+            # fp16 gradients underflow without loss scaling; bf16 has fp32's range.
+            self.scaler = torch.amp.GradScaler(ctx.device.type)
+        # The default AdamW implementation (single-tensor on CPU, foreach on CUDA) is
+        # deterministic; `fused` is left off for the same reason.
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=spec["training"]["learning_rate"], fused=False
+        )
+
+    @abstractmethod
+    def wrap(self, model: nn.Module, mixed_precision: torch.dtype | None) -> nn.Module:
+        """Wrap the model (already on the device) for data parallelism."""
+
+    @abstractmethod
+    def grad_sync(self, enabled: bool) -> AbstractContextManager[None]:
+        """A context under which backward syncs gradients across replicas or not."""
+
+    def train_step(
+        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
+    ) -> StepOutput:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        last = len(microbatches) - 1
+        for i, (inputs, targets) in enumerate(microbatches):
+            inputs = inputs.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            with self.grad_sync(i == last):
+                with self._autocast():  # forward only: backward under autocast is discouraged
+                    loss, summed = microbatch_loss(
+                        self.model, self.loss_fn, inputs, targets, loss_scale
+                    )
+                if self.scaler is not None:
+                    loss = self.scaler.scale(loss)
+                loss.backward()
+            loss_sum += summed.float()
+        self._clip_and_step()
+        return StepOutput(loss_sum=loss_sum.item())
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _clip_and_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
+        if self.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
+
+class DDPStrategy(DataParallelStrategy):
+    """`DistributedDataParallel`: full replica per rank, gradients all-reduced (averaged)."""
+
+    def wrap(self, model: nn.Module, mixed_precision: torch.dtype | None) -> nn.Module:
+        # DDP keeps fp32 parameters; mixed precision is autocast around the forward.
+        self.autocast_dtype = mixed_precision
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    def grad_sync(self, enabled: bool) -> AbstractContextManager[None]:
+        assert isinstance(self.model, DistributedDataParallel)
+        return contextlib.nullcontext() if enabled else self.model.no_sync()

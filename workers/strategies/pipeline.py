@@ -1,0 +1,370 @@
+"""Pipeline parallelism with `torch.distributed.pipelining` (GPipe or 1F1B), optionally
+data-parallel across whole pipeline replicas.
+
+Layout. With `S` stages and world size `W` (a multiple of `S`; the scheduler only launches
+pipeline jobs at such sizes), there are `dp = W // S` replicas and the mapping is
+replica-major:
+
+    rank = dp_rank * S + pp_rank      (pp_rank = rank % S, dp_rank = rank // S)
+
+so the stages of one replica sit on consecutive ranks. Ray Train (like torchrun) packs
+consecutive ranks onto the same node, which keeps the latency-bound stage-to-stage
+traffic (two P2P messages per micro-batch) inside a node, while the gradient all-reduce
+between replicas (once per step, coalesced) is the only traffic that crosses nodes. It
+also means a lost node takes whole replicas with it rather than one stage of each.
+
+Process groups (every rank creates every group, in the same order, as `new_group` needs):
+one pipeline group per replica (`ranks d*S .. d*S+S-1`; group rank == stage index, which
+is what `PipelineStage` assumes) and, when dp > 1, one data-parallel group per stage
+(`ranks s, S+s, 2S+s, ...`) for the gradient all-reduce.
+
+Data. The loop gives every rank of a replica the same share, cut into its micro-batches.
+`train_step` concatenates them in consecutive groups of up to `M` (the spec's
+`strategy.microbatches`) loop micro-batches; each group is one `schedule.step`, split
+into `m` EQUAL pipeline micro-batches, `m` the largest divisor of the group's sample count
+that is <= `M` (`PipelineStage` sizes its receive buffers from the first micro-batch, so
+all micro-batches of a schedule must have one shape; one schedule is kept per shape).
+With the usual equal loop micro-batches of size `b`, a full group runs `M` pipeline
+micro-batches of exactly `b` samples, and a pipeline step never holds more than `M` loop
+micro-batches' worth of activations (`b` being the user's memory knob). Gradients
+accumulate across groups when the share holds more than `M` loop micro-batches. Empty
+loop micro-batches (see `workers.sampler`) simply add no samples; a replica whose whole
+share is empty runs no schedule and contributes zero gradients to the all-reduce.
+
+Loss and gradients. The schedule's loss is the micro-batch's SUMMED per-sample loss
+(`loss_fn` mean times the micro-batch size) with `scale_grads=False`, so after all
+groups each stage holds the gradient of its replica's summed loss. `train_step` then
+multiplies by `loss_scale / dp` and all-reduces (SUM) over the stage's dp group: the
+replicas' gradients are AVERAGED, exactly like DDP/FSDP, so `grad_reduction = "mean"` and
+the loop passes `loss_scale = layout.dp / global_batch_size`
+(what `workers.loop` passes for every strategy). Scaling after the sum rather than inside
+the loss changes nothing but rounding, and keeps the unscaled loss for `StepOutput`.
+Then, like the ddp/fsdp strategies, gradients are clipped to a global norm of
+`GRAD_CLIP_NORM` (the norm spans all stages: one scalar all-reduce over the pipeline
+group) and AdamW (`fused=False`, deterministic) steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from workers.api import TrainContext, Workload
+from workers.strategies.base import Layout, StepOutput, Strategy
+from workers.strategies.ddp import GRAD_CLIP_NORM
+
+log = logging.getLogger(__name__)
+
+# Defaults of `service.spec.StrategySpec` (workers must not import `service`); used when a
+# spec dict leaves the field out or null.
+DEFAULT_STAGES = 2
+DEFAULT_MICROBATCHES = 4
+DEFAULT_SCHEDULE = "1f1b"
+SCHEDULES = ("gpipe", "1f1b")
+
+# Gradient all-reduce bucket: large enough to amortise per-call latency, small enough not
+# to double the gradient memory of a big stage in one temporary buffer.
+_BUCKET_BYTES = 32 * 1024 * 1024
+
+# Pipeline checkpoints flatten the optimizer state to per-FQN keys
+# (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`). The nested default keeps one
+# `param_groups` list per rank naming only that stage's parameters; DCP dedups it by key,
+# so one stage's list would overwrite the other's. Flat keys are disjoint per stage.
+CHECKPOINT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Layout (pure functions, no process group needed)
+# ---------------------------------------------------------------------------------------
+
+
+def pipeline_layout(rank: int, world_size: int, stages: int) -> Layout:
+    """Replica-major layout: `rank = dp_rank * stages + pp_rank`."""
+    if stages < 1:
+        raise ValueError(f"strategy.pipeline_stages must be >= 1, got {stages}")
+    if world_size < stages or world_size % stages != 0:
+        raise ValueError(
+            f"pipeline: world size {world_size} is not a multiple of strategy.pipeline_stages "
+            f"({stages}); a pipeline job runs whole replicas of {stages} ranks only"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world size {world_size}")
+    return Layout(dp=world_size // stages, pp=stages, dp_rank=rank // stages, pp_rank=rank % stages)
+
+
+def replica_ranks(dp_rank: int, stages: int) -> list[int]:
+    """Global ranks of replica `dp_rank`'s stages, in stage order."""
+    return [dp_rank * stages + s for s in range(stages)]
+
+
+def stage_ranks(pp_rank: int, dp: int, stages: int) -> list[int]:
+    """Global ranks that hold stage `pp_rank`, one per replica, in replica order."""
+    return [d * stages + pp_rank for d in range(dp)]
+
+
+def pipeline_chunks(num_samples: int, max_chunks: int) -> int:
+    """How many equal pipeline micro-batches `num_samples` splits into: the largest
+    divisor of `num_samples` that is <= `max_chunks` (1 when nothing else divides)."""
+    if num_samples < 1 or max_chunks < 1:
+        raise ValueError(f"need >= 1 sample and chunk, got {num_samples}, {max_chunks}")
+    return next(m for m in range(min(num_samples, max_chunks), 0, -1) if num_samples % m == 0)
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    stages: int
+    microbatches: int
+    schedule: Literal["gpipe", "1f1b"]
+    learning_rate: float
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> PipelineOptions:
+        strategy = spec.get("strategy") or {}
+        training = spec.get("training") or {}
+        schedule = strategy.get("schedule") or DEFAULT_SCHEDULE
+        if schedule not in SCHEDULES:
+            raise ValueError(f"strategy.schedule: {schedule!r} is not one of {SCHEDULES}")
+        if strategy.get("mixed_precision"):
+            # Not wired into the stages yet; failing beats silently training in fp32.
+            raise ValueError("strategy.mixed_precision is not supported with pipeline yet")
+        return cls(
+            stages=int(strategy.get("pipeline_stages") or DEFAULT_STAGES),
+            microbatches=int(strategy.get("microbatches") or DEFAULT_MICROBATCHES),
+            schedule=schedule,
+            learning_rate=float(training.get("learning_rate", 3e-4)),
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Strategy
+# ---------------------------------------------------------------------------------------
+
+
+_ScheduleKey = tuple[int, torch.Size, torch.dtype, torch.Size, torch.dtype]
+
+
+class PipelineStrategy(Strategy):
+    """One pipeline stage of one replica; see the module docstring for the layout."""
+
+    def __init__(self, *, grad_clip: float | None = GRAD_CLIP_NORM) -> None:
+        self.grad_clip = grad_clip
+
+    def setup(self, workload: Workload, ctx: TrainContext, spec: dict[str, Any]) -> None:
+        opts = PipelineOptions.from_spec(spec)
+        self.options = opts
+        self.layout = pipeline_layout(ctx.rank, ctx.world_size, opts.stages)
+        self.device = ctx.device
+        if not hasattr(workload.model, "pipeline_stage"):
+            raise ValueError(
+                "strategy.kind 'pipeline' needs a model with "
+                "pipeline_stage(stage_index, num_stages); this workload's model has none"
+            )
+        self._pp_group, self._dp_group = self._new_groups(opts.stages)
+
+        stage_module: nn.Module = workload.model.pipeline_stage(self.layout.pp_rank, opts.stages)
+        self.model = stage_module.to(self.device)
+        self.is_first = self.layout.pp_rank == 0
+        self.is_last = self.layout.pp_rank == opts.stages - 1
+        self._broadcast_params()
+        # Same optimizer as ddp/fsdp, so a job's loss curve does not depend on the strategy.
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opts.learning_rate, fused=False
+        )
+        self._workload_loss = workload.loss_fn
+        # One (stage, schedule) per micro-batch shape; usually one or two entries.
+        self._schedules: dict[_ScheduleKey, PipelineScheduleSingle] = {}
+
+    # -- process groups ----------------------------------------------------------------
+
+    def _new_groups(self, stages: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+        """Create all pipeline groups, then all dp groups, on every rank in that order;
+        keep this rank's."""
+        dp, me = self.layout.dp, self.layout
+        pp_group = dp_group = None
+        for d in range(dp):
+            group = dist.new_group(replica_ranks(d, stages))
+            if d == me.dp_rank:
+                pp_group = group
+        if dp > 1:
+            for s in range(stages):
+                group = dist.new_group(stage_ranks(s, dp, stages))
+                if s == me.pp_rank:
+                    dp_group = group
+        assert pp_group is not None
+        return pp_group, dp_group
+
+    def _broadcast_params(self) -> None:
+        """Replicas start identical (as DDP does): dp rank 0's stage parameters win."""
+        if self._dp_group is None:
+            return
+        with torch.no_grad():
+            tensors = [p.data for p in self.model.parameters()]
+            tensors += [b for b in self.model.buffers()]
+            for bucket in _buckets(tensors):
+                flat = torch._utils._flatten_dense_tensors(bucket)
+                dist.broadcast(flat, group=self._dp_group, group_src=0)
+                for t, synced in zip(
+                    bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True
+                ):
+                    t.copy_(synced)
+
+    # -- schedules ---------------------------------------------------------------------
+
+    def _schedule_for(
+        self, chunks: int, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> PipelineScheduleSingle:
+        key: _ScheduleKey = (chunks, inputs.shape, inputs.dtype, targets.shape, targets.dtype)
+        schedule = self._schedules.get(key)
+        if schedule is not None:
+            return schedule
+        # Every stage of the replica sees the same data, hence builds the same key at the
+        # same step; the first `step` of a new schedule runs the stages' metadata handshake.
+        stage = PipelineStage(
+            self.model,
+            self.layout.pp_rank,
+            self.options.stages,
+            self.device,
+            group=self._pp_group,
+        )
+        # 1F1B needs at least as many micro-batches as stages; below that it would be
+        # GPipe anyway (same gradients, different order).
+        cls = ScheduleGPipe
+        if self.options.schedule == "1f1b" and chunks >= self.options.stages:
+            cls = Schedule1F1B
+        schedule = cls(stage, n_microbatches=chunks, loss_fn=self._sum_loss, scale_grads=False)
+        self._schedules[key] = schedule
+        log.debug("pipeline: new %s for key %s", cls.__name__, key)
+        return schedule
+
+    def _sum_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's summed per-sample loss (the workload's loss is a mean)."""
+        return self._workload_loss(output, target) * target.shape[0]
+
+    # -- training ----------------------------------------------------------------------
+
+    def train_step(
+        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
+    ) -> StepOutput:
+        if not microbatches:
+            raise ValueError("train_step needs at least one micro-batch")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        per_step = self.options.microbatches
+        for start in range(0, len(microbatches), per_step):
+            group = microbatches[start : start + per_step]
+            inputs = torch.cat([x for x, _ in group])
+            targets = torch.cat([y for _, y in group])
+            if inputs.shape[0] == 0:
+                continue  # same data on every stage of the replica: all skip together
+            chunks = pipeline_chunks(inputs.shape[0], per_step)
+            schedule = self._schedule_for(chunks, inputs, targets)
+            losses: list[torch.Tensor] = []
+            args = (inputs.to(self.device, non_blocking=True),) if self.is_first else ()
+            if self.is_last:
+                schedule.step(
+                    *args,
+                    target=targets.to(self.device, non_blocking=True),
+                    losses=losses,
+                    return_outputs=False,
+                )
+                loss_sum += torch.stack([loss.detach() for loss in losses]).sum()
+            else:
+                schedule.step(*args, return_outputs=False)
+        self._scale_and_sync_grads(loss_scale)
+        if self.grad_clip is not None:
+            self._clip_grads(self.grad_clip)
+        self.optimizer.step()
+        # One host sync per step, on the last stage only.
+        return StepOutput(loss_sum=float(loss_sum.item()) if self.is_last else 0.0)
+
+    def _scale_and_sync_grads(self, loss_scale: float) -> None:
+        """grad <- mean over replicas of (loss_scale * grad)."""
+        # A parameter without a gradient (an empty share, an unused branch) gets zeros, so
+        # every replica all-reduces the same buckets and the result does not depend on
+        # which replica saw which samples.
+        for p in self.model.parameters():
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        if self._dp_group is None:
+            torch._foreach_mul_(grads, loss_scale)
+            return
+        factor = loss_scale / self.layout.dp
+        for bucket in _buckets(grads):
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            flat.mul_(factor)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._dp_group)
+            for g, synced in zip(
+                bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True
+            ):
+                g.copy_(synced)
+
+    def _clip_grads(self, max_norm: float) -> None:
+        """`clip_grad_norm_` over the whole model: each stage holds a disjoint part of the
+        parameters, so the squared norms are summed over the pipeline group."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0)
+            sq = torch.stack([n.float() for n in norms]).square().sum()
+        else:
+            sq = torch.zeros((), device=self.device)
+        if self.options.stages > 1:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self._pp_group)
+        total = sq.sqrt()
+        # Same formula as torch.nn.utils.clip_grad_norm_ (no host sync).
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        """This stage's model and optimizer state keyed by the full model's FQNs; the
+        stages' key sets are disjoint and replicas' identical (DCP saves those once)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=CHECKPOINT_OPTIONS)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=CHECKPOINT_OPTIONS,
+        )
+
+
+def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive runs of same-dtype, same-device tensors of at most ~_BUCKET_BYTES."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        last = buckets[-1] if buckets else None
+        if (
+            last is None
+            or size + nbytes > _BUCKET_BYTES
+            or last[0].dtype != t.dtype
+            or last[0].device != t.device
+        ):
+            buckets.append([t])
+            size = nbytes
+        else:
+            last.append(t)
+            size += nbytes
+    return buckets

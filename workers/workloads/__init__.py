@@ -1,0 +1,85 @@
+"""Workloads: what to train. Built-ins (`gpt`, `synthetic`) or a user's `module:function`.
+
+A workload factory takes the spec's `workload.params` as keyword arguments and returns a
+`workers.api.Workload` (model on CPU, indexable dataset, mean-reduced loss function).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from workers.api import Workload, WorkloadFactory
+
+#: Built-in names -> factory entrypoints. The names must match `service.spec.BUILTIN_WORKLOADS`
+#: (kept as plain names there so the API validates without importing torch).
+BUILTIN_WORKLOADS: dict[str, str] = {
+    "gpt": "workers.workloads.gpt:build",
+    "synthetic": "workers.workloads.synthetic:build",
+}
+
+
+class WorkloadError(ValueError):
+    """The spec's workload cannot be built; the message names the spec field to fix."""
+
+
+def load_workload(spec_workload: dict[str, Any]) -> Workload:
+    """Build the workload described by the spec's `workload` section (a plain dict:
+    `{"name": ..., "entrypoint": ..., "params": {...}}`, exactly one of name/entrypoint)."""
+    name = spec_workload.get("name")
+    entrypoint = spec_workload.get("entrypoint")
+    params = dict(spec_workload.get("params") or {})
+    if (name is None) == (entrypoint is None):
+        raise WorkloadError("workload: give exactly one of 'name' or 'entrypoint'")
+    if name is not None:
+        if name not in BUILTIN_WORKLOADS:
+            raise WorkloadError(
+                f"workload.name: unknown built-in {name!r}; allowed: {', '.join(BUILTIN_WORKLOADS)}"
+            )
+        entrypoint = BUILTIN_WORKLOADS[name]
+    assert entrypoint is not None
+    factory = resolve_entrypoint(entrypoint)
+    try:
+        inspect.signature(factory).bind(**params)
+    except TypeError as exc:
+        raise WorkloadError(f"workload.params do not fit {entrypoint}: {exc}") from exc
+    except ValueError:
+        pass  # no introspectable signature (a C callable): let the call itself complain
+    workload = factory(**params)
+    if not isinstance(workload, Workload):
+        raise WorkloadError(
+            f"workload.entrypoint: {entrypoint} returned {type(workload).__name__}, "
+            "expected workers.api.Workload"
+        )
+    return workload
+
+
+def resolve_entrypoint(entrypoint: str) -> WorkloadFactory:
+    """'package.module:function' -> the function, with errors that say what is missing."""
+    module_name, sep, attr = entrypoint.partition(":")
+    if not sep or not module_name or not attr:
+        raise WorkloadError(f"workload.entrypoint: {entrypoint!r} is not 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise WorkloadError(
+            f"workload.entrypoint: cannot import module {module_name!r} ({exc}); is it "
+            "installed on the workers?"
+        ) from exc
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise WorkloadError(f"workload.entrypoint: module {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def stage_block_range(n_blocks: int, stage_index: int, num_stages: int) -> tuple[int, int]:
+    """Blocks [lo, hi) that pipeline stage `stage_index` of `num_stages` runs: as even as
+    possible, earlier stages take the remainder."""
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"stage_index {stage_index} not in [0, {num_stages})")
+    if num_stages > n_blocks:
+        raise ValueError(f"cannot split {n_blocks} blocks over {num_stages} pipeline stages")
+    base, extra = divmod(n_blocks, num_stages)
+    lo = stage_index * base + min(stage_index, extra)
+    return lo, lo + base + (1 if stage_index < extra else 0)

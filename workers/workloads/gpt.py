@@ -1,0 +1,238 @@
+"""A small GPT-style decoder LM on the Tiny Shakespeare corpus shipped with the package.
+
+Character-level tokens (the vocabulary is the sorted set of characters in the corpus, 65
+symbols), so nothing is downloaded and the tokenizer is a dict. Samples are fixed,
+non-overlapping windows of `seq_len + 1` characters: the first `seq_len` are the input,
+the last `seq_len` the next-token targets. Sample `i` is always the same window, which is
+what the elastic sampler's determinism rests on.
+
+Blocks live in an `nn.ModuleDict` keyed by their index as a string ("0", "1", ...). That
+keeps parameter names (`blocks.3.attn.qkv.weight`) identical when a pipeline stage keeps
+only some of the blocks, so a checkpoint saved under one split loads under any other.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from importlib import resources
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.api import Workload
+from workers.workloads import stage_block_range
+
+CORPUS = "tinyshakespeare.txt"
+
+
+# ---------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def load_corpus() -> tuple[torch.Tensor, tuple[str, ...]]:
+    """The corpus as a 1-D int64 tensor of character ids, and the vocabulary (id -> char)."""
+    text = resources.files("workers.workloads").joinpath("data", CORPUS).read_text("utf-8")
+    vocab = tuple(sorted(set(text)))
+    index = {ch: i for i, ch in enumerate(vocab)}
+    tokens = torch.tensor([index[ch] for ch in text], dtype=torch.long)
+    return tokens, vocab
+
+
+class CharWindows:
+    """Indexable `(input, target)` pairs: window `i` covers tokens [i*stride, i*stride+seq_len+1)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, stride: int | None = None) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.stride = stride or seq_len + 1  # default: non-overlapping windows
+        self._len = (len(tokens) - (seq_len + 1)) // self.stride + 1
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self._len:
+            raise IndexError(f"sample {i} out of range [0, {self._len})")
+        start = i * self.stride
+        window = self.tokens[start : start + self.seq_len + 1]
+        return window[:-1], window[1:]
+
+
+# ---------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        if n_embd % n_head != 0:
+            raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
+        self.n_head = n_head
+        self.dropout = dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        # (B, T, C) -> (B, heads, T, head_dim), the layout SDPA expects.
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, dropout: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(n_embd, 4 * n_embd)
+        self.proj = nn.Linear(4 * n_embd, n_embd)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token ids (B, T) -> logits (B, T, vocab).
+
+    Any of `tok_emb`/`pos_emb`/`drop` (first stage) and `ln_f`/`head` (last stage) may be
+    None in a pipeline stage: then the stage takes or returns hidden states (B, T, n_embd)
+    instead. The LM head is deliberately not tied to the token embedding, because the two
+    live on different pipeline stages.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        n_layer: int,
+        n_embd: int,
+        n_head: int,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.n_layer = n_layer
+        self.tok_emb: nn.Embedding | None = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb: nn.Embedding | None = nn.Embedding(seq_len, n_embd)
+        self.drop: nn.Dropout | None = nn.Dropout(dropout)
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(n_embd, n_head, dropout) for i in range(n_layer)}
+        )
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(n_embd)
+        self.head: nn.Linear | None = nn.Linear(n_embd, vocab_size, bias=False)
+        self.apply(_init_weights)
+        # GPT-2 style: scale residual projections by depth so the residual stream's
+        # variance does not grow with n_layer.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None:
+            assert self.pos_emb is not None and self.drop is not None
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            assert self.ln_f is not None
+            x = self.head(self.ln_f(x))
+        return x
+
+    def shard_units(self) -> list[nn.Module]:
+        """FSDP shards these one by one (per block), then the root (embeddings, head)."""
+        return list(self.blocks.values())
+
+    def pipeline_stage(self, stage_index: int, num_stages: int) -> GPT:
+        """The part of the model pipeline stage `stage_index` of `num_stages` runs.
+
+        The stage shares its sub-modules (and so its parameters) with `self`; use it in
+        place of the full model, not alongside it.
+        """
+        lo, hi = stage_block_range(self.n_layer, stage_index, num_stages)
+        stage = GPT.__new__(GPT)
+        nn.Module.__init__(stage)
+        stage.seq_len, stage.n_layer = self.seq_len, self.n_layer
+        first, last = stage_index == 0, stage_index == num_stages - 1
+        stage.tok_emb = self.tok_emb if first else None
+        stage.pos_emb = self.pos_emb if first else None
+        stage.drop = self.drop if first else None
+        stage.blocks = nn.ModuleDict({str(i): self.blocks[str(i)] for i in range(lo, hi)})
+        stage.ln_f = self.ln_f if last else None
+        stage.head = self.head if last else None
+        return stage
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the micro-batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------
+# Factory
+# ---------------------------------------------------------------------------------------
+
+
+def build(
+    *,
+    n_layer: int = 4,
+    n_embd: int = 128,
+    n_head: int = 4,
+    seq_len: int = 64,
+    dropout: float = 0.0,
+    stride: int | None = None,
+) -> Workload:
+    """The built-in `gpt` workload. Defaults are ~0.8M parameters: trains on CPU."""
+    tokens, vocab = load_corpus()
+    model = GPT(
+        vocab_size=len(vocab),
+        seq_len=seq_len,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        dropout=dropout,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    return Workload(
+        model=model,
+        dataset=CharWindows(tokens, seq_len, stride),
+        loss_fn=lm_loss,
+        tokens_per_sample=seq_len,
+        # The usual estimate: 6 FLOPs per parameter per token (2 forward, 4 backward),
+        # ignoring the attention's T^2 term, which is small at these sequence lengths.
+        flops_per_sample=6.0 * n_params * seq_len,
+    )

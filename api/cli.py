@@ -135,6 +135,9 @@ def serve(
     no_scheduler: Annotated[
         bool, typer.Option("--no-scheduler", help="API only; another process schedules.")
     ] = False,
+    demo: Annotated[
+        bool, typer.Option("--demo", help="Once up, submit a small real GPT job to watch.")
+    ] = False,
 ) -> None:
     """Run the API (and the scheduler); applies database migrations first."""
     import uvicorn
@@ -143,13 +146,43 @@ def serve(
     from service.settings import Settings
 
     settings = Settings()
+    host = host or settings.host
+    port = port or settings.port
+    if demo:
+        _submit_demo_when_up(f"http://{host}:{port}")
     uvicorn.run(
         create_app(settings, start_scheduler=not no_scheduler),
-        host=host or settings.host,
-        port=port or settings.port,
+        host=host,
+        port=port,
         log_level="info",
         access_log=False,
     )
+
+
+def _submit_demo_when_up(url: str) -> None:
+    """Submit the packaged demo spec over REST as soon as the API answers (a thread, so
+    the job goes through exactly the path a user's submit takes)."""
+    import threading
+    from importlib.resources import files
+
+    spec = yaml.safe_load(files("api").joinpath("demo/gpt-tiny.yaml").read_text())
+
+    def submit_when_up() -> None:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            for _ in range(600):
+                try:
+                    if client.get("/healthz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+            job = client.post("/v1/jobs", json=spec).json()
+        typer.echo(
+            f"\ndemo job {job['id']} ({job['name']}) submitted: watch it at {url}/#/jobs/{job['id']}"
+            f"\n  or: elastrain status {job['id']} / elastrain logs {job['id']} -f\n"
+        )
+
+    threading.Thread(target=submit_when_up, name="demo-submit", daemon=True).start()
 
 
 @app.command()

@@ -151,7 +151,10 @@ class Scheduler:
                 job,
                 kind="placement",
                 reason=f"{len(report.placement)} workers on {len(set(report.placement.values()))} node(s)",
-                details={"ranks": {str(r): n for r, n in report.placement.items()}},
+                details={
+                    "ranks": {str(r): n for r, n in report.placement.items()},
+                    "pids": {str(r): p for r, p in report.pids.items()},
+                },
             )
         for ev in report.events:
             jobs.record_event(

@@ -177,7 +177,11 @@ def resume(
             "resumed",
             f"resumed from step {step} (saved at world size {outcome.info.world_size}, "
             f"now {ctx.world_size})",
-            {"step": step, "path": str(outcome.info.path), "saved_world_size": outcome.info.world_size},
+            {
+                "step": step,
+                "path": str(outcome.info.path),
+                "saved_world_size": outcome.info.world_size,
+            },
         )
     return step
 
@@ -258,6 +262,9 @@ def metrics_point(
         "pp": layout.pp,
         "memory": {**strategy.memory_bytes(), "rss_bytes": rss_bytes()},
         "batch_crc": crc,
+        # When the step finished (wall clock): recovery and growth times are measured
+        # from it, not from when the scheduler happened to persist the point.
+        "wall_time": time.time(),
     }
 
 

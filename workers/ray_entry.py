@@ -102,13 +102,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     # Which node holds which rank: the scheduler needs it to see node loss at once.
     nodes: list[Any] = [None] * world_size
-    dist.all_gather_object(nodes, node_id)
+    dist.all_gather_object(nodes, (node_id, os.getpid()))
     if rank == 0:
         pg = ray.util.get_current_placement_group()
         driver.push.remote(
             "placement",
             {
-                "ranks": {str(r): n for r, n in enumerate(nodes)},
+                "ranks": {str(r): n for r, (n, _) in enumerate(nodes)},
+                "pids": {str(r): pid for r, (_, pid) in enumerate(nodes)},
                 "placement_group": pg.id.hex() if pg is not None else None,
             },
         )

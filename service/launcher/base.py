@@ -72,6 +72,7 @@ class DriverReport:
     error: str | None = None
     resumed_from_step: int | None = None
     placement: dict[int, str] = field(default_factory=dict)  # rank -> node id
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> worker process id
     final_step: int | None = None
 
 

@@ -47,6 +47,7 @@ class JobDriver:
         self._events: list[dict[str, Any]] = []
         self._placement: dict[int, str] = {}
         self._placement_group: str | None = None
+        self._pids: dict[int, int] = {}
         self._error: str | None = None
         self._worker_error: str | None = None
         self._resumed_from: int | None = None
@@ -67,6 +68,7 @@ class JobDriver:
             elif kind == "placement":
                 self._placement = {int(k): v for k, v in payload["ranks"].items()}
                 self._placement_group = payload.get("placement_group")
+                self._pids = {int(k): v for k, v in payload.get("pids", {}).items()}
             elif kind == "started":
                 self._resumed_from = payload.get("resumed_from_step")
             elif kind == "error":
@@ -108,6 +110,7 @@ class JobDriver:
                 "resumed_from_step": self._resumed_from,
                 "placement": dict(self._placement),
                 "placement_group": self._placement_group,
+                "pids": dict(self._pids),
                 "final_step": self._final_step,
             }
             self._metrics, self._commits, self._events = [], [], []

@@ -135,6 +135,7 @@ class RayLauncher:
             error=out["error"],
             resumed_from_step=out["resumed_from_step"],
             placement={int(k): v for k, v in out["placement"].items()},
+            pids={int(k): v for k, v in out.get("pids", {}).items()},
             final_step=out["final_step"],
         )
 

@@ -21,7 +21,10 @@ TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 def tiny_gpt_spec(name: str, **overrides: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "name": name,
-        "workload": {"name": "gpt", "params": {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 32}},
+        "workload": {
+            "name": "gpt",
+            "params": {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 32},
+        },
         "strategy": {"kind": "ddp"},
         "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
         "training": {
@@ -88,7 +91,9 @@ def wait_for(
 
 
 def wait_terminal(client: TestClient, job_id: int, timeout: float = 300) -> dict[str, Any]:
-    return wait_for(client, job_id, lambda j: j["state"] in TERMINAL, timeout=timeout, what="terminal state")
+    return wait_for(
+        client, job_id, lambda j: j["state"] in TERMINAL, timeout=timeout, what="terminal state"
+    )
 
 
 def losses(client: TestClient, job_id: int) -> dict[int, float]:

@@ -311,9 +311,26 @@ def test_logs_follow_with_offset(client: TestClient, settings: Settings) -> None
 
 
 def test_cluster_snapshot(client: TestClient) -> None:
-    body = client.get("/v1/cluster").json()
-    assert body["connected"] is False
-    assert body["nodes"] == []
+    from service import cluster
+
+    before = cluster.current()  # process-wide: the scheduler tests publish here too
+    view = cluster.ClusterView(
+        connected=True,
+        nodes=[
+            cluster.NodeView(
+                node_id="n1", address="10.0.0.1", alive=True, cpus_total=4, cpus_free=2,
+                gpus_total=0, gpus_free=0, jobs=[7],
+            )
+        ],
+        updated_at=123.0,
+    )  # fmt: skip
+    cluster.publish(view)
+    try:
+        body = client.get("/v1/cluster").json()
+    finally:
+        cluster.publish(before)
+    assert body["connected"] is True
+    assert body["nodes"][0]["node_id"] == "n1" and body["nodes"][0]["jobs"] == [7]
 
 
 def test_token_auth(settings: Settings) -> None:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import signal
+import time
 from pathlib import Path
 
 import pytest
+from ray.cluster_utils import Cluster
 
+from service import jobs
+from tests.e2e.server import serve_argv, start_server
 from tests.integration.cluster_service import multi_node_service
 from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_terminal
 
@@ -30,11 +35,16 @@ def transitions(client, job_id: int) -> list[tuple[str, str, str]]:  # type: ign
 def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
     with multi_node_service(tmp_path, grow_interval_s=2) as (client, nodes):
         spec = tiny_gpt_spec(
-            "chaos", scaling=ELASTIC, training=TRAINING, checkpoint={"every_steps": 5},
+            "chaos",
+            scaling=ELASTIC,
+            training=TRAINING,
+            checkpoint={"every_steps": 5},
             failure={"max_restarts": 3},
         )
         job_id = submit(client, spec)
-        wait_for(client, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 12, what="step 12")
+        wait_for(
+            client, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 12, what="step 12"
+        )
         placement = next(
             e["details"]["ranks"]
             for e in client.get(f"/v1/jobs/{job_id}/events").json()
@@ -43,12 +53,18 @@ def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
         victim = nodes.node_of(placement["2"])
         nodes.remove(victim)
         shrunk = wait_for(
-            client, job_id, lambda j: j["state"] == "RUNNING" and j["attempt"] == 2, what="resume at 2"
+            client,
+            job_id,
+            lambda j: j["state"] == "RUNNING" and j["attempt"] == 2,
+            what="resume at 2",
         )
         assert shrunk["world_size"] == 2
         nodes.add(1)
         grown = wait_for(
-            client, job_id, lambda j: j["state"] == "RUNNING" and j["attempt"] == 3, what="grow to 3"
+            client,
+            job_id,
+            lambda j: j["state"] == "RUNNING" and j["attempt"] == 3,
+            what="grow to 3",
         )
         assert grown["world_size"] == 3
         final = wait_terminal(client, job_id, timeout=400)
@@ -61,7 +77,9 @@ def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
         assert ("RUNNING", "RESIZING") in states
         assert any("resumed from step" in r and "world size 2" in r for _, _, r in story)
         assert any("growing 2 -> 3" in r for _, _, r in story)
-        lost = [e for e in client.get(f"/v1/jobs/{job_id}/events").json() if e["kind"] == "node_lost"]
+        lost = [
+            e for e in client.get(f"/v1/jobs/{job_id}/events").json() if e["kind"] == "node_lost"
+        ]
         assert lost and lost[0]["details"]["ranks"] == [2]
 
         # The same job without interruption, on the same cluster: same samples per step,
@@ -85,10 +103,15 @@ def test_below_min_waits_then_resumes_and_times_out(tmp_path: Path) -> None:
             checkpoint={"every_steps": 5},
         )
         job_id = submit(client, spec)
-        wait_for(client, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 6, what="step 6")
+        wait_for(
+            client, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 6, what="step 6"
+        )
         nodes.remove(nodes.workers[1])
         wait_for(
-            client, job_id, lambda j: "waiting below min" in (j["state_reason"] or ""), what="waiting",
+            client,
+            job_id,
+            lambda j: "waiting below min" in (j["state_reason"] or ""),
+            what="waiting",
             timeout=60,
         )
         nodes.add(1)
@@ -101,3 +124,56 @@ def test_below_min_waits_then_resumes_and_times_out(tmp_path: Path) -> None:
         failed = wait_terminal(client, job_id, timeout=120)
         assert failed["state"] == "FAILED"
         assert "below min_workers" in failed["state_reason"]
+
+
+def test_control_plane_kill_9_and_restart_reattaches(tmp_path: Path) -> None:
+    """The service dies mid-training; a new one re-attaches to the running driver by name:
+    nothing is launched twice, metrics continue, the job finishes."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    env = {"ELASTRAIN_RAY_ADDRESS": cluster.address, "ELASTRAIN_RAY_NAMESPACE": "elastrain-cp"}
+    server = start_server(tmp_path, argv=serve_argv, env=env, startup_timeout=120)
+    try:
+        spec = tiny_gpt_spec(
+            "survivor", training={"max_steps": 150}, checkpoint={"every_steps": 10}
+        )
+        job_id = server.submit(spec)["id"]
+        with server.http() as http:
+            wait_until(http, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 5)
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(10)
+        step_at_kill = _job(server, job_id)["step"]
+        server = start_server(tmp_path, argv=serve_argv, env=env, startup_timeout=120)
+        with server.http() as http:
+            job = wait_until(
+                http, job_id, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), timeout=400
+            )
+            assert job["state"] == "SUCCEEDED", job
+            assert job["attempt"] == 1, "the restarted control plane launched a second copy"
+            steps = [m["step"] for m in http.get(f"/v1/jobs/{job_id}/metrics").json()]
+            events = http.get(f"/v1/jobs/{job_id}/events").json()
+        assert step_at_kill < 150
+        assert steps == list(range(1, 151))  # nothing lost while nobody was listening
+        assert not [e for e in events if e["to_state"] in ("RECOVERING", "RESIZING")]
+    finally:
+        server.stop()
+        cluster.shutdown()
+
+
+def _job(server, job_id: int) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    with server.session() as s:
+        job = jobs.get_job(s, job_id)
+        return {"step": job.step, "attempt": job.attempt, "state": job.state.value}
+
+
+def wait_until(http, job_id: int, predicate, timeout: float = 300) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    deadline = time.monotonic() + timeout
+    job: dict = {}  # type: ignore[type-arg]
+    while time.monotonic() < deadline:
+        job = http.get(f"/v1/jobs/{job_id}").json()
+        if predicate(job):
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} never got there: {job}")

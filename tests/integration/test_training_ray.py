@@ -29,8 +29,18 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
 STRATEGIES = {
     "ddp": {"kind": "ddp"},
     "fsdp": {"kind": "fsdp"},
-    "pipeline-gpipe": {"kind": "pipeline", "pipeline_stages": 2, "microbatches": 4, "schedule": "gpipe"},
-    "pipeline-1f1b": {"kind": "pipeline", "pipeline_stages": 2, "microbatches": 4, "schedule": "1f1b"},
+    "pipeline-gpipe": {
+        "kind": "pipeline",
+        "pipeline_stages": 2,
+        "microbatches": 4,
+        "schedule": "gpipe",
+    },
+    "pipeline-1f1b": {
+        "kind": "pipeline",
+        "pipeline_stages": 2,
+        "microbatches": 4,
+        "schedule": "1f1b",
+    },
 }
 
 
@@ -55,8 +65,8 @@ def test_every_strategy_trains_and_loss_falls(service: TestClient) -> None:
         assert [c["step"] for c in checkpoints] == [30, 20], name  # keep_last 2, newest first
     fsdp_mem = service.get(f"/v1/jobs/{ids['fsdp']}/metrics").json()[-1]
     ddp_mem = service.get(f"/v1/jobs/{ids['ddp']}/metrics").json()[-1]
-    assert fsdp_mem["param_bytes"] < ddp_mem["param_bytes"]
-    assert fsdp_mem["optim_bytes"] < ddp_mem["optim_bytes"]
+    assert fsdp_mem["memory"]["param_bytes"] < ddp_mem["memory"]["param_bytes"]
+    assert fsdp_mem["memory"]["optim_bytes"] < ddp_mem["memory"]["optim_bytes"]
 
 
 def test_one_and_two_workers_follow_the_same_loss_curve(service: TestClient) -> None:
@@ -80,7 +90,9 @@ def test_queue_waits_and_priority_overtakes(service: TestClient) -> None:
     first = submit(service, tiny_gpt_spec("it-q1", scaling=whole, training={"max_steps": 20}))
     wait_for(service, first, lambda j: j["state"] in ("STARTING", "RUNNING"), what="admission")
     low = submit(service, tiny_gpt_spec("it-q-low", scaling=whole, training={"max_steps": 5}))
-    high = submit(service, tiny_gpt_spec("it-q-high", scaling=whole, training={"max_steps": 5}, priority=10))
+    high = submit(
+        service, tiny_gpt_spec("it-q-high", scaling=whole, training={"max_steps": 5}, priority=10)
+    )
     job_low = service.get(f"/v1/jobs/{low}").json()
     assert job_low["state"] == "PENDING"
     assert wait_terminal(service, first)["state"] == "SUCCEEDED"
@@ -93,9 +105,15 @@ def test_queue_waits_and_priority_overtakes(service: TestClient) -> None:
 
 def test_cancel_mid_run_frees_the_workers(service: TestClient) -> None:
     whole = {"min_workers": 4, "max_workers": 4}
-    long_job = submit(service, tiny_gpt_spec("it-cancel", scaling=whole, training={"max_steps": 100000}))
-    wait_for(service, long_job, lambda j: j["state"] == "RUNNING" and j["step"] >= 2, what="training")
-    waiting = submit(service, tiny_gpt_spec("it-after-cancel", scaling=whole, training={"max_steps": 3}))
+    long_job = submit(
+        service, tiny_gpt_spec("it-cancel", scaling=whole, training={"max_steps": 100000})
+    )
+    wait_for(
+        service, long_job, lambda j: j["state"] == "RUNNING" and j["step"] >= 2, what="training"
+    )
+    waiting = submit(
+        service, tiny_gpt_spec("it-after-cancel", scaling=whole, training={"max_steps": 3})
+    )
     assert service.post(f"/v1/jobs/{long_job}/cancel").status_code in (200, 202)
     job = wait_terminal(service, long_job, timeout=60)
     assert job["state"] == "CANCELLED"

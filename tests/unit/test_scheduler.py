@@ -76,7 +76,10 @@ def test_admits_at_largest_size_and_runs_to_success(env) -> None:
     d = launcher.driver(jid)
     d.status = DriverStatus.RUNNING
     d.placement = {0: "n1", 1: "n2", 2: "n3"}
-    d.metrics = [{"step": 1, "loss": 2.0, "world_size": 3}, {"step": 2, "loss": 1.5, "world_size": 3}]
+    d.metrics = [
+        {"step": 1, "loss": 2.0, "world_size": 3},
+        {"step": 2, "loss": 1.5, "world_size": 3},
+    ]
     sched.run_pass()
     j = job(factory, jid)
     assert (j.state, j.step, j.latest_loss) == (JobState.RUNNING, 2, 1.5)
@@ -242,7 +245,9 @@ def test_driver_lost_after_control_plane_restart_is_relaunched(env) -> None:
     jid = submit(factory)
     sched.run_pass()
     launcher.driver(jid).killed = True  # the driver died with its node while we were down
-    fresh = Scheduler(session_factory=factory, launcher=launcher, settings=sched.settings, clock=clock)
+    fresh = Scheduler(
+        session_factory=factory, launcher=launcher, settings=sched.settings, clock=clock
+    )
     fresh.holder = sched.holder  # same replica restarted
     fresh.run_pass()
     assert job(factory, jid).attempt == 2
@@ -265,19 +270,31 @@ def test_second_scheduler_without_lease_does_nothing(env) -> None:
     factory, launcher, sched, clock = env
     submit(factory)
     assert sched.run_pass()
-    other = Scheduler(session_factory=factory, launcher=launcher, settings=sched.settings, clock=clock)
+    other = Scheduler(
+        session_factory=factory, launcher=launcher, settings=sched.settings, clock=clock
+    )
     submit(factory)
     assert other.run_pass() is False
 
 
 def test_decide_failure_backoff_grows() -> None:
     first = decisions.decide_failure(
-        cause=decisions.FailureCause.WORKER_ERROR, error="e", step=3, restarts=0, max_restarts=5,
-        recent_failures=[], backoff_s=1.0,
+        cause=decisions.FailureCause.WORKER_ERROR,
+        error="e",
+        step=3,
+        restarts=0,
+        max_restarts=5,
+        recent_failures=[],
+        backoff_s=1.0,
     )
     second = decisions.decide_failure(
-        cause=decisions.FailureCause.WORKER_ERROR, error="e", step=3, restarts=1, max_restarts=5,
-        recent_failures=[("e", 3)], backoff_s=1.0,
+        cause=decisions.FailureCause.WORKER_ERROR,
+        error="e",
+        step=3,
+        restarts=1,
+        max_restarts=5,
+        recent_failures=[("e", 3)],
+        backoff_s=1.0,
     )
     assert first.action == second.action == decisions.FailureAction.RETRY
     assert second.delay_s > first.delay_s

@@ -101,13 +101,17 @@ class Scheduler:
         return True
 
     def _guarded(self, job_id: int, fn) -> None:  # type: ignore[no-untyped-def]
-        """One job's trouble (a DB conflict, a Ray hiccup) must not stop the others."""
+        """One job's trouble (a DB conflict, a Ray hiccup) must not stop the others.
+
+        Launches queued by `fn` are carried out only once its transaction has committed:
+        a rolled-back attempt (say, another scheduler won the row) must never run."""
         try:
             fn()
         except Exception:
+            self._pending_launches.clear()
             log.exception("scheduler: job %s: reconcile failed; retrying next pass", job_id)
-        finally:
-            self._flush_launches()
+            return
+        self._flush_launches()
 
     # -- per job ----------------------------------------------------------------------------
     def _reconcile(self, job_id: int, cluster: ClusterCapacity) -> None:

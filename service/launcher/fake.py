@@ -43,6 +43,7 @@ class FakeLauncher:
         }
         self.drivers: dict[tuple[int, int], FakeDriver] = {}
         self.launches: list[LaunchRequest] = []
+        self.launch_calls: list[LaunchRequest] = []  # including refused duplicates
         self._lock = threading.Lock()
 
     # -- test controls ------------------------------------------------------------------
@@ -65,6 +66,7 @@ class FakeLauncher:
     def launch(self, request: LaunchRequest) -> None:
         with self._lock:
             key = (request.job_id, request.attempt)
+            self.launch_calls.append(request)
             if key in self.drivers:
                 raise RuntimeError(f"driver {request.driver_name} launched twice")
             self.drivers[key] = FakeDriver(request=request)

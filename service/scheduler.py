@@ -41,7 +41,7 @@ from service.launcher.base import (
     LaunchRequest,
     driver_name,
 )
-from service.models import Attempt, CheckpointRecord, Job, as_utc, utcnow
+from service.models import Attempt, CheckpointRecord, Event, Job, as_utc, utcnow
 from service.settings import Settings
 from service.spec import JobSpec
 from service.states import ACTIVE, JobState
@@ -239,7 +239,7 @@ class Scheduler:
         cluster: ClusterCapacity,
     ) -> None:
         status = report.status
-        if status == DriverStatus.RUNNING and job.state != JobState.RUNNING:
+        if status == DriverStatus.RUNNING and self._should_mark_running(s, job, attempt):
             if report.resumed_from_step is not None:
                 reason = f"resumed from step {report.resumed_from_step} at world size {attempt.world_size}"
             else:
@@ -259,6 +259,21 @@ class Scheduler:
             self._relaunch_if_possible(s, job, spec, cluster)
         elif status in (DriverStatus.FAILED, DriverStatus.LOST):
             self._on_failure(s, job, spec, attempt, report, cluster)
+
+    def _should_mark_running(self, s: Session, job: Job, attempt: Attempt) -> bool:
+        if job.state == JobState.RUNNING:
+            return False
+        if job.state != JobState.RESIZING:
+            return True
+        # RESIZING with the attempt we asked to stop: it trains on until its checkpoint;
+        # only the relaunched (newer) attempt makes the job RUNNING again.
+        resizing_attempt = s.scalar(
+            select(Event.attempt)
+            .where(Event.job_id == job.id, Event.to_state == JobState.RESIZING.value)
+            .order_by(Event.id.desc())
+            .limit(1)
+        )
+        return resizing_attempt is None or attempt.number > resizing_attempt
 
     def _on_failure(
         self,

@@ -77,6 +77,9 @@ def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
         assert ("RUNNING", "RESIZING") in states
         assert any("resumed from step" in r and "world size 2" in r for _, _, r in story)
         assert any("growing 2 -> 3" in r for _, _, r in story)
+        # Every RUNNING after the first one is a resume by a new attempt.
+        back_to_running = [r for _, t, r in story if t == "RUNNING"][1:]
+        assert len(back_to_running) == 2 and all("resumed from step" in r for r in back_to_running)
         lost = [
             e for e in client.get(f"/v1/jobs/{job_id}/events").json() if e["kind"] == "node_lost"
         ]

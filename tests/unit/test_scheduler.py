@@ -147,6 +147,9 @@ def test_node_loss_recovers_smaller_then_grows_back(env) -> None:
     clock.t += 6
     sched.run_pass()
     assert job(factory, jid).state == JobState.RESIZING and d2.stop_requested
+    d2.metrics = [{"step": 25, "loss": 1.0, "world_size": 2}]  # trains on until it checkpoints
+    sched.run_pass()
+    assert job(factory, jid).state == JobState.RESIZING
     d2.status = DriverStatus.STOPPED
     sched.run_pass()
     assert launcher.driver(jid, 3).request.world_size == 3

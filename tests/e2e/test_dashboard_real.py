@@ -1,0 +1,81 @@
+"""The dashboard on a job that really trained and really lost a node.
+
+`elastrain serve` (API + scheduler) on a real multi-node Ray cluster; a node is removed
+mid-run; the job page must draw the real metric points and tell the story.
+Set ELASTRAIN_SCREENSHOT_DIR to keep a screenshot of the page (docs/screenshot-job.png).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ray.cluster_utils import Cluster
+
+from tests.e2e.conftest import open_dashboard, wait_for_chart
+from tests.e2e.server import serve_argv
+from tests.integration.ray_service import tiny_gpt_spec
+
+pytestmark = [pytest.mark.browser, pytest.mark.ray, pytest.mark.chaos]
+
+
+def _wait(srv: Any, job_id: int, predicate: Any, timeout: float = 300) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    with srv.http() as http:
+        while time.monotonic() < deadline:
+            job = http.get(f"/v1/jobs/{job_id}").json()
+            if predicate(job):
+                return job
+            time.sleep(0.5)
+    raise AssertionError(f"job {job_id}: {job}")
+
+
+def test_job_that_lost_a_node_in_the_browser(page: Any, server_factory: Any) -> None:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    cluster.wait_for_nodes()
+    try:
+        srv = server_factory(
+            argv=serve_argv,
+            env={
+                "ELASTRAIN_RAY_ADDRESS": cluster.address,
+                "ELASTRAIN_RAY_NAMESPACE": "elastrain-e2e",
+                "ELASTRAIN_GROW_INTERVAL_S": "1000",  # stay shrunk: the story ends at 1 worker
+            },
+            startup_timeout=120,
+        )
+        spec = tiny_gpt_spec(
+            "lost-a-node",
+            scaling={"min_workers": 1, "max_workers": 2, "cpus_per_worker": 1},
+            training={"max_steps": 60},
+            checkpoint={"every_steps": 10},
+        )
+        job_id = srv.submit(spec)["id"]
+        _wait(srv, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 25)
+        with srv.http() as http:
+            placement = next(
+                e for e in http.get(f"/v1/jobs/{job_id}/events").json() if e["kind"] == "placement"
+            )
+        victim = next(n for n in workers if n.node_id == placement["details"]["ranks"]["1"])
+        cluster.remove_node(victim)
+        job = _wait(srv, job_id, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), timeout=400)
+        assert job["state"] == "SUCCEEDED", job
+        with srv.http() as http:
+            metrics = http.get(f"/v1/jobs/{job_id}/metrics").json()
+        assert len(metrics) == 60
+
+        open_dashboard(page, srv, f"/jobs/{job_id}")
+        wait_for_chart(page, len(metrics))
+        last_loss = page.evaluate("() => window.__elastrain.charts.loss.plot.data[1].at(-1)")
+        assert last_loss == pytest.approx(metrics[-1]["loss"])
+        page.get_by_text("RECOVERING").first.wait_for()
+        page.get_by_text("resumed from step").first.wait_for()
+        assert page.get_by_text("lost").count() > 0
+        if os.environ.get("ELASTRAIN_SCREENSHOT_DIR"):
+            out = Path(os.environ["ELASTRAIN_SCREENSHOT_DIR"]) / "screenshot-job.png"
+            page.screenshot(path=str(out), full_page=True)
+    finally:
+        cluster.shutdown()

@@ -103,6 +103,7 @@ def test_corrupt_latest_checkpoint_falls_back_and_says_so(service: TestClient) -
     job = wait_terminal(service, job_id)
     assert job["state"] == "SUCCEEDED", job
     fallback = [e for e in events(service, job_id) if e["kind"] == "checkpoint_fallback"]
-    assert fallback and "digest" in fallback[0]["reason"]
+    # The crash may also leave a torn, manifest-less folder: it is skipped (and said) too.
+    assert any("digest mismatch" in e["reason"] for e in fallback), fallback
     resumed = next(e for e in events(service, job_id) if e["kind"] == "resumed")
     assert resumed["details"]["step"] < newest.step

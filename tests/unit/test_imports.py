@@ -59,3 +59,41 @@ def test_service_does_not_load_torch() -> None:
     modules = _service_modules()
     assert "service.jobs" in modules
     assert _first_offender(modules, {"torch", "workers", "api"}) == {}
+
+
+# The import table of DESIGN.md, checked statically over every source file: who may
+# import what, including imports inside functions.
+_FORBIDDEN: dict[str, set[str]] = {
+    "api": {"torch", "ray", "workers"},
+    "service": {"torch", "workers", "api"},
+    "workers": {"sqlalchemy", "service", "api"},
+    "checkpoints": {"service", "api", "workers", "ray", "sqlalchemy"},
+}
+# Narrower rules within a package: (path prefix, module) pairs that are the exception.
+_ALLOWED_ONLY_IN = {"ray": "service/launcher/", "torch": "checkpoints/dcp.py"}
+
+
+def _imported_roots(path: Path) -> set[str]:
+    import ast
+
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_import_table_of_the_design() -> None:
+    violations = []
+    for package, forbidden in _FORBIDDEN.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for root in _imported_roots(path):
+                if root in forbidden:
+                    violations.append(f"{rel} imports {root}")
+                owner = _ALLOWED_ONLY_IN.get(root)
+                if owner and owner.split("/")[0] == package and not rel.startswith(owner):
+                    violations.append(f"{rel} imports {root} (only {owner} may)")
+    assert violations == []

@@ -92,6 +92,14 @@ def get_job(session: Session, job_id: int, *, for_update: bool = False) -> Job:
     return job
 
 
+def get_job_row(session: Session, job_id: int) -> Row[Any]:
+    """The job's columns as a Core row: for read-only answers, no ORM identity map."""
+    job = session.execute(select(_JOBS).where(_JOBS.c.id == job_id)).one_or_none()
+    if job is None:
+        raise JobNotFound(job_id)
+    return job
+
+
 def job_spec(job: Job) -> JobSpec:
     return JobSpec.model_validate(job.spec)
 

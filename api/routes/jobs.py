@@ -12,6 +12,7 @@ from fastapi import APIRouter, Path, Query, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BeforeValidator, TypeAdapter
+from sqlalchemy import Row
 from sqlalchemy.orm import Session
 
 from api.deps import CurrentTenant, SessionDep, SettingsDep
@@ -20,8 +21,9 @@ from api.logs import logs_dir, read_logs
 from api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, MetricOut
 from service.jobs import (
     JobNotFound,
-    create_job,
     get_job,
+    get_job_row,
+    insert_job,
     list_checkpoints,
     list_events,
     list_jobs,
@@ -65,7 +67,9 @@ def _json(
     return Response(body, status_code=status_code, headers=headers, media_type="application/json")
 
 
-def _job(job: Job, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+def _job(
+    job: Job | Row[Any], status_code: int = 200, headers: dict[str, str] | None = None
+) -> Response:
     return _json(JobOut.model_validate(job).model_dump_json(), status_code, headers)
 
 
@@ -103,7 +107,7 @@ def _parse_labels(raw: list[str] | None) -> dict[str, str]:
     responses={422: {"description": "The spec is invalid; `message` says which field and why"}},
 )
 def submit_job(spec: JobSpec, session: SessionDep, tenant: CurrentTenant) -> Response:
-    job = create_job(session, spec=spec, owner=tenant)
+    job = insert_job(session, spec=spec, owner=tenant)
     session.commit()
     return _job(job, status.HTTP_201_CREATED, {"Location": f"/v1/jobs/{job.id}"})
 
@@ -137,7 +141,10 @@ def list_jobs_route(
 
 @router.get("/{job_id}", response_model=JobOut, responses=_NOT_FOUND)
 def get_job_route(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Response:
-    return _job(_owned_job(session, job_id, tenant))
+    job = get_job_row(session, job_id)  # a Core row: nothing here changes the job
+    if job.owner != tenant:
+        raise JobNotFound(job_id)
+    return _job(job)
 
 
 @router.post(

@@ -53,9 +53,11 @@ class RayLauncher:
                     num_cpus=self.settings.ray_num_cpus,
                     include_dashboard=False,
                 )
-        # Drivers are pinned (softly) to the node this process runs on, the head in
-        # production, so that losing a worker node never takes a driver with it.
-        self._home_node = ray.get_runtime_context().get_node_id()
+        # Drivers are pinned (softly) to the head node, so that losing a worker node never
+        # takes a driver (and the Ray Train controller next to it) with it. Not "the node
+        # this process runs on": several raylets may share one IP, and Ray then attaches
+        # a client to any of them.
+        self._home_node = _head_node_id() or ray.get_runtime_context().get_node_id()
         self._driver_cls = ray.remote(JobDriver)
 
     # -- Launcher -----------------------------------------------------------------------------
@@ -155,16 +157,17 @@ class RayLauncher:
         # to the Ray job, not the actor), so it is removed here to free the resources now.
         name = driver_name(job_id, attempt)
         handle = self._handle(job_id, attempt)
-        if handle is None:
-            return
         pg_id = self._placement_groups.get(name)
-        if pg_id is None:
-            with contextlib.suppress(Exception):
-                pg_id = ray.get(handle.placement_group_id.remote(), timeout=2)
-        try:
-            ray.kill(handle, no_restart=True)
-        except Exception as exc:
-            log.warning("kill %s: %s", name, exc)
+        if handle is not None:
+            if pg_id is None:
+                with contextlib.suppress(Exception):
+                    pg_id = ray.get(handle.placement_group_id.remote(), timeout=2)
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception as exc:
+                log.warning("kill %s: %s", name, exc)
+        # Also when the driver is already gone (it died with its node): its workers'
+        # placement group would otherwise hold their CPUs on the surviving nodes.
         if pg_id:
             _remove_placement_group(pg_id)
 
@@ -176,6 +179,13 @@ class RayLauncher:
         self._placement_groups.pop(name, None)
 
 
+def _head_node_id() -> str | None:
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return str(node["NodeID"])
+    return None
+
+
 def _remove_placement_group(pg_id: str) -> None:
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -183,4 +193,4 @@ def _remove_placement_group(pg_id: str) -> None:
     try:
         remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
     except Exception as exc:  # already removed (the run ended cleanly) is fine
-        log.debug("remove placement group %s: %s", pg_id, exc)
+        log.info("remove placement group %s: %s", pg_id, exc)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, delete, func, insert, select
+from sqlalchemy import Row, bindparam, delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from service.models import Attempt, CheckpointRecord, Event, Job, JobLabel, Metric, utcnow
@@ -38,7 +38,13 @@ class StaleAttempt(Exception):
         self.current = current
 
 
-_JOBS, _LABELS, _EVENTS = Job.__table__, JobLabel.__table__, Event.__table__
+# The submit and get-by-id statements, built once: building a statement per call cost more
+# CPU than executing it (about 0.1-0.4 ms a request, most on PostgreSQL).
+_JOBS = Job.__table__
+_INSERT_JOB = insert(_JOBS).returning(*_JOBS.c)
+_INSERT_LABELS = insert(JobLabel.__table__)
+_INSERT_EVENT = insert(Event.__table__)
+_SELECT_JOB = select(_JOBS).where(_JOBS.c.id == bindparam("job_id"))
 
 
 def insert_job(session: Session, *, spec: JobSpec, owner: str = "default") -> Row[Any]:
@@ -50,7 +56,7 @@ def insert_job(session: Session, *, spec: JobSpec, owner: str = "default") -> Ro
     (docs/bench-api.md). The row has every column, so it answers the request by itself.
     """
     job = session.execute(
-        insert(_JOBS).returning(*_JOBS.c),
+        _INSERT_JOB,
         {
             "owner": owner,
             "name": spec.name,
@@ -65,11 +71,11 @@ def insert_job(session: Session, *, spec: JobSpec, owner: str = "default") -> Ro
     ).one()
     if spec.labels:
         session.execute(
-            insert(_LABELS),
+            _INSERT_LABELS,
             [{"job_id": job.id, "key": k, "value": v} for k, v in spec.labels.items()],
         )
     session.execute(
-        insert(_EVENTS),
+        _INSERT_EVENT,
         {"job_id": job.id, "to_state": JobState.PENDING.value, "reason": "submitted", "attempt": 0},
     )
     return job
@@ -94,7 +100,7 @@ def get_job(session: Session, job_id: int, *, for_update: bool = False) -> Job:
 
 def get_job_row(session: Session, job_id: int) -> Row[Any]:
     """The job's columns as a Core row: for read-only answers, no ORM identity map."""
-    job = session.execute(select(_JOBS).where(_JOBS.c.id == job_id)).one_or_none()
+    job = session.execute(_SELECT_JOB, {"job_id": job_id}).one_or_none()
     if job is None:
         raise JobNotFound(job_id)
     return job

@@ -95,6 +95,33 @@ def test_get_round_trips_every_field(client: TestClient) -> None:
         assert key in got
 
 
+def test_submit_and_get_cost_a_fixed_few_statements(client: TestClient) -> None:
+    """The hot paths stay cheap (docs/bench-api.md): a submit is three INSERTs (job with
+    RETURNING, labels, event) and no SELECT or COUNT; a get by id is one SELECT."""
+    from sqlalchemy import event
+
+    statements: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, sql: str, *_args: Any) -> None:
+        statements.append(" ".join(sql.split()[:3]).upper())
+
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        job = submit(client, labels={"team": "cv", "tier": "gold"})
+        submitted = list(statements)
+        statements.clear()
+        assert client.get(f"/v1/jobs/{job['id']}").json() == job
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert submitted == [
+        "INSERT INTO JOBS",
+        "INSERT INTO JOB_LABELS",
+        "INSERT INTO EVENTS",
+    ], submitted
+    assert [s.split()[0] for s in statements] == ["SELECT"], statements
+
+
 def test_list_filters_and_paginates_newest_first(
     client: TestClient, app_sessions: Sessions
 ) -> None:

@@ -1,7 +1,7 @@
 """HTTP response models. ORM rows live in `service/models.py`; these shape what clients see.
 
-Routes return ORM rows and FastAPI validates them into these models with `from_attributes`,
-so each row is read once, straight into its JSON shape.
+Routes validate ORM objects or Core rows (the hot submit and get-by-id paths) into these
+models with `from_attributes` and serialise them once, straight into their JSON shape.
 """
 
 from __future__ import annotations

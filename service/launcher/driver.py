@@ -10,10 +10,19 @@ so `service` never imports `workers`.
 
 from __future__ import annotations
 
+import os
 import threading
 import traceback
 from pathlib import Path
 from typing import Any
+
+#: Ray Train settings for this attempt's controller.
+DRIVER_ENV = {
+    # The scheduler only launches a worker group that fits, so waiting for its workers
+    # may take as long as process start-up takes (minutes on a loaded machine); Ray's
+    # default of 60 s would abort and retry a start that is merely slow.
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600",
+}
 
 #: What runs on every worker of the group, resolved inside the driver process.
 TRAIN_FN = "workers.ray_entry:train_loop_per_worker"
@@ -134,6 +143,10 @@ class JobDriver:
                 self._status = "failed"
 
     def _fit(self) -> bool:
+        # Set here rather than as the actor's runtime_env, so that the driver can start in
+        # an already-running pooled Ray worker process (a runtime_env forces a fresh one);
+        # TorchTrainer hands RAY_TRAIN_* variables of this process on to its controller.
+        os.environ.update(DRIVER_ENV)
         from ray.train import FailureConfig, RunConfig, ScalingConfig
 
         TorchTrainer = _trainer_class()

@@ -24,13 +24,6 @@ log = logging.getLogger("elastrain.launcher")
 
 _POLL_TIMEOUT_S = 10.0
 
-#: Environment of the driver process; Ray Train's controller inherits it.
-DRIVER_ENV = {
-    # The scheduler only launches a worker group that fits, so waiting for its workers
-    # may take as long as process start-up takes (minutes on a loaded machine); Ray's
-    # default of 60 s would abort and retry a start that is merely slow.
-    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600",
-}
 
 
 class RayLauncher:
@@ -91,7 +84,6 @@ class RayLauncher:
             num_cpus=0,
             max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(self._home_node, soft=True),
-            runtime_env={"env_vars": DRIVER_ENV},
         ).remote(
             job_id=request.job_id,
             attempt=request.attempt,

@@ -65,13 +65,21 @@ def elastrain_trial(client: Any, nodes: Nodes) -> dict[str, float]:
     nodes.remove(nodes.node_of(placement["2"]))
     recovering = wait_for(client, job_id, lambda j: j["state"] == "RECOVERING", what="recovering")
     last_step = recovering["step"]
-    wait_for(client, job_id, lambda j: j["attempt"] == 2 and j["state"] == "RUNNING", what="resumed")
+    wait_for(
+        client, job_id, lambda j: j["attempt"] == 2 and j["state"] == "RUNNING", what="resumed"
+    )
     time.sleep(1)
     after = [p for p in _metrics(client, job_id) if p["attempt"] == 2]
     first = min(after, key=lambda p: p["step"])
     t_add = time.time()
     nodes.add(1)
-    wait_for(client, job_id, lambda j: j["attempt"] == 3 and j["state"] == "RUNNING", what="grown", timeout=300)
+    wait_for(
+        client,
+        job_id,
+        lambda j: j["attempt"] == 3 and j["state"] == "RUNNING",
+        what="grown",
+        timeout=300,
+    )
     time.sleep(1)
     grown = min((p for p in _metrics(client, job_id) if p["attempt"] == 3), key=lambda p: p["step"])
     client.post(f"/v1/jobs/{job_id}/cancel")
@@ -89,14 +97,18 @@ def loss_curves(client: Any, nodes: Nodes, steps: int = 40) -> list[tuple[int, f
     """(step, interrupted loss, uninterrupted loss, world size of the interrupted run)."""
     spec = {**SPEC, "training": {**SPEC["training"], "max_steps": steps}}
     interrupted = submit(client, {**spec, "name": "curve-interrupted"})
-    wait_for(client, interrupted, lambda j: j["state"] == "RUNNING" and j["step"] >= 12, what="step 12")
+    wait_for(
+        client, interrupted, lambda j: j["state"] == "RUNNING" and j["step"] >= 12, what="step 12"
+    )
     placement = next(
         e["details"]["ranks"]
         for e in client.get(f"/v1/jobs/{interrupted}/events").json()
         if e["kind"] == "placement"
     )
     nodes.remove(nodes.node_of(placement["2"]))
-    wait_for(client, interrupted, lambda j: j["attempt"] == 2 and j["state"] == "RUNNING", what="resumed")
+    wait_for(
+        client, interrupted, lambda j: j["attempt"] == 2 and j["state"] == "RUNNING", what="resumed"
+    )
     nodes.add(1)
     assert wait_terminal(client, interrupted, timeout=600)["state"] == "SUCCEEDED"
     steady = submit(client, {**spec, "name": "curve-steady"})
@@ -187,12 +199,18 @@ def baseline_trial(nodes: Nodes, folder: Path) -> dict[str, float]:
             num_workers=(1, 3), resources_per_worker={"CPU": 1}, elastic_resize_monitor_interval_s=5
         ),
         run_config=RunConfig(
-            name=folder.name, storage_path=str(folder / "ray"), failure_config=FailureConfig(max_failures=-1)
+            name=folder.name,
+            storage_path=str(folder / "ray"),
+            failure_config=FailureConfig(max_failures=-1),
         ),
     )
     thread = threading.Thread(target=trainer.fit, daemon=True)
     thread.start()
-    _wait(lambda: any(s["step"] >= 10 and s["world_size"] == 3 for s in _steps(folder)), 600, "step 10")
+    _wait(
+        lambda: any(s["step"] >= 10 and s["world_size"] == 3 for s in _steps(folder)),
+        600,
+        "step 10",
+    )
     placement = json.loads(sorted(folder.glob("placement-*.json"))[-1].read_text())
     last_step = max(s["step"] for s in _steps(folder))
     t_remove = time.time()

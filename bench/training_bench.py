@@ -28,8 +28,16 @@ CASES = [
     ("ddp", {"kind": "ddp"}, 2),
     ("fsdp", {"kind": "fsdp"}, 1),
     ("fsdp", {"kind": "fsdp"}, 2),
-    ("pipeline gpipe", {"kind": "pipeline", "pipeline_stages": 2, "microbatches": 4, "schedule": "gpipe"}, 2),
-    ("pipeline 1f1b", {"kind": "pipeline", "pipeline_stages": 2, "microbatches": 4, "schedule": "1f1b"}, 2),
+    (
+        "pipeline gpipe",
+        {"kind": "pipeline", "pipeline_stages": 2, "microbatches": 4, "schedule": "gpipe"},
+        2,
+    ),
+    (
+        "pipeline 1f1b",
+        {"kind": "pipeline", "pipeline_stages": 2, "microbatches": 4, "schedule": "1f1b"},
+        2,
+    ),
 ]
 
 

@@ -37,9 +37,13 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
     _S.PENDING: frozenset({_S.STARTING, _S.CANCELLED, _S.FAILED}),
     _S.STARTING: frozenset({_S.RUNNING, _S.RECOVERING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
     _S.RUNNING: frozenset({_S.RECOVERING, _S.RESIZING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
-    # RECOVERING -> STARTING: the relaunch of a new attempt after a failure.
-    _S.RECOVERING: frozenset({_S.STARTING, _S.RUNNING, _S.FAILED, _S.CANCELLED}),
-    _S.RESIZING: frozenset({_S.STARTING, _S.RUNNING, _S.RECOVERING, _S.FAILED, _S.CANCELLED}),
+    # RECOVERING -> STARTING: the relaunch of a new attempt after a failure. -> SUCCEEDED:
+    # the relaunched attempt found a checkpoint at max_steps (or a resize was asked for at
+    # the very last step) and had nothing left to do.
+    _S.RECOVERING: frozenset({_S.STARTING, _S.RUNNING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
+    _S.RESIZING: frozenset(
+        {_S.STARTING, _S.RUNNING, _S.RECOVERING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}
+    ),
     _S.SUCCEEDED: frozenset(),
     _S.FAILED: frozenset(),
     _S.CANCELLED: frozenset(),

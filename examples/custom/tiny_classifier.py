@@ -33,5 +33,7 @@ class TwoMoons(torch.utils.data.Dataset):
 
 
 def make_workload(hidden: int = 64, n: int = 4096, seed: int = 0) -> Workload:
-    model = nn.Sequential(nn.Linear(2, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2))
+    model = nn.Sequential(
+        nn.Linear(2, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2)
+    )
     return Workload(model=model, dataset=TwoMoons(n, seed), loss_fn=nn.functional.cross_entropy)

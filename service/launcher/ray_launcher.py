@@ -25,7 +25,6 @@ log = logging.getLogger("elastrain.launcher")
 _POLL_TIMEOUT_S = 10.0
 
 
-
 class RayLauncher:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings

@@ -21,7 +21,11 @@ N_JOBS = 60
 
 def _submit_many(factory) -> None:  # type: ignore[no-untyped-def]
     spec = JobSpec.model_validate(
-        {"name": "j", "workload": {"name": "synthetic"}, "scaling": {"min_workers": 1, "max_workers": 1}}
+        {
+            "name": "j",
+            "workload": {"name": "synthetic"},
+            "scaling": {"min_workers": 1, "max_workers": 1},
+        }
     )
     with session_scope(factory) as s:
         for _ in range(N_JOBS):

@@ -313,3 +313,21 @@ def test_pipeline_world_size_is_a_multiple_of_stages() -> None:
         }
     )
     assert [spec.usable_world_size(c) for c in range(7)] == [0, 0, 2, 2, 4, 4, 4]
+
+
+def test_job_that_finishes_while_resizing_succeeds(env) -> None:
+    factory, launcher, sched, clock = env
+    jid = submit(factory, scaling={"min_workers": 1, "max_workers": 3})
+    launcher.remove_node("n3")
+    sched.run_pass()
+    d = launcher.driver(jid)
+    d.status, d.placement = DriverStatus.RUNNING, {0: "n1", 1: "n2"}
+    sched.run_pass()
+    launcher.add_node("n4", 1)
+    sched.run_pass()
+    clock.t += 6
+    sched.run_pass()
+    assert job(factory, jid).state == JobState.RESIZING
+    d.status = DriverStatus.SUCCEEDED  # the stop arrived at the last step: nothing to resume
+    sched.run_pass()
+    assert job(factory, jid).state == JobState.SUCCEEDED

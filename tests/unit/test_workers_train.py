@@ -171,9 +171,11 @@ def test_resume_continues_the_same_sample_stream(runs: dict) -> None:
     # ...and follows its loss curve (model and AdamW state restored, resharded 2 -> 1).
     assert losses(stopped) + losses(resumed) == pytest.approx(losses(runs["fsdp2"]), rel=RTOL)
     # The damaged newer copy was reported and passed over.
-    [(kind, reason, details)] = resumed["events"]
+    [fallback, resume] = resumed["events"]
+    kind, reason, details = fallback
     assert kind == "checkpoint_fallback" and reason
     assert details["path"].endswith("step_000000005-a2")
+    assert resume[0] == "resumed" and resume[2]["step"] == 3
     log = (Path(resumed["commits"][-1]["path"]).parent / "rank0.log").read_text()
     assert "resumed from" in log
 

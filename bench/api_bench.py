@@ -37,9 +37,9 @@ from sqlalchemy import insert  # noqa: E402
 from sqlalchemy.orm import Session  # noqa: E402
 
 from service.db import make_engine, migrate  # noqa: E402
+from service.jobs import job_row_values  # noqa: E402
 from service.models import Event, Job, JobLabel  # noqa: E402
 from service.spec import JobSpec  # noqa: E402
-from service.states import JobState  # noqa: E402
 
 PG_ADMIN_URL = os.environ.get(
     "ELASTRAIN_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test"
@@ -85,17 +85,7 @@ def prefill(url: str, n: int) -> list[int]:
     engine = make_engine(url)
     migrate(engine)
     spec = JobSpec.model_validate(SPEC)
-    row = {
-        "owner": "default",
-        "name": spec.name,
-        "spec": spec.model_dump(mode="json"),
-        "state": JobState.PENDING,
-        "priority": spec.priority,
-        "strategy": spec.strategy.kind.value,
-        "min_workers": spec.scaling.min_workers,
-        "max_workers": spec.scaling.max_workers,
-        "max_steps": spec.training.max_steps,
-    }
+    row = job_row_values(spec, owner="default")
     ids: list[int] = []
     with Session(engine) as session:
         for start in range(0, n, 1000):

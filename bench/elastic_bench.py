@@ -252,6 +252,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--baseline-repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("docs/bench-elastic.md"))
+    parser.add_argument("--no-curves", action="store_true", help="skip the loss-curve runs")
     args = parser.parse_args()
 
     ours: list[dict[str, float]] = []
@@ -262,7 +263,7 @@ def main() -> None:
         for i in range(args.repeats):
             ours.append(elastrain_trial(client, nodes))
             print("elastrain", i, ours[-1], flush=True)
-        curves = loss_curves(client, nodes)
+        curves = [] if args.no_curves else loss_curves(client, nodes)
 
     theirs: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:

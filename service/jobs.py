@@ -47,6 +47,21 @@ _INSERT_EVENT = insert(Event.__table__)
 _SELECT_JOB = select(_JOBS).where(_JOBS.c.id == bindparam("job_id"))
 
 
+def job_row_values(spec: JobSpec, *, owner: str) -> dict[str, Any]:
+    """The `jobs` columns a new job starts with (also used by bulk loaders such as benches)."""
+    return {
+        "owner": owner,
+        "name": spec.name,
+        "spec": spec.model_dump(mode="json"),
+        "state": JobState.PENDING,
+        "priority": spec.priority,
+        "strategy": spec.strategy.kind.value,
+        "min_workers": spec.scaling.min_workers,
+        "max_workers": spec.scaling.max_workers,
+        "max_steps": spec.training.max_steps,
+    }
+
+
 def insert_job(session: Session, *, spec: JobSpec, owner: str = "default") -> Row[Any]:
     """Store a submitted job (its row, labels and "submitted" event); returns the job's row.
 
@@ -55,20 +70,7 @@ def insert_job(session: Session, *, spec: JobSpec, owner: str = "default") -> Ro
     `session.add` + two flushes, and the submit route is the API's hottest write
     (docs/bench-api.md). The row has every column, so it answers the request by itself.
     """
-    job = session.execute(
-        _INSERT_JOB,
-        {
-            "owner": owner,
-            "name": spec.name,
-            "spec": spec.model_dump(mode="json"),
-            "state": JobState.PENDING,
-            "priority": spec.priority,
-            "strategy": spec.strategy.kind.value,
-            "min_workers": spec.scaling.min_workers,
-            "max_workers": spec.scaling.max_workers,
-            "max_steps": spec.training.max_steps,
-        },
-    ).one()
+    job = session.execute(_INSERT_JOB, job_row_values(spec, owner=owner)).one()
     if spec.labels:
         session.execute(
             _INSERT_LABELS,

@@ -17,7 +17,10 @@ from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_
 pytestmark = [pytest.mark.ray, pytest.mark.chaos]
 
 ELASTIC = {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}
-TRAINING = {"global_batch_size": 24, "micro_batch_size": 8, "max_steps": 60}
+# Enough steps that the job is still training at world size 2 when the node returns and
+# the relaunch at 3 (tens of seconds: new Ray worker processes) has happened.
+MAX_STEPS = 400
+TRAINING = {"global_batch_size": 24, "micro_batch_size": 4, "max_steps": MAX_STEPS}
 
 
 def per_step(client, job_id: int, key: str) -> dict[int, float]:  # type: ignore[no-untyped-def]
@@ -38,7 +41,7 @@ def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
             "chaos",
             scaling=ELASTIC,
             training=TRAINING,
-            checkpoint={"every_steps": 5},
+            checkpoint={"every_steps": 10},
             failure={"max_restarts": 3},
         )
         job_id = submit(client, spec)
@@ -87,14 +90,14 @@ def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
 
         # The same job without interruption, on the same cluster: same samples per step,
         # same losses up to float reduction order (different world sizes sum in a
-        # different order; Adam amplifies ~1e-7 differences a little over 60 steps).
+        # different order; Adam amplifies ~1e-7 differences over the steps).
         steady = submit(client, {**spec, "name": "steady"})
         assert wait_terminal(client, steady, timeout=400)["state"] == "SUCCEEDED"
         assert per_step(client, job_id, "batch_crc") == per_step(client, steady, "batch_crc")
         interrupted, baseline = per_step(client, job_id, "loss"), per_step(client, steady, "loss")
-        assert interrupted.keys() == baseline.keys() == set(range(1, 61))
-        for step, loss in baseline.items():
-            assert interrupted[step] == pytest.approx(loss, rel=1e-3), step
+        assert interrupted.keys() == baseline.keys() == set(range(1, MAX_STEPS + 1))
+        worst = max(abs(interrupted[s] - loss) / abs(loss) for s, loss in baseline.items())
+        assert worst < 1e-3, f"largest relative loss difference {worst:.2e}"
 
 
 def test_below_min_waits_then_resumes_and_times_out(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _HOME = Path(".elastrain")
@@ -47,6 +47,13 @@ class Settings(BaseSettings):
         default=None,
         description="When set, every /v1 request needs 'Authorization: Bearer <token>'.",
     )
+
+    @field_validator("storage_path")
+    @classmethod
+    def _absolute_storage(cls, value: Path) -> Path:
+        # Ray workers and the Ray Train controller run with other working directories,
+        # and Ray Train refuses relative storage paths: resolve once, here.
+        return value.expanduser().resolve()
 
     def ensure_dirs(self) -> None:
         self.storage_path.mkdir(parents=True, exist_ok=True)

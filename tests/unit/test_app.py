@@ -54,3 +54,13 @@ def test_scheduler_is_started_and_stopped_with_the_app(
         assert client.get("/healthz").json()["scheduler"] is True
         assert not handle.stopped
     assert handle.stopped
+
+
+def test_storage_path_is_made_absolute(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Ray workers run elsewhere: a relative storage path (the default) must not reach them."""
+    from service.settings import Settings
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ELASTRAIN_STORAGE_PATH", raising=False)
+    assert Settings().storage_path == tmp_path / ".elastrain" / "storage"
+    assert Settings(storage_path="rel/dir").storage_path == tmp_path / "rel" / "dir"

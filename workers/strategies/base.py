@@ -47,6 +47,9 @@ class Strategy(ABC):
     layout: Layout
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    #: `StateDictOptions` for get/set_state_dict; a strategy whose ranks hold different
+    #: parameter sets (pipeline stages) needs flattened optimizer state.
+    checkpoint_options: Any = None
 
     @abstractmethod
     def setup(self, workload: Workload, ctx: TrainContext, spec: dict[str, Any]) -> None:
@@ -67,7 +70,9 @@ class Strategy(ABC):
         (DTensors for fsdp), loadable at any other world size or split."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(
+            self.model, self.optimizer, options=self.checkpoint_options
+        )
         return {"model": model_sd, "optim": optim_sd}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
@@ -78,6 +83,7 @@ class Strategy(ABC):
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
+            options=self.checkpoint_options,
         )
 
     def memory_bytes(self) -> dict[str, int]:

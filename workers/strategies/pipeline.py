@@ -56,8 +56,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_state_dict,
-    set_state_dict,
 )
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
@@ -158,6 +156,8 @@ _ScheduleKey = tuple[int, torch.Size, torch.dtype, torch.Size, torch.dtype]
 
 class PipelineStrategy(Strategy):
     """One pipeline stage of one replica; see the module docstring for the layout."""
+
+    checkpoint_options = CHECKPOINT_OPTIONS
 
     def __init__(self, *, grad_clip: float | None = GRAD_CLIP_NORM) -> None:
         self.grad_clip = grad_clip
@@ -332,21 +332,6 @@ class PipelineStrategy(Strategy):
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
 
     # -- checkpoints -------------------------------------------------------------------
-
-    def state_dict_for_checkpoint(self) -> dict[str, Any]:
-        """This stage's model and optimizer state keyed by the full model's FQNs; the
-        stages' key sets are disjoint and replicas' identical (DCP saves those once)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=CHECKPOINT_OPTIONS)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=CHECKPOINT_OPTIONS,
-        )
 
 
 def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

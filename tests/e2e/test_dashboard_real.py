@@ -8,7 +8,6 @@ Set ELASTRAIN_SCREENSHOT_DIR to keep a screenshot of the page (docs/screenshot-j
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,20 +16,9 @@ from ray.cluster_utils import Cluster
 
 from tests.e2e.conftest import open_dashboard, wait_for_chart
 from tests.e2e.server import serve_argv
-from tests.integration.ray_service import tiny_gpt_spec
+from tests.integration.ray_service import tiny_gpt_spec, wait_for, wait_terminal
 
 pytestmark = [pytest.mark.browser, pytest.mark.ray, pytest.mark.chaos]
-
-
-def _wait(srv: Any, job_id: int, predicate: Any, timeout: float = 300) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    with srv.http() as http:
-        while time.monotonic() < deadline:
-            job = http.get(f"/v1/jobs/{job_id}").json()
-            if predicate(job):
-                return job
-            time.sleep(0.5)
-    raise AssertionError(f"job {job_id}: {job}")
 
 
 def test_job_that_lost_a_node_in_the_browser(page: Any, server_factory: Any) -> None:
@@ -54,14 +42,16 @@ def test_job_that_lost_a_node_in_the_browser(page: Any, server_factory: Any) -> 
             checkpoint={"every_steps": 10},
         )
         job_id = srv.submit(spec)["id"]
-        _wait(srv, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 25)
+        with srv.http() as http:
+            wait_for(http, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 25)
         with srv.http() as http:
             placement = next(
                 e for e in http.get(f"/v1/jobs/{job_id}/events").json() if e["kind"] == "placement"
             )
         victim = next(n for n in workers if n.node_id == placement["details"]["ranks"]["1"])
         cluster.remove_node(victim)
-        job = _wait(srv, job_id, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), timeout=400)
+        with srv.http() as http:
+            job = wait_terminal(http, job_id, timeout=400)
         assert job["state"] == "SUCCEEDED", job
         with srv.http() as http:
             metrics = http.get(f"/v1/jobs/{job_id}/metrics").json()

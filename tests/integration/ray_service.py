@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import ray
 from fastapi.testclient import TestClient
 
@@ -70,7 +71,7 @@ def submit(client: TestClient, spec: dict[str, Any]) -> int:
 
 
 def wait_for(
-    client: TestClient,
+    client: httpx.Client,  # a TestClient, or a client of a real server
     job_id: int,
     predicate: Callable[[dict[str, Any]], bool],
     *,
@@ -90,7 +91,7 @@ def wait_for(
     raise AssertionError(f"job {job_id}: {what} not reached; job={job}\nevents={events}")
 
 
-def wait_terminal(client: TestClient, job_id: int, timeout: float = 300) -> dict[str, Any]:
+def wait_terminal(client: httpx.Client, job_id: int, timeout: float = 300) -> dict[str, Any]:
     return wait_for(
         client, job_id, lambda j: j["state"] in TERMINAL, timeout=timeout, what="terminal state"
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -147,15 +146,13 @@ def test_control_plane_kill_9_and_restart_reattaches(tmp_path: Path) -> None:
         )
         job_id = server.submit(spec)["id"]
         with server.http() as http:
-            wait_until(http, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 5)
+            wait_for(http, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 5)
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait(10)
         step_at_kill = _job(server, job_id)["step"]
         server = start_server(tmp_path, argv=serve_argv, env=env, startup_timeout=120)
         with server.http() as http:
-            job = wait_until(
-                http, job_id, lambda j: j["state"] in ("SUCCEEDED", "FAILED"), timeout=400
-            )
+            job = wait_terminal(http, job_id, timeout=400)
             assert job["state"] == "SUCCEEDED", job
             assert job["attempt"] == 1, "the restarted control plane launched a second copy"
             steps = [m["step"] for m in http.get(f"/v1/jobs/{job_id}/metrics").json()]
@@ -172,14 +169,3 @@ def _job(server, job_id: int) -> dict:  # type: ignore[no-untyped-def,type-arg]
     with server.session() as s:
         job = jobs.get_job(s, job_id)
         return {"step": job.step, "attempt": job.attempt, "state": job.state.value}
-
-
-def wait_until(http, job_id: int, predicate, timeout: float = 300) -> dict:  # type: ignore[no-untyped-def,type-arg]
-    deadline = time.monotonic() + timeout
-    job: dict = {}  # type: ignore[type-arg]
-    while time.monotonic() < deadline:
-        job = http.get(f"/v1/jobs/{job_id}").json()
-        if predicate(job):
-            return job
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} never got there: {job}")

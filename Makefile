@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-deps test-fast lint bench clean
 
 $(BIN)/elastrain: pyproject.toml
 	@echo "installing into $(VENV)"
@@ -19,16 +19,24 @@ $(BIN)/elastrain: pyproject.toml
 demo: $(BIN)/elastrain
 	$(BIN)/elastrain serve --demo
 
+# What the suite needs outside the venv: Debian's Chromium (installed with apt-get when run
+# as root or with passwordless sudo) and PostgreSQL at 127.0.0.1:5432 (an installed cluster
+# that is down is started). Quiet when both are there; says what is missing and fails if not.
+test-deps:
+	@.ci/setup-system
+
 # The whole suite: unit, integration (real Ray, real PostgreSQL), chaos, browser.
-test: $(BIN)/elastrain
+test: test-deps $(BIN)/elastrain
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 test-fast: $(BIN)/elastrain
+	@.ci/setup-system postgresql
 	$(BIN)/python -m pytest -q -m "not ray and not chaos and not browser"
 
 lint: $(BIN)/elastrain
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .elastrain .pytest_cache

@@ -18,8 +18,8 @@ from pydantic import BaseModel
 from sqlalchemy.exc import OperationalError
 
 from api.logs import BadCursor
+from contracts.spec import JobSpec
 from service.jobs import JobNotFound
-from service.spec import JobSpec
 from service.states import IllegalTransition
 
 log = logging.getLogger("elastrain.api")

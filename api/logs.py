@@ -2,7 +2,7 @@
 
 Workers write `*.log` files under `<storage>/jobs/<id>/logs/` (one per rank, possibly in a
 folder per attempt). The attempt a file belongs to is the number after `attempt` in its
-relative path (`attempt-3.rank-0.log`, `attempt_3/rank0.log`); files without one count as
+relative path (`attempt-003-rank-0.log`, as the workers name them, or `attempt_3/rank0.log`); files without one count as
 attempt 0. Several files of one attempt grow at once, so a single byte offset cannot
 say how far a client has read: the cursor holds one position per file. For the common
 single-file case it is just the byte offset, so `?offset=1234` works as one would expect.
@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.storage import attempt_of_log
+
 #: The most bytes one call returns; a follower gets the rest on its next call.
 MAX_CHUNK = 1 << 20
-
-_ATTEMPT_RE = re.compile(r"attempt[-_]?(\d+)", re.IGNORECASE)
 
 
 class BadCursor(ValueError):
@@ -35,15 +34,6 @@ class Chunk:
     attempt: int | None
     latest_attempt: int | None
     files: list[str]
-
-
-def logs_dir(storage_path: Path, job_id: int) -> Path:
-    return storage_path / "jobs" / str(job_id) / "logs"
-
-
-def attempt_of(rel_path: str) -> int:
-    found = _ATTEMPT_RE.findall(rel_path)
-    return int(found[-1]) if found else 0
 
 
 def _decode_cursor(offset: str, names: list[str]) -> dict[str, int]:
@@ -95,7 +85,7 @@ def read_logs(
         for path in directory.rglob("*.log"):
             if path.is_file():
                 rel = path.relative_to(directory).as_posix()
-                by_attempt.setdefault(attempt_of(rel), []).append(rel)
+                by_attempt.setdefault(attempt_of_log(rel), []).append(rel)
     latest = max(by_attempt) if by_attempt else None
     if attempt is None:
         attempt = latest

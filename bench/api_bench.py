@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT))
 from sqlalchemy import insert  # noqa: E402
 from sqlalchemy.orm import Session  # noqa: E402
 
+from contracts.spec import JobSpec  # noqa: E402
 from service.db import make_engine, migrate  # noqa: E402
 from service.jobs import job_row_values  # noqa: E402
 from service.models import Event, Job, JobLabel  # noqa: E402
-from service.spec import JobSpec  # noqa: E402
 
 PG_ADMIN_URL = os.environ.get(
     "ELASTRAIN_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test"

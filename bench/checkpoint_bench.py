@@ -164,7 +164,7 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
             record(f"{mode}.window", max_over_ranks(window))
             record(f"{mode}.tail", max_over_ranks(tail))
             if commits:
-                total_bytes = commits[0]["bytes"]
+                total_bytes = commits[0].bytes
             if rank == 0:  # keep the disk footprint to one checkpoint per mode
                 for old in (work / mode).glob("step_*-a0"):
                     if old.name != f"step_{step:09d}-a0":

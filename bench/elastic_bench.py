@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray
 from ray.cluster_utils import Cluster
 
+from contracts.spec import JobSpec
 from tests.integration.cluster_service import Nodes, multi_node_service
 from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_terminal
 
@@ -127,13 +128,14 @@ class _FileHooks:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
 
-    def report_metrics(self, point: dict[str, Any]) -> None:
-        with (self.folder / "steps.jsonl").open("a") as f:
-            f.write(json.dumps({k: point[k] for k in ("step", "wall_time", "world_size")}) + "\n")
+    def send(self, message: Any) -> None:
+        from contracts.messages import StepMetrics
 
-    def checkpoint_committed(self, info: dict[str, Any]) -> None: ...
-
-    def event(self, kind: str, reason: str, details: dict[str, Any] | None = None) -> None: ...
+        if isinstance(message, StepMetrics):
+            point = {"step": message.step, **message.values}
+            with (self.folder / "steps.jsonl").open("a") as f:
+                f.write(json.dumps({k: point[k] for k in ("step", "wall_time", "world_size")}))
+                f.write("\n")
 
     def poll_control(self):  # type: ignore[no-untyped-def]
         from workers.api import Control
@@ -142,7 +144,7 @@ class _FileHooks:
 
 
 class _NoHooks(_FileHooks):
-    def report_metrics(self, point: dict[str, Any]) -> None: ...
+    def send(self, message: Any) -> None: ...
 
 
 def _baseline_loop(config: dict[str, Any]) -> None:
@@ -169,7 +171,7 @@ def _baseline_loop(config: dict[str, Any]) -> None:
         checkpoint_root=folder / "checkpoints",
     )
     hooks = _FileHooks(folder) if ctx.get_world_rank() == 0 else _NoHooks(folder)
-    train(train_ctx, config["spec"], hooks)
+    train(train_ctx, JobSpec.model_validate(config["spec"]), hooks)
 
 
 def _steps(folder: Path) -> list[dict[str, Any]]:

@@ -2,10 +2,10 @@
 
     python bench/screenshots.py [--out docs] [--theme light|dark]
 
-Starts the API (uvicorn, fresh SQLite in a temp dir), seeds a varied job list through
-REST and `service.jobs` (see tests/e2e/seed.py), and drives Debian's Chromium with
-Playwright: docs/screenshot-list.png (the job list) and docs/screenshot-job.png (a job
-that lost a node and grew back).
+Starts the API (uvicorn, fresh SQLite in a temp dir), seeds a varied job list (submitted
+over REST, run by the real scheduler on a fake cluster: see tests/e2e/seed.py), and drives
+Debian's Chromium with Playwright: docs/screenshot-list.png (the job list) and
+docs/screenshot-job.png (a job that lost a node and grew back).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 from checkpoints.integrity import CorruptCheckpoint, verify
 from checkpoints.layout import StepDir, iter_step_dirs
 from checkpoints.manifest import Manifest, ManifestError, ManifestMissing, read_manifest
+from contracts.messages import CheckpointCommitted
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,17 +44,16 @@ class CheckpointInfo:
             manifest=manifest,
         )
 
-    def to_commit_dict(self) -> dict[str, Any]:
-        """The shape `TrainHooks.checkpoint_committed` reports to the service."""
-        return {
-            "step": self.step,
-            "attempt": self.attempt,
-            "path": str(self.path),
-            "world_size": self.world_size,
-            "bytes": self.total_bytes,
-            "committed_at": self.committed_at,
-            "manifest": self.manifest.to_dict(),
-        }
+    def to_commit(self) -> CheckpointCommitted:
+        """The message rank 0 sends the driver for this checkpoint."""
+        return CheckpointCommitted(
+            step=self.step,
+            attempt=self.attempt,
+            world_size=self.world_size,
+            path=str(self.path),
+            bytes=self.total_bytes,
+            manifest=self.manifest.to_dict(),
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,9 +117,9 @@ def find_latest_good(
     candidates.sort(key=lambda c: c[0], reverse=True)
 
     skipped: list[tuple[str, str]] = []
-    for _key, item, reason in candidates:
-        if reason is not None:
-            skipped.append((str(item.path), reason))
+    for _key, item, why in candidates:
+        if why is not None:
+            skipped.append((str(item.path), why))
             continue
         assert isinstance(item, CheckpointInfo)
         try:

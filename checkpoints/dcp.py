@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,9 +30,7 @@ from checkpoints.catalog import CheckpointInfo, LoadOutcome, find_latest_good
 from checkpoints.integrity import describe_files
 from checkpoints.layout import MANIFEST_NAME, rank_extra_name, step_dir
 from checkpoints.manifest import Manifest, write_manifest
-from checkpoints.retention import apply_retention
-
-log = logging.getLogger(__name__)
+from contracts.messages import CheckpointCommitted
 
 # Fields of `manifest_fields`; anything else is a caller mistake we report at once rather
 # than drop silently.
@@ -73,7 +70,6 @@ class ShardedCheckpointer:
         async_save: bool,
         process_group: dist.ProcessGroup | None = None,
         verify_digests: bool = True,
-        keep_last: int | None = None,
     ) -> None:
         """`process_group`: the group DCP and the load broadcast use. None creates a
         dedicated gloo group, so every rank must construct the checkpointer at the same
@@ -82,15 +78,13 @@ class ShardedCheckpointer:
         may be NCCL) on the main thread, and keeps checkpoint collectives out of the
         training group's sequence.
 
-        `keep_last`: when set, group rank 0 prunes old checkpoints after each commit
-        (`retention.apply_retention`); None leaves retention to the service.
+        Retention is not done here: the service prunes (`checkpoints.retention`).
         """
         self.root = Path(root)
         self.rank = rank
         self.world_size = world_size
         self.async_save = async_save
         self.verify_digests = verify_digests
-        self.keep_last = keep_last
         self._distributed = dist.is_available() and dist.is_initialized()
         if self._distributed:
             self._pg: dist.ProcessGroup | None = (
@@ -105,9 +99,9 @@ class ShardedCheckpointer:
         # One background thread: it waits for DCP's upload, then (rank 0) commits. Saves
         # never overlap because save() waits for the previous one before starting.
         self._executor: ThreadPoolExecutor | None = None
-        self._inflight: Future[dict[str, Any] | None] | None = None
+        self._inflight: Future[CheckpointCommitted | None] | None = None
         self._inflight_id: tuple[int, int, Path] | None = None
-        self._pending: list[dict[str, Any]] = []
+        self._pending: list[CheckpointCommitted] = []
         self._last_saved: tuple[int, int] | None = None
 
     # ---------------------------------------------------------------------------------
@@ -168,7 +162,7 @@ class ShardedCheckpointer:
             )
             # With the default (synchronous) stager this is a plain Future; newer stagers
             # return an AsyncSaveResponse whose upload future is what we wait on.
-            upload: Future[Any] = getattr(response, "upload_completion", response)
+            upload = cast("Future[Any]", getattr(response, "upload_completion", response))
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
             self._inflight = self._executor.submit(self._finish_async, upload, path, manifest)
@@ -184,24 +178,17 @@ class ShardedCheckpointer:
 
     def _finish_async(
         self, upload: Future[Any], path: Path, manifest: Manifest
-    ) -> dict[str, Any] | None:
+    ) -> CheckpointCommitted | None:
         upload.result()  # re-raises a failed write (DCP propagates it to every rank)
         return self._commit(path, manifest) if self._coordinator else None
 
-    def _commit(self, path: Path, manifest: Manifest) -> dict[str, Any]:
+    def _commit(self, path: Path, manifest: Manifest) -> CheckpointCommitted:
         """Rank 0, after DCP wrote every shard and `.metadata`: digest, manifest last."""
         manifest.files = describe_files(path)
         manifest.total_bytes = sum(f["size"] for f in manifest.files.values())
         manifest.created_at = time.time()
         write_manifest(path, manifest)
-        info = CheckpointInfo.from_manifest(path, manifest)
-        if self.keep_last is not None:
-            try:
-                apply_retention(self.root, self.keep_last, protect=[path])
-            except OSError:
-                # Pruning is housekeeping: a failure must not turn a good commit into an error.
-                log.warning("checkpoint retention under %s failed", self.root, exc_info=True)
-        return info.to_commit_dict()
+        return CheckpointInfo.from_manifest(path, manifest).to_commit()
 
     def _wait_inflight(self) -> None:
         """Block until the in-flight async save (if any) is done; raise if it failed."""
@@ -226,7 +213,7 @@ class ShardedCheckpointer:
     # commits
     # ---------------------------------------------------------------------------------
 
-    def poll_commits(self) -> list[dict[str, Any]]:
+    def poll_commits(self) -> list[CheckpointCommitted]:
         """Commits made since the last call (group rank 0; [] elsewhere). Non-blocking.
         Raises CheckpointSaveError, on the ranks where it is observed, when the background
         save failed: a lost checkpoint is never silent."""
@@ -234,13 +221,13 @@ class ShardedCheckpointer:
         out, self._pending = self._pending, []
         return out
 
-    def finalize(self) -> list[dict[str, Any]]:
+    def finalize(self) -> list[CheckpointCommitted]:
         """Wait for the in-flight save; return the commits not yet polled."""
         self._wait_inflight()
         out, self._pending = self._pending, []
         return out
 
-    def close(self) -> list[dict[str, Any]]:
+    def close(self) -> list[CheckpointCommitted]:
         """finalize() and release the background thread."""
         try:
             return self.finalize()

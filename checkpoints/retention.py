@@ -58,22 +58,36 @@ def delete_checkpoint(path: str | os.PathLike[str]) -> None:
     remove_tree(root)
 
 
-def apply_retention(
+def retention_plan(
     root: str | os.PathLike[str],
     keep_last: int,
     *,
     protect: Iterable[str | os.PathLike[str]] = (),
 ) -> list[Path]:
-    """Scan root, delete what `plan_retention` says; return the deleted paths.
+    """Scan root and say what `plan_retention` would delete (reads only).
 
     Unreadable manifests count as uncommitted garbage when older than the newest committed
     checkpoint.
     """
     found = scan(root)
     garbage = [*found.uncommitted, *(d for d, _reason in found.unreadable)]
-    plan = plan_retention(found.committed, keep_last, uncommitted=garbage, protect=protect)
-    for path in plan:
+    return plan_retention(found.committed, keep_last, uncommitted=garbage, protect=protect)
+
+
+def delete_checkpoints(root: str | os.PathLike[str], paths: Sequence[Path]) -> None:
+    for path in paths:
         delete_checkpoint(path)
-    if plan:
+    if paths:
         fsync_dir(root)
+
+
+def apply_retention(
+    root: str | os.PathLike[str],
+    keep_last: int,
+    *,
+    protect: Iterable[str | os.PathLike[str]] = (),
+) -> list[Path]:
+    """Scan root, delete what `plan_retention` says; return the deleted paths."""
+    plan = retention_plan(root, keep_last, protect=protect)
+    delete_checkpoints(root, plan)
     return plan

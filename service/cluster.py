@@ -1,14 +1,28 @@
-"""A view of the Ray cluster for the API and dashboard, kept by the scheduler.
+"""The cluster as the API and dashboard see it: a snapshot the scheduler keeps in the DB.
 
-The API must not import Ray, so the scheduler (which talks to Ray through the launcher)
-publishes a plain snapshot here on every pass and the API reads it.
+The API must not import Ray, and several API replicas (some started `--no-scheduler`) must
+all serve the same view, so the scheduler writes a plain snapshot on every pass and every
+replica reads it from the database. A snapshot older than `STALE_AFTER_S` means no
+scheduler is connected to Ray any more: it is served with `connected: false`.
 """
 
 from __future__ import annotations
 
-import threading
+import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from service.capacity import ClusterCapacity
+from service.models import ClusterSnapshot, as_utc, utcnow
+
+SNAPSHOT_NAME = "ray"
+#: Several scheduler passes (and the lease's lifetime) without a fresh snapshot.
+STALE_AFTER_S = 15.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,17 +47,72 @@ class ClusterView:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterView:
+        return cls(
+            connected=bool(data.get("connected")),
+            nodes=[NodeView(**n) for n in data.get("nodes", [])],
+            dashboard_url=data.get("dashboard_url"),
+            updated_at=data.get("updated_at"),
+        )
 
-_lock = threading.Lock()
-_current = ClusterView(connected=False)
+
+def snapshot(
+    capacity: ClusterCapacity, free: ClusterCapacity, placed: Mapping[int, list[str]]
+) -> ClusterView:
+    """The view of `capacity` with what is `free` of it and the nodes each job's workers
+    are `placed` on (job id -> node of each rank)."""
+    jobs_on: dict[str, set[int]] = {}
+    for job_id, nodes in placed.items():
+        for node in nodes:
+            jobs_on.setdefault(node, set()).add(job_id)
+    free_by_id = {n.node_id: n for n in free.nodes}
+    views = []
+    for n in capacity.nodes:
+        left = free_by_id.get(n.node_id)
+        views.append(
+            NodeView(
+                node_id=n.node_id,
+                address=n.address,
+                alive=n.alive,
+                cpus_total=n.cpus,
+                cpus_free=max(left.cpus, 0) if left else 0,
+                gpus_total=n.gpus,
+                gpus_free=max(left.gpus, 0) if left else 0,
+                jobs=sorted(jobs_on.get(n.node_id, ())),
+            )
+        )
+    return ClusterView(
+        connected=True, nodes=views, dashboard_url=capacity.dashboard_url, updated_at=time.time()
+    )
 
 
-def publish(view: ClusterView) -> None:
-    global _current
-    with _lock:
-        _current = view
+def publish(session: Session, view: ClusterView) -> None:
+    """Write the snapshot (an upsert: two schedulers racing during a lease hand-over must
+    not fail on the primary key)."""
+    values = {"name": SNAPSHOT_NAME, "view": view.to_dict(), "updated_at": utcnow()}
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    stmt = insert(ClusterSnapshot).values(**values)
+    session.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["name"],
+            set_={"view": values["view"], "updated_at": values["updated_at"]},
+        )
+    )
 
 
-def current() -> ClusterView:
-    with _lock:
-        return _current
+def current(session: Session, *, stale_after_s: float = STALE_AFTER_S) -> ClusterView:
+    """The latest snapshot; `connected` is false when there is none or it is stale."""
+    row = session.get(ClusterSnapshot, SNAPSHOT_NAME)
+    if row is None:
+        return ClusterView(connected=False)
+    view = ClusterView.from_dict(row.view)
+    age = (utcnow() - as_utc(row.updated_at)).total_seconds()
+    if age > stale_after_s:
+        view = ClusterView(
+            connected=False,
+            nodes=view.nodes,
+            dashboard_url=view.dashboard_url,
+            updated_at=view.updated_at,
+        )
+    return view

@@ -1,91 +1,530 @@
-"""The scheduler's decisions as pure functions: admission, failure handling, growth.
+"""A job's lifecycle as one pure function: `decide(job, facts) -> [Action]`.
 
-No I/O here: the scheduler gathers facts (DB rows, cluster capacity, driver reports),
-calls these, and carries out what they return. Tests call them directly.
+The scheduler observes (the job's row and current attempt, its driver's report, the alive
+nodes, the capacity free for it, timers), calls `decide` for every job that is not
+finished, and hands the actions to `service.executor`, which writes the DB in one
+transaction and then makes the Ray calls. Nothing here does I/O: the table below is tested
+row by row in tests/unit/test_decisions.py.
+
+| job is | and the facts say | it does |
+| --- | --- | --- |
+| PENDING | cancel requested | -> CANCELLED |
+| PENDING | the admission plan gives it n workers | -> STARTING at n, start attempt 1 |
+| PENDING | no room | note why it waits (queued behind, too big for the cluster) |
+| any active | cancel requested | end the attempt (its driver is stopped) -> CANCELLED |
+| any active | a node holding one of its ranks died | end the attempt (node lost, no restart counted) -> RECOVERING, relaunch at the size that fits now |
+| STARTING, RECOVERING | driver reports steps | -> RUNNING ("resumed from step s" or "training started") |
+| RESIZING | steps from the attempt asked to stop | nothing: it trains on to its checkpoint |
+| RESIZING | steps from the relaunched attempt | -> RUNNING at the new size |
+| any active | driver SUCCEEDED | end the attempt -> SUCCEEDED |
+| RESIZING | driver STOPPED after its checkpoint | end the attempt, relaunch at the new size |
+| any active | driver FAILED or LOST | end the attempt (a restart counted) -> RECOVERING and relaunch after a backoff; or -> FAILED when restarts are used up or the same error recurs at the same step |
+| RECOVERING, RESIZING without an attempt | capacity for min workers | start the next attempt at the size that fits |
+| RECOVERING, RESIZING without an attempt | below min | wait (event, reason); -> FAILED after `below_min_timeout_s` |
+| RUNNING | a bigger size possible for `grow_interval_s`, nobody queued | ask the attempt to checkpoint and stop -> RESIZING |
+| RUNNING | user asked for a checkpoint | tell the driver |
+
+Every state change is a `Transition`; `service.states.ALLOWED` is exactly the set of edges
+these rows produce.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any
 
-from service.launcher.base import ClusterCapacity, NodeCapacity
-from service.spec import JobSpec
+from contracts.messages import (
+    CheckpointCommitted,
+    Control,
+    DriverReport,
+    DriverStatus,
+    EventKind,
+    WorkerError,
+)
+from contracts.spec import JobSpec
+from service.capacity import Allocation, ClusterCapacity, WorkerShape, target_world_size
+from service.states import JobState
+
+# ---------------------------------------------------------------------------------------
+# Facts: what the scheduler observed
+# ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True)
-class WorkerShape:
-    cpus: float
-    gpus: float
-
-    @classmethod
-    def of(cls, spec: JobSpec) -> WorkerShape:
-        return cls(cpus=spec.scaling.cpus_per_worker, gpus=spec.scaling.gpus_per_worker)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Allocation:
-    """Workers a live attempt holds. `nodes` lists the node of each placed worker; workers
-    not yet placed by Ray are charged first-fit, as Ray's PACK placement would."""
-
-    shape: WorkerShape
-    count: int
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttemptView:
+    number: int
+    world_size: int
     nodes: tuple[str, ...] = ()
+    """The node of each rank, once the worker group reported its placement."""
+    ended: bool = False
+    stop_requested: bool = False
+    """Asked to checkpoint and stop for a resize."""
+    report_seq: int = 0
+    """The last driver message persisted."""
 
 
-def free_capacity(cluster: ClusterCapacity, allocations: Sequence[Allocation]) -> ClusterCapacity:
-    """What is left of the alive nodes after the allocations of live attempts."""
-    free = {n.node_id: n for n in cluster.alive_nodes}
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PastFailure:
+    """A failed attempt of the job: what failed (`WorkerError.signature`) and at which step."""
 
-    def charge(node_id: str, shape: WorkerShape) -> None:
-        node = free[node_id]
-        free[node_id] = replace(node, cpus=node.cpus - shape.cpus, gpus=node.gpus - shape.gpus)
-
-    unplaced: list[WorkerShape] = []
-    for alloc in allocations:
-        placed = [n for n in alloc.nodes if n in free]
-        for node_id in placed:
-            charge(node_id, alloc.shape)
-        # Workers on dead nodes hold nothing; unknown placements are charged first-fit.
-        if not alloc.nodes:
-            unplaced.extend([alloc.shape] * alloc.count)
-    for shape in unplaced:
-        for node_id, node in free.items():
-            if node.cpus + 1e-9 >= shape.cpus and node.gpus + 1e-9 >= shape.gpus:
-                charge(node_id, shape)
-                break
-    return replace(cluster, nodes=tuple(free.values()))
+    signature: str
+    step: int
 
 
-def take_workers(cluster: ClusterCapacity, shape: WorkerShape, count: int) -> ClusterCapacity:
-    return free_capacity(cluster, [Allocation(shape=shape, count=count)])
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobView:
+    """The job as the DB has it at the start of the pass."""
 
-
-# -- admission ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class PendingJob:
-    job_id: int
-    priority: int
+    id: int
+    state: JobState
     spec: JobSpec
+    step: int = 0
+    world_size: int | None = None
+    restarts: int = 0
+    state_reason: str | None = None
+    attempt: AttemptView | None = None
+    """The newest attempt (None before the first launch)."""
+    cancel_requested: bool = False
+    checkpoint_requested: bool = False
+    below_min_since: float | None = None
+    """When the job started waiting for `min_workers` (epoch seconds), None if it is not."""
+    failures: tuple[PastFailure, ...] = ()
+    """The job's failed attempts, oldest first (read only when needed)."""
+
+    @property
+    def live_attempt(self) -> AttemptView | None:
+        return self.attempt if self.attempt is not None and not self.attempt.ended else None
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Policy:
+    """The scheduler's tunables (from `service.settings.Settings`)."""
+
+    grow_interval_s: float = 10.0
+    below_min_timeout_s: float = 600.0
+    restart_backoff_s: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Facts:
+    """Everything but the job's own row that a decision depends on."""
+
+    now: float
+    """Epoch seconds."""
+    policy: Policy = field(default_factory=Policy)
+    alive_nodes: frozenset[str] = frozenset()
+    free: ClusterCapacity = field(default_factory=ClusterCapacity)
+    """Capacity free for this job if it gave back what it holds."""
+    report: DriverReport | None = None
+    """The live attempt's driver report (None when there is no live attempt)."""
+    relaunch_not_before: float = 0.0
+    """Backoff after a failure: no relaunch before this time."""
+    spare_since: float | None = None
+    """Since when a bigger world size has been possible (growth hysteresis)."""
+    others_waiting: bool = False
+    """A queued job waits for capacity: spare capacity is theirs, not for growing."""
+    admission: int | None = None
+    """PENDING only: the world size the admission plan gives the job (None: it waits)."""
+    waiting_reason: str | None = None
+    """PENDING only: why it waits."""
+
+
+# ---------------------------------------------------------------------------------------
+# Actions: what the executor carries out, in order
+# ---------------------------------------------------------------------------------------
+
+
+class AttemptOutcome(str, Enum):
+    SUCCEEDED = "succeeded"
+    STOPPED = "stopped"  # checkpointed and stopped for a resize
+    FAILED = "failed"  # worker error or lost driver
+    NODE_LOST = "node_lost"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Transition:
+    """Move the job to another state, with the event that says why."""
+
+    to: JobState
+    reason: str
+    world_size: int | None = None
+    """The world size after the move (None: unchanged)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SetReason:
+    """Say why the job is where it is, without a state change (no event)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecordEvent:
+    kind: EventKind
+    reason: str
+    details: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PersistReport:
+    """Store what the live attempt's driver reported (metrics, checkpoints, events,
+    placement), fenced by the attempt number; acknowledge it to the driver."""
+
+    report: DriverReport
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ApplyRetention:
+    """Delete checkpoints beyond the job's `keep_last` (rows now, files once committed)."""
+
+    keep_last: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StartAttempt:
+    """Open the next attempt at this world size; its driver is launched once committed."""
+
+    world_size: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EndAttempt:
+    """Close the live attempt; once committed its driver is stopped and its resources
+    freed. A failure is recorded on the job (`last_error`) and may count as a restart."""
+
+    outcome: AttemptOutcome
+    error: WorkerError | None = None
+    step: int = 0
+    count_restart: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SendControl:
+    """Ask the live attempt to checkpoint now, or to checkpoint and stop (a resize)."""
+
+    control: Control
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StartWaiting:
+    """Fewer than min_workers fit: the job waits from `at` (event, reason)."""
+
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StopWaiting:
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DelayRelaunch:
+    """Backoff: no relaunch before `until` (soft state: a restarted scheduler forgets it)."""
+
+    until: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MarkSpare:
+    """Growth hysteresis: a bigger size has been possible since `since` (None: it is not)."""
+
+    since: float | None
+
+
+Action = (
+    Transition
+    | SetReason
+    | RecordEvent
+    | PersistReport
+    | ApplyRetention
+    | StartAttempt
+    | EndAttempt
+    | SendControl
+    | StartWaiting
+    | StopWaiting
+    | DelayRelaunch
+    | MarkSpare
+)
+
+CANCELLED_BY_USER = "cancelled by user"
+
+
+# ---------------------------------------------------------------------------------------
+# The decision
+# ---------------------------------------------------------------------------------------
+
+
+def decide(job: JobView, facts: Facts) -> list[Action]:
+    """What to do about `job` now. Pure: the same job and facts give the same actions."""
+    if job.state.is_terminal:
+        return []
+    if job.state == JobState.PENDING:
+        return _decide_pending(job, facts)
+    attempt = job.live_attempt
+    if attempt is None:  # between attempts: waiting for capacity or a backoff
+        if job.cancel_requested:
+            return [Transition(to=JobState.CANCELLED, reason=CANCELLED_BY_USER)]
+        return _relaunch(job, facts)
+    if job.cancel_requested:
+        return [
+            EndAttempt(outcome=AttemptOutcome.CANCELLED),
+            Transition(to=JobState.CANCELLED, reason=CANCELLED_BY_USER),
+        ]
+    report = facts.report or DriverReport(status=DriverStatus.STARTING)
+    actions: list[Action] = []
+    if report.messages or (report.placement is not None and not attempt.nodes):
+        actions.append(PersistReport(report=report))
+        if any(isinstance(m, CheckpointCommitted) for m in report.messages):
+            actions.append(ApplyRetention(keep_last=job.spec.checkpoint.keep_last))
+    if job.checkpoint_requested:
+        actions.append(SendControl(control=Control.CHECKPOINT))
+    nodes = attempt.nodes or (report.placement.node_list() if report.placement else ())
+    lost = lost_ranks(nodes, facts.alive_nodes)
+    if lost and report.status != DriverStatus.SUCCEEDED:
+        return actions + _on_node_loss(job, facts, report, lost)
+    return actions + _on_driver_status(job, attempt, facts, report)
+
+
+def _decide_pending(job: JobView, facts: Facts) -> list[Action]:
+    if job.cancel_requested:
+        return [Transition(to=JobState.CANCELLED, reason=CANCELLED_BY_USER)]
+    if facts.admission:
+        size = facts.admission
+        return [
+            Transition(
+                to=JobState.STARTING, reason=f"admitted at world size {size}", world_size=size
+            ),
+            StartAttempt(world_size=size),
+        ]
+    if facts.waiting_reason and facts.waiting_reason != job.state_reason:
+        return [SetReason(reason=facts.waiting_reason)]
+    return []
+
+
+def _on_node_loss(
+    job: JobView, facts: Facts, report: DriverReport, lost: dict[str, list[int]]
+) -> list[Action]:
+    # Don't wait for Ray Train to notice the dead peers: stop the survivors now and
+    # relaunch from the latest checkpoint at the size the cluster still holds.
+    actions: list[Action] = [
+        RecordEvent(
+            kind=EventKind.NODE_LOST,
+            reason=f"node {node[:12]} lost (ranks {ranks})",
+            details={"node_id": node, "ranks": ranks},
+        )
+        for node, ranks in lost.items()
+    ]
+    actions.append(
+        EndAttempt(outcome=AttemptOutcome.NODE_LOST, error=report.error, step=progress(job, report))
+    )
+    nodes = ", ".join(n[:12] for n in lost)
+    return actions + _enter_recovery(job, facts, reason=f"node lost ({nodes})")
+
+
+def _on_driver_status(
+    job: JobView, attempt: AttemptView, facts: Facts, report: DriverReport
+) -> list[Action]:
+    status = report.status
+    if status == DriverStatus.RUNNING:
+        return _on_running(job, attempt, facts, report)
+    if status == DriverStatus.SUCCEEDED:
+        return [
+            EndAttempt(outcome=AttemptOutcome.SUCCEEDED, step=progress(job, report)),
+            Transition(to=JobState.SUCCEEDED, reason=f"reached step {progress(job, report)}"),
+        ]
+    if status == DriverStatus.STOPPED:
+        ended = [EndAttempt(outcome=AttemptOutcome.STOPPED, step=progress(job, report))]
+        return ended + _relaunch(job, facts)
+    if status in (DriverStatus.FAILED, DriverStatus.LOST):
+        return _on_failure(job, facts, report)
+    return []  # STARTING: the worker group is still coming up
+
+
+def _on_running(
+    job: JobView, attempt: AttemptView, facts: Facts, report: DriverReport
+) -> list[Action]:
+    if job.state == JobState.RESIZING and attempt.stop_requested:
+        return []  # the attempt we asked to stop trains on until its checkpoint
+    if job.state != JobState.RUNNING:
+        if report.resumed_from_step is not None:
+            why = f"resumed from step {report.resumed_from_step} at world size {attempt.world_size}"
+        else:
+            why = f"training started at world size {attempt.world_size}"
+        return [Transition(to=JobState.RUNNING, reason=why, world_size=attempt.world_size)]
+    return _consider_growth(job, attempt, facts)
+
+
+def _consider_growth(job: JobView, attempt: AttemptView, facts: Facts) -> list[Action]:
+    current = attempt.world_size
+    possible = target_world_size(job.spec, facts.free)
+    if possible <= current:
+        return [MarkSpare(since=None)] if facts.spare_since is not None else []
+    if facts.spare_since is None:
+        return [MarkSpare(since=facts.now)]
+    if not should_grow(
+        current=current,
+        possible=possible,
+        spare_since=facts.spare_since,
+        now=facts.now,
+        grow_interval_s=facts.policy.grow_interval_s,
+        others_waiting=facts.others_waiting,
+    ):
+        return []
+    return [
+        SendControl(control=Control.STOP),
+        Transition(
+            to=JobState.RESIZING,
+            reason=f"capacity for {possible} workers: growing {current} -> {possible}",
+            world_size=possible,
+        ),
+        MarkSpare(since=None),
+    ]
+
+
+def _on_failure(job: JobView, facts: Facts, report: DriverReport) -> list[Action]:
+    lost_driver = report.status == DriverStatus.LOST
+    error = report.error or WorkerError(
+        type="DriverLost" if lost_driver else "WorkerGroupError",
+        message="driver lost" if lost_driver else "worker group failed",
+    )
+    step = progress(job, report)
+    decision = decide_failure(
+        signature=error.signature,
+        step=step,
+        restarts=job.restarts,
+        max_restarts=job.spec.failure.max_restarts,
+        recent_failures=job.failures,
+        backoff_s=facts.policy.restart_backoff_s,
+    )
+    ended = EndAttempt(
+        outcome=AttemptOutcome.FAILED,
+        error=error,
+        step=step,
+        count_restart=decision.action == FailureAction.RETRY,
+    )
+    if decision.action == FailureAction.GIVE_UP:
+        return [ended, Transition(to=JobState.FAILED, reason=decision.reason)]
+    restarts = job.restarts + 1
+    until = facts.now + decision.delay_s
+    reason = f"restart {restarts}/{job.spec.failure.max_restarts} after: {error.summary()}"
+    recovering = replace(job, restarts=restarts)
+    return [
+        ended,
+        DelayRelaunch(until=until),
+        *_enter_recovery(recovering, replace(facts, relaunch_not_before=until), reason=reason),
+    ]
+
+
+def _enter_recovery(job: JobView, facts: Facts, *, reason: str) -> list[Action]:
+    """The attempt has ended badly: RECOVERING (if not already), then relaunch if possible."""
+    if job.state == JobState.RECOVERING:  # a relaunched attempt failed in turn
+        first: Action = SetReason(reason=reason)
+    else:
+        target = target_world_size(job.spec, facts.free)
+        first = Transition(to=JobState.RECOVERING, reason=reason, world_size=target or None)
+    return [first, *_relaunch(replace(job, state=JobState.RECOVERING), facts)]
+
+
+def _relaunch(job: JobView, facts: Facts) -> list[Action]:
+    """Start the next attempt at the largest size that fits, or wait below min."""
+    if facts.now < facts.relaunch_not_before:
+        return []
+    size = target_world_size(job.spec, facts.free)
+    if size == 0:
+        return _wait_below_min(job, facts)
+    actions: list[Action] = []
+    if job.below_min_since is not None:
+        waited = facts.now - job.below_min_since
+        actions.append(
+            StopWaiting(reason=f"capacity for {size} workers after waiting {waited:.0f}s")
+        )
+    return [*actions, StartAttempt(world_size=size), MarkSpare(since=None)]
+
+
+def _wait_below_min(job: JobView, facts: Facts) -> list[Action]:
+    shape = WorkerShape.of(job.spec)
+    fit = facts.free.workers_that_fit(shape.cpus, shape.gpus)
+    reason = f"waiting below min: {fit} workers fit, the job needs {job.spec.min_world_size}"
+    if job.below_min_since is None:
+        return [StartWaiting(reason=reason, at=facts.now)]
+    waited = facts.now - job.below_min_since
+    timeout = facts.policy.below_min_timeout_s
+    if waited > timeout:
+        return [
+            Transition(
+                to=JobState.FAILED,
+                reason=f"below min_workers for {waited:.0f}s (timeout {timeout:g}s): {reason}",
+            )
+        ]
+    return []
+
+
+def progress(job: JobView, report: DriverReport | None) -> int:
+    """The job's step once this report is persisted."""
+    steps = [m.step for m in report.metrics] if report is not None else []
+    return max([job.step, *steps])
+
+
+def lost_ranks(nodes: Sequence[str], alive: frozenset[str]) -> dict[str, list[int]]:
+    """node id -> ranks (of `nodes`, the node of each rank) on nodes no longer alive."""
+    lost: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        if node not in alive:
+            lost.setdefault(node, []).append(rank)
+    return lost
+
+
+def allocation_after(job: JobView, actions: Sequence[Action]) -> Allocation | None:
+    """What the job holds once `actions` are carried out: the scheduler charges it to the
+    cluster before deciding about the next job."""
+    shape = WorkerShape.of(job.spec)
+    attempt = job.live_attempt
+    held = (
+        Allocation(shape=shape, count=attempt.world_size, nodes=attempt.nodes)
+        if attempt is not None
+        else None
+    )
+    for action in actions:
+        if isinstance(action, EndAttempt):
+            held = None
+        elif isinstance(action, StartAttempt):
+            held = Allocation(shape=shape, count=action.world_size)
+        elif (
+            isinstance(action, Transition)
+            and action.to == JobState.RESIZING
+            and held is not None
+            and action.world_size
+        ):
+            # Growing: the extra workers are promised to this job already.
+            held = replace(held, count=action.world_size)
+        elif isinstance(action, Transition) and action.to.is_terminal:
+            held = None
+    return held
+
+
+# ---------------------------------------------------------------------------------------
+# Admission: which queued jobs start (cluster-wide, once per pass)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Admission:
     job_id: int
     world_size: int
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Waiting:
     job_id: int
     reason: str
 
 
 def plan_admissions(
-    pending: Sequence[PendingJob], free: ClusterCapacity, total: ClusterCapacity
+    pending: Sequence[JobView], free: ClusterCapacity, total: ClusterCapacity
 ) -> tuple[list[Admission], list[Waiting]]:
     """Gang admission by priority, then age (`pending` is oldest first).
 
@@ -94,42 +533,41 @@ def plan_admissions(
     too, so a large high-priority job is never starved by a stream of small ones. A job
     that could not fit even on the whole (empty) cluster does not block the line.
     """
-    order = sorted(pending, key=lambda p: -p.priority)  # stable: oldest first within a priority
+    from service.capacity import free_capacity  # local: keeps the import list short
+
+    order = sorted(pending, key=lambda j: -j.spec.priority)  # stable: oldest first
     admissions: list[Admission] = []
     waiting: list[Waiting] = []
     blocked_by: int | None = None
     for job in order:
         shape = WorkerShape.of(job.spec)
         need = job.spec.min_world_size
-        if job.spec.usable_world_size(total.workers_that_fit(shape.cpus, shape.gpus)) == 0:
+        if target_world_size(job.spec, total) == 0:
+            whole = total.workers_that_fit(shape.cpus, shape.gpus)
             waiting.append(
                 Waiting(
-                    job_id=job.job_id,
+                    job_id=job.id,
                     reason=f"needs {need} workers of {shape.cpus:g} CPU/{shape.gpus:g} GPU; "
-                    f"the whole cluster holds {total.workers_that_fit(shape.cpus, shape.gpus)}",
+                    f"the whole cluster holds {whole}",
                 )
             )
             continue
         if blocked_by is not None:
-            waiting.append(Waiting(job_id=job.job_id, reason=f"queued behind job {blocked_by}"))
+            waiting.append(Waiting(job_id=job.id, reason=f"queued behind job {blocked_by}"))
             continue
-        size = job.spec.usable_world_size(free.workers_that_fit(shape.cpus, shape.gpus))
+        size = target_world_size(job.spec, free)
         if size == 0:
-            blocked_by = job.job_id
-            waiting.append(Waiting(job_id=job.job_id, reason=f"waiting for {need} free workers"))
+            blocked_by = job.id
+            waiting.append(Waiting(job_id=job.id, reason=f"waiting for {need} free workers"))
             continue
-        admissions.append(Admission(job_id=job.job_id, world_size=size))
-        free = take_workers(free, shape, size)
+        admissions.append(Admission(job_id=job.id, world_size=size))
+        free = free_capacity(free, [Allocation(shape=shape, count=size)])
     return admissions, waiting
 
 
-# -- failures -----------------------------------------------------------------------------
-
-
-class FailureCause(str, Enum):
-    NODE_LOST = "node_lost"  # infrastructure: does not count against max_restarts
-    WORKER_ERROR = "worker_error"  # the training code raised, or a worker process died
-    DRIVER_LOST = "driver_lost"  # the driver actor vanished (its node died)
+# ---------------------------------------------------------------------------------------
+# Failures: retry or give up
+# ---------------------------------------------------------------------------------------
 
 
 class FailureAction(str, Enum):
@@ -137,69 +575,57 @@ class FailureAction(str, Enum):
     GIVE_UP = "give_up"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class FailureDecision:
     action: FailureAction
     reason: str
     delay_s: float = 0.0
-    counts_as_restart: bool = False
 
 
 #: The same error at the same step this many times in a row fails the job: a restart
 #: would only repeat it.
 REPEATED_FAILURE_LIMIT = 3
+MAX_BACKOFF_S = 60.0
 
 
 def decide_failure(
     *,
-    cause: FailureCause,
-    error: str | None,
+    signature: str,
     step: int,
     restarts: int,
     max_restarts: int,
-    recent_failures: Sequence[tuple[str | None, int]],
+    recent_failures: Sequence[PastFailure],
     backoff_s: float,
 ) -> FailureDecision:
-    """After an attempt ended badly: retry (after a backoff) or give up.
+    """After an attempt failed (worker error, lost driver): retry after a backoff, or give
+    up. Node loss never comes here: it is the cluster's fault, not the job's.
 
-    `recent_failures` are (error, step) of the previous failed attempts, newest last.
+    `recent_failures` are the job's earlier failed attempts, oldest first.
     """
-    if cause == FailureCause.NODE_LOST:
-        return FailureDecision(action=FailureAction.RETRY, reason="node lost")
     streak = 1
-    for prev_error, prev_step in reversed(recent_failures):
-        if prev_error == error and prev_step == step:
+    for prev in reversed(recent_failures):
+        if prev.signature == signature and prev.step == step:
             streak += 1
         else:
             break
     if streak >= REPEATED_FAILURE_LIMIT:
         return FailureDecision(
             action=FailureAction.GIVE_UP,
-            reason=f"the same error at step {step} {streak} times in a row: {error}",
+            reason=f"the same error at step {step} {streak} times in a row: {signature}",
         )
     if restarts >= max_restarts:
         return FailureDecision(
             action=FailureAction.GIVE_UP,
-            reason=f"gave up after {restarts} restarts (failure.max_restarts): {error}",
+            reason=f"gave up after {restarts} restarts (failure.max_restarts): {signature}",
         )
     # Exponential backoff, capped: a crash loop must not hammer the cluster.
-    delay = min(backoff_s * (2 ** max(streak - 1, 0)), 60.0)
-    return FailureDecision(
-        action=FailureAction.RETRY,
-        reason=error or cause.value,
-        delay_s=delay,
-        counts_as_restart=True,
-    )
+    delay = min(backoff_s * (2 ** (streak - 1)), MAX_BACKOFF_S)
+    return FailureDecision(action=FailureAction.RETRY, reason=signature, delay_s=delay)
 
 
-# -- growth -------------------------------------------------------------------------------
-
-
-def target_world_size(spec: JobSpec, free: ClusterCapacity, held: int) -> int:
-    """The world size the job could run at if it gave back its `held` workers and took
-    what is free as well."""
-    shape = WorkerShape.of(spec)
-    return spec.usable_world_size(free.workers_that_fit(shape.cpus, shape.gpus) + held)
+# ---------------------------------------------------------------------------------------
+# Growth
+# ---------------------------------------------------------------------------------------
 
 
 def should_grow(
@@ -217,30 +643,3 @@ def should_grow(
     if possible <= current or others_waiting or spare_since is None:
         return False
     return now - spare_since >= grow_interval_s
-
-
-def placement_nodes(placement: dict[int, str]) -> tuple[str, ...]:
-    return tuple(placement[r] for r in sorted(placement))
-
-
-def lost_ranks(placement: dict[int, str], alive: set[str]) -> dict[str, list[int]]:
-    """node id -> ranks of this attempt that were on it, for nodes no longer alive."""
-    lost: dict[str, list[int]] = {}
-    for rank, node in sorted(placement.items()):
-        if node not in alive:
-            lost.setdefault(node, []).append(rank)
-    return lost
-
-
-def capacity_without(cluster: ClusterCapacity, dead: set[str]) -> ClusterCapacity:
-    return replace(
-        cluster,
-        nodes=tuple(
-            NodeCapacity(
-                node_id=n.node_id, address=n.address, alive=False, cpus=n.cpus, gpus=n.gpus
-            )
-            if n.node_id in dead
-            else n
-            for n in cluster.nodes
-        ),
-    )

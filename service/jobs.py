@@ -1,8 +1,12 @@
-"""Job records: creation, queries, and the one function that changes a job's state.
+"""Job records: creation, queries, and one function per kind of change to a job.
+
+A job's state and the fields that go with it (reason, world size, restarts, last error,
+the wait below min) change only here, each with its event. The scheduler reaches these
+through `service.executor`, which applies the actions of `service.decisions.decide`.
 
 Functions take a `Session` and keyword-only arguments, and never commit: the caller's
-transaction (`service.db.session_scope`) decides, so a state change and its event land
-together or not at all.
+transaction (`service.db.session_scope`) decides, so a change and its event land together
+or not at all.
 """
 
 from __future__ import annotations
@@ -10,13 +14,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Row, bindparam, delete, func, insert, select
+from sqlalchemy import Row, Table, bindparam, delete, func, insert, select
 from sqlalchemy.orm import Session
 
+from contracts.messages import (
+    CheckpointCommitted,
+    DriverReport,
+    EventKind,
+    Resumed,
+    StepMetrics,
+    WorkerError,
+    WorkerEvent,
+    WorkerFailed,
+)
+from contracts.spec import JobSpec
 from service.models import Attempt, CheckpointRecord, Event, Job, JobLabel, Metric, utcnow
-from service.spec import JobSpec
 from service.states import IllegalTransition, JobState, can_transition
 
 
@@ -40,10 +54,10 @@ class StaleAttempt(Exception):
 
 # The submit and get-by-id statements, built once: building a statement per call cost more
 # CPU than executing it (about 0.1-0.4 ms a request, most on PostgreSQL).
-_JOBS = Job.__table__
+_JOBS = cast(Table, Job.__table__)
 _INSERT_JOB = insert(_JOBS).returning(*_JOBS.c)
-_INSERT_LABELS = insert(JobLabel.__table__)
-_INSERT_EVENT = insert(Event.__table__)
+_INSERT_LABELS = insert(cast(Table, JobLabel.__table__))
+_INSERT_EVENT = insert(cast(Table, Event.__table__))
 _SELECT_JOB = select(_JOBS).where(_JOBS.c.id == bindparam("job_id"))
 
 
@@ -78,7 +92,13 @@ def insert_job(session: Session, *, spec: JobSpec, owner: str = "default") -> Ro
         )
     session.execute(
         _INSERT_EVENT,
-        {"job_id": job.id, "to_state": JobState.PENDING.value, "reason": "submitted", "attempt": 0},
+        _event_values(
+            job.id,
+            kind=EventKind.TRANSITION,
+            reason="submitted",
+            to_state=JobState.PENDING,
+            at=job.created_at,
+        ),
     )
     return job
 
@@ -146,6 +166,36 @@ def list_jobs(
     return JobPage(items=items, total=total)
 
 
+def _event_values(
+    job_id: int,
+    *,
+    kind: EventKind,
+    reason: str,
+    from_state: JobState | None = None,
+    to_state: JobState | None = None,
+    world_size_before: int | None = None,
+    world_size_after: int | None = None,
+    attempt: int = 0,
+    step: int | None = None,
+    details: dict[str, Any] | None = None,
+    at: datetime | None = None,
+) -> dict[str, Any]:
+    """An event row's columns: the one place events are built (ORM and Core inserts)."""
+    return {
+        "job_id": job_id,
+        "at": at or utcnow(),
+        "kind": kind.value,
+        "from_state": from_state.value if from_state is not None else None,
+        "to_state": to_state.value if to_state is not None else None,
+        "reason": reason,
+        "world_size_before": world_size_before,
+        "world_size_after": world_size_after,
+        "attempt": attempt,
+        "step": step,
+        "details": details,
+    }
+
+
 def set_job_state(
     session: Session,
     job: Job,
@@ -167,46 +217,98 @@ def set_job_state(
         raise IllegalTransition(job.id, from_state, to_state)
     before = job.world_size
     after = before if world_size is None else world_size
+    now = utcnow()
     job.state = to_state
     job.state_reason = reason
     job.world_size = after
-    now = utcnow()
     if to_state == JobState.RUNNING and job.started_at is None:
         job.started_at = now
     if to_state.is_terminal:
         job.finished_at = now
+        job.below_min_since = None
     event = Event(
-        job_id=job.id,
-        at=now,
-        from_state=from_state.value,
-        to_state=to_state.value,
-        reason=reason,
-        world_size_before=before,
-        world_size_after=after,
-        attempt=job.attempt,
-        step=job.step,
-        details=details,
+        **_event_values(
+            job.id,
+            kind=EventKind.TRANSITION,
+            reason=reason,
+            from_state=from_state,
+            to_state=to_state,
+            world_size_before=before,
+            world_size_after=after,
+            attempt=job.attempt,
+            step=job.step,
+            details=details,
+            at=now,
+        )
     )
     session.add(event)
     return event
 
 
 def record_event(
-    session: Session, job: Job, *, kind: str, reason: str, details: dict[str, Any] | None = None
+    session: Session,
+    job: Job,
+    *,
+    kind: EventKind,
+    reason: str,
+    details: dict[str, Any] | None = None,
 ) -> Event:
     """A notable happening that is not a state change (checkpoint fallback, node lost...)."""
     event = Event(
-        job_id=job.id,
-        kind=kind,
-        reason=reason,
-        world_size_before=job.world_size,
-        world_size_after=job.world_size,
-        attempt=job.attempt,
-        step=job.step,
-        details=details,
+        **_event_values(
+            job.id,
+            kind=kind,
+            reason=reason,
+            world_size_before=job.world_size,
+            world_size_after=job.world_size,
+            attempt=job.attempt,
+            step=job.step,
+            details=details,
+        )
     )
     session.add(event)
     return event
+
+
+def set_state_reason(job: Job, *, reason: str) -> None:
+    """Why the job is where it is (e.g. why it waits in the queue); no event."""
+    job.state_reason = reason
+
+
+def start_waiting(session: Session, job: Job, *, reason: str, since: datetime) -> None:
+    """Fewer than min_workers fit: the job waits (and times out counting from `since`)."""
+    job.below_min_since = since
+    job.state_reason = reason
+    record_event(session, job, kind=EventKind.BELOW_MIN, reason=reason)
+
+
+def stop_waiting(session: Session, job: Job, *, reason: str) -> None:
+    job.below_min_since = None
+    record_event(session, job, kind=EventKind.CAPACITY, reason=reason)
+
+
+def request_cancel(session: Session, job: Job) -> bool:
+    """Record a user's cancel; the job's next decision acts on it. False if already asked."""
+    if job.cancel_requested:
+        return False
+    job.cancel_requested = True
+    return True
+
+
+def request_checkpoint(session: Session, job: Job) -> bool:
+    """Record a user's "checkpoint now"; the scheduler passes it to the driver."""
+    if job.checkpoint_requested:
+        return False
+    job.checkpoint_requested = True
+    record_event(
+        session, job, kind=EventKind.CHECKPOINT_REQUESTED, reason="checkpoint requested by user"
+    )
+    return True
+
+
+def checkpoint_request_sent(session: Session, job: Job) -> None:
+    job.checkpoint_requested = False
+    record_event(session, job, kind=EventKind.CHECKPOINT_REQUESTED, reason="checkpoint now (user)")
 
 
 def check_attempt(job: Job, attempt: int) -> None:
@@ -217,23 +319,49 @@ def check_attempt(job: Job, attempt: int) -> None:
 def start_attempt(session: Session, job: Job, *, world_size: int, driver_name: str) -> Attempt:
     """Open attempt `job.attempt + 1`. Every later report must carry this number."""
     job.attempt += 1
+    job.state_reason = f"launching attempt {job.attempt} at world size {world_size}"
     attempt = Attempt(
-        job_id=job.id, number=job.attempt, world_size=world_size, driver_name=driver_name
+        job_id=job.id,
+        number=job.attempt,
+        world_size=world_size,
+        driver_name=driver_name,
+        stop_requested=False,
+        report_seq=0,
     )
     session.add(attempt)
     return attempt
 
 
 def end_attempt(
-    session: Session, job: Job, *, number: int, outcome: str, error: str | None = None
-) -> None:
-    row = session.scalars(
-        select(Attempt).where(Attempt.job_id == job.id, Attempt.number == number)
-    ).one_or_none()
-    if row is not None and row.ended_at is None:
-        row.ended_at = utcnow()
-        row.outcome = outcome
-        row.error = error
+    session: Session,
+    job: Job,
+    *,
+    outcome: str,
+    error: WorkerError | None = None,
+    step: int | None = None,
+    count_restart: bool = False,
+) -> Attempt | None:
+    """Close the job's current attempt. A failure is also the job's `last_error`, and may
+    count against `failure.max_restarts`."""
+    row = current_attempt(session, job)
+    if row is None or row.ended_at is not None:
+        return None
+    row.ended_at = utcnow()
+    row.outcome = outcome
+    if error is not None:
+        row.error = error.summary()[-2000:]
+        row.failure = {**error.to_dict(), "step": step if step is not None else error.step}
+        job.last_error = error.summary()
+    if count_restart:
+        job.restarts += 1
+    return row
+
+
+def request_stop(session: Session, job: Job) -> None:
+    """The current attempt is asked to checkpoint and stop (a resize)."""
+    row = current_attempt(session, job)
+    if row is not None:
+        row.stop_requested = True
 
 
 def current_attempt(session: Session, job: Job) -> Attempt | None:
@@ -242,29 +370,126 @@ def current_attempt(session: Session, job: Job) -> Attempt | None:
     ).one_or_none()
 
 
+def persist_report(session: Session, job: Job, report: DriverReport) -> None:
+    """Store what the current attempt's driver reported, in order, and remember how far
+    (`report_seq`), so the next poll acknowledges exactly what was stored."""
+    attempt = current_attempt(session, job)
+    if attempt is None:
+        return
+    if report.placement is not None and not attempt.nodes:
+        placement = report.placement
+        attempt.nodes = list(placement.node_list())
+        record_event(
+            session,
+            job,
+            kind=EventKind.PLACEMENT,
+            reason=f"{len(placement.nodes)} workers on {len(set(placement.nodes.values()))} node(s)",
+            details={
+                "ranks": {str(r): n for r, n in sorted(placement.nodes.items())},
+                "pids": {str(r): p for r, p in sorted(placement.pids.items())},
+            },
+        )
+    batch: list[StepMetrics] = []
+    for message in report.messages:
+        if isinstance(message, StepMetrics):
+            batch.append(message)
+            continue
+        record_metrics(session, job, attempt=attempt.number, points=batch)
+        batch = []
+        if isinstance(message, CheckpointCommitted):
+            record_checkpoint(
+                session,
+                job,
+                attempt=attempt.number,
+                step=message.step,
+                world_size=message.world_size or attempt.world_size,
+                path=message.path,
+                size_bytes=message.bytes,
+                manifest=message.manifest,
+            )
+        elif isinstance(message, Resumed):
+            backfill_metrics(session, job, attempt=message.saved_attempt, points=message.metrics)
+            record_event(
+                session,
+                job,
+                kind=EventKind.RESUMED,
+                reason=f"resumed from step {message.step} (saved at world size "
+                f"{message.saved_world_size}, now {message.world_size})",
+                details={
+                    "step": message.step,
+                    "path": message.path,
+                    "saved_world_size": message.saved_world_size,
+                },
+            )
+        elif isinstance(message, WorkerEvent):
+            record_event(session, job, kind=message.event, reason=message.reason,
+                         details=message.details)  # fmt: skip
+        elif isinstance(message, WorkerFailed):
+            record_event(
+                session,
+                job,
+                kind=EventKind.WORKER_ERROR,
+                reason=message.error.summary(),
+                details=message.error.to_dict(),
+            )
+    record_metrics(session, job, attempt=attempt.number, points=batch)
+    attempt.report_seq = max(attempt.report_seq, report.seq)
+
+
 def record_metrics(
-    session: Session, job: Job, *, attempt: int, points: Sequence[dict[str, Any]]
+    session: Session,
+    job: Job,
+    *,
+    attempt: int,
+    points: Sequence[StepMetrics | dict[str, Any]],
 ) -> int:
-    """Persist metric points (each has 'step'); fenced by attempt. Returns how many."""
-    check_attempt(job, attempt)
+    """Persist metric points (`StepMetrics`, or dicts with a 'step'); fenced by attempt.
+    Returns how many steps were stored."""
     if not points:
         return 0
-    steps = [int(p["step"]) for p in points]
+    check_attempt(job, attempt)
+    typed = [p if isinstance(p, StepMetrics) else _as_step_metrics(p) for p in points]
+    steps = [p.step for p in typed]
     # A recomputed step (after a resume) replaces what an earlier attempt reported.
     session.execute(delete(Metric).where(Metric.job_id == job.id, Metric.step.in_(steps)))
     seen: set[int] = set()
-    for point in reversed(points):  # the last report of a step wins
-        step = int(point["step"])
-        if step in seen:
+    for point in reversed(typed):  # the last report of a step wins
+        if point.step in seen:
             continue
-        seen.add(step)
-        values = {k: v for k, v in point.items() if k != "step"}
-        session.add(Metric(job_id=job.id, step=step, attempt=attempt, values=values))
-    last = max(points, key=lambda p: int(p["step"]))
-    job.step = max(job.step, int(last["step"]))
-    if last.get("loss") is not None:
-        job.latest_loss = float(last["loss"])
+        seen.add(point.step)
+        values = {k: v for k, v in point.values.items() if k != "step"}
+        session.add(Metric(job_id=job.id, step=point.step, attempt=attempt, values=values))
+    last = max(typed, key=lambda p: p.step)
+    job.step = max(job.step, last.step)
+    if last.loss is not None:
+        job.latest_loss = last.loss
     return len(seen)
+
+
+def backfill_metrics(
+    session: Session, job: Job, *, attempt: int, points: Sequence[StepMetrics]
+) -> int:
+    """Store the points of steps the job has no row for, as computed by `attempt`: what a
+    checkpoint carried of reports that never arrived (they were in flight when that
+    attempt was stopped). Steps already stored are left alone. Returns how many."""
+    if not points:
+        return 0
+    steps = {p.step for p in points}
+    stored = set(
+        session.scalars(select(Metric.step).where(Metric.job_id == job.id, Metric.step.in_(steps)))
+    )
+    missing = [p for p in points if p.step not in stored]
+    for point in missing:
+        session.add(Metric(job_id=job.id, step=point.step, attempt=attempt, values=point.values))
+    if missing:
+        job.step = max(job.step, max(p.step for p in missing))
+    return len(missing)
+
+
+def _as_step_metrics(point: dict[str, Any]) -> StepMetrics:
+    return StepMetrics(
+        step=int(point["step"]), values={k: v for k, v in point.items() if k != "step"}
+    )
 
 
 def list_metrics(
@@ -288,6 +513,16 @@ def list_checkpoints(session: Session, job_id: int) -> Sequence[CheckpointRecord
         .where(CheckpointRecord.job_id == job_id)
         .order_by(CheckpointRecord.step.desc())
     ).all()
+
+
+def delete_checkpoint_rows(session: Session, job: Job, *, paths: Sequence[str]) -> None:
+    """Drop catalogue rows of checkpoints that retention deletes."""
+    if paths:
+        session.execute(
+            delete(CheckpointRecord).where(
+                CheckpointRecord.job_id == job.id, CheckpointRecord.path.in_(list(paths))
+            )
+        )
 
 
 def record_checkpoint(

@@ -111,10 +111,6 @@ class Job(Base):
         Index("ix_jobs_created", "created_at", "id"),
     )
 
-    @property
-    def label_dict(self) -> dict[str, str]:
-        return {label.key: label.value for label in self.labels}
-
 
 class JobLabel(Base):
     """Labels in their own table so `GET /v1/jobs?label=k:v` is an indexed join on any DB."""
@@ -130,7 +126,9 @@ class JobLabel(Base):
 
 
 class Attempt(Base):
-    """One launch of a job: a driver actor and its worker group at one world size."""
+    """One launch of a job: a driver actor and its worker group at one world size.
+
+    Its number fences everything it reports: what an older attempt sends is refused."""
 
     __tablename__ = "attempts"
 
@@ -139,12 +137,21 @@ class Attempt(Base):
     number: Mapped[int] = mapped_column(Integer)
     world_size: Mapped[int] = mapped_column(Integer)
     driver_name: Mapped[str] = mapped_column(String(200))
-    resume_step: Mapped[int | None] = mapped_column(Integer, default=None)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
     outcome: Mapped[str | None] = mapped_column(String(32), default=None)
+    # `error` is the failure's one-line summary for people; `failure` the record
+    # (`contracts.messages.WorkerError`), which says whether two failures are the same.
     error: Mapped[str | None] = mapped_column(Text, default=None)
+    failure: Mapped[dict[str, Any] | None] = mapped_column(JSONType, default=None)
+    # The node of each rank, once the worker group reported it.
     nodes: Mapped[list[str] | None] = mapped_column(JSONType, default=None)
+    # Asked to checkpoint and stop so that the job relaunches at another size: this
+    # attempt's steps do not make a RESIZING job RUNNING again; the next attempt's do.
+    stop_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The last driver message persisted (acknowledged on the next poll): a message is
+    # stored once even when a pass rolls back or the control plane restarts.
+    report_seq: Mapped[int] = mapped_column(Integer, default=0)
 
     __table_args__ = (UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),)
 
@@ -196,6 +203,17 @@ class CheckpointRecord(Base):
     manifest: Mapped[dict[str, Any] | None] = mapped_column(JSONType, default=None)
 
     __table_args__ = (UniqueConstraint("job_id", "step", name="uq_checkpoints_job_step"),)
+
+
+class ClusterSnapshot(Base):
+    """The scheduler's latest view of the Ray cluster (nodes, free resources, jobs per
+    node), kept in the DB so that every API replica serves it, with or without a scheduler."""
+
+    __tablename__ = "cluster_snapshot"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    view: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class SchedulerLease(Base):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -60,8 +59,3 @@ class Settings(BaseSettings):
         if self.database_url.startswith("sqlite:///"):
             db_file = Path(self.database_url.removeprefix("sqlite:///"))
             db_file.parent.mkdir(parents=True, exist_ok=True)
-
-
-@lru_cache
-def get_settings() -> Settings:
-    return Settings()

@@ -33,17 +33,17 @@ TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 ACTIVE = frozenset({JobState.STARTING, JobState.RUNNING, JobState.RECOVERING, JobState.RESIZING})
 
 _S = JobState
+#: Exactly the moves `service.decisions.decide` makes (tests/unit/test_decisions.py checks
+#: both ways), so this table reads as the lifecycle.
 ALLOWED: dict[JobState, frozenset[JobState]] = {
-    _S.PENDING: frozenset({_S.STARTING, _S.CANCELLED, _S.FAILED}),
+    _S.PENDING: frozenset({_S.STARTING, _S.CANCELLED}),
     _S.STARTING: frozenset({_S.RUNNING, _S.RECOVERING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
     _S.RUNNING: frozenset({_S.RECOVERING, _S.RESIZING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
-    # RECOVERING -> STARTING: the relaunch of a new attempt after a failure. -> SUCCEEDED:
-    # the relaunched attempt found a checkpoint at max_steps (or a resize was asked for at
-    # the very last step) and had nothing left to do.
-    _S.RECOVERING: frozenset({_S.STARTING, _S.RUNNING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
-    _S.RESIZING: frozenset(
-        {_S.STARTING, _S.RUNNING, _S.RECOVERING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}
-    ),
+    # RECOVERING -> SUCCEEDED: the relaunched attempt found a checkpoint at max_steps and
+    # had nothing left to do. A relaunch stays RECOVERING until its first step.
+    _S.RECOVERING: frozenset({_S.RUNNING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
+    # RESIZING -> SUCCEEDED: the stop arrived at the very last step.
+    _S.RESIZING: frozenset({_S.RUNNING, _S.RECOVERING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
     _S.SUCCEEDED: frozenset(),
     _S.FAILED: frozenset(),
     _S.CANCELLED: frozenset(),

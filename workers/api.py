@@ -7,18 +7,45 @@ through `TrainHooks`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from contracts.messages import (
+    CheckpointCommitted,
+    Control,
+    Resumed,
+    StepMetrics,
+    WorkerEvent,
+    WorkerMessage,
+)
+
+__all__ = [
+    "Control",
+    "NullHooks",
+    "TrainContext",
+    "TrainHooks",
+    "TrainResult",
+    "Workload",
+    "WorkloadFactory",
+]
+
 # ---------------------------------------------------------------------------------------
 # Workloads
 # ---------------------------------------------------------------------------------------
+
+
+class SampleDataset(Protocol):
+    """What a workload's dataset must offer: a length and `(input, target)` by index (a
+    list, or a map-style `torch.utils.data.Dataset` with `__len__`)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(kw_only=True)
@@ -34,8 +61,8 @@ class Workload:
     model that stage runs, with parameter names (FQNs) unchanged so that checkpoints load
     whatever the split.
     """
-    dataset: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    """Indexable samples `(input, target)`; sample ids are indices into this sequence."""
+    dataset: SampleDataset
+    """Indexable samples `(input, target)`; sample ids are indices into it."""
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """`loss_fn(output, target)` -> the MEAN loss over the micro-batch (PyTorch's default
     reduction). The loop turns it into a sum and normalises by the global batch size."""
@@ -49,17 +76,8 @@ WorkloadFactory = Callable[..., Workload]
 
 
 # ---------------------------------------------------------------------------------------
-# Control between the service and the loop
+# The loop's surroundings (`Control` comes from `contracts.messages`, re-exported here)
 # ---------------------------------------------------------------------------------------
-
-
-class Control(str, Enum):
-    """What the service asks of a running worker group, checked once per step by rank 0
-    and broadcast to all ranks so every rank acts at the same step."""
-
-    NONE = "none"
-    CHECKPOINT = "checkpoint"  # save a checkpoint after this step, keep going
-    STOP = "stop"  # save a checkpoint after this step, then return (resize / preempt)
 
 
 @dataclass(kw_only=True)
@@ -75,40 +93,51 @@ class TrainContext:
     checkpoint_root: Path
     """This job's checkpoint folder (shared storage): one sub-folder per checkpoint."""
     log_path: Path | None = None
+    step: int = 0
+    """Optimizer steps completed so far (0 before training); the loop updates it each
+    step, so the launcher glue can say at which step a failure happened."""
 
 
 class TrainHooks(Protocol):
     """How the loop talks to the service. Called on rank 0 only; must not block."""
 
-    def report_metrics(self, point: dict[str, Any]) -> None: ...
+    def send(self, message: WorkerMessage) -> None:
+        """Hand one typed message (`contracts.messages`) to the driver."""
+        ...
 
-    def checkpoint_committed(self, info: dict[str, Any]) -> None: ...
-
-    def event(self, kind: str, reason: str, details: dict[str, Any] | None = None) -> None: ...
-
-    def poll_control(self) -> Control: ...
+    def poll_control(self) -> Control:
+        """What the service asks of the group now (Control.NONE when nothing)."""
+        ...
 
 
 @dataclass
 class NullHooks:
-    """Hooks that record what the loop reports (tests, standalone runs)."""
+    """Hooks that record what the loop sends (tests, standalone runs)."""
 
-    metrics: list[dict[str, Any]] = field(default_factory=list)
-    commits: list[dict[str, Any]] = field(default_factory=list)
-    events: list[tuple[str, str, dict[str, Any] | None]] = field(default_factory=list)
+    messages: list[WorkerMessage] = field(default_factory=list)
     controls: list[Control] = field(default_factory=list)
 
-    def report_metrics(self, point: dict[str, Any]) -> None:
-        self.metrics.append(point)
-
-    def checkpoint_committed(self, info: dict[str, Any]) -> None:
-        self.commits.append(info)
-
-    def event(self, kind: str, reason: str, details: dict[str, Any] | None = None) -> None:
-        self.events.append((kind, reason, details))
+    def send(self, message: WorkerMessage) -> None:
+        self.messages.append(message)
 
     def poll_control(self) -> Control:
         return self.controls.pop(0) if self.controls else Control.NONE
+
+    @property
+    def metrics(self) -> list[StepMetrics]:
+        return [m for m in self.messages if isinstance(m, StepMetrics)]
+
+    @property
+    def commits(self) -> list[CheckpointCommitted]:
+        return [m for m in self.messages if isinstance(m, CheckpointCommitted)]
+
+    @property
+    def events(self) -> list[WorkerEvent]:
+        return [m for m in self.messages if isinstance(m, WorkerEvent)]
+
+    @property
+    def resumed(self) -> Resumed | None:
+        return next((m for m in self.messages if isinstance(m, Resumed)), None)
 
 
 @dataclass(kw_only=True)

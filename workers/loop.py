@@ -21,7 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workers.api import Control, TrainContext, TrainHooks, TrainResult
+from contracts.messages import (
+    CheckpointCommitted,
+    EventKind,
+    Resumed,
+    StepMetrics,
+    WorkerEvent,
+)
+from contracts.spec import JobSpec
+from workers.api import Control, SampleDataset, TrainContext, TrainHooks, TrainResult
 from workers.sampler import ElasticSampler, batch_crc
 from workers.strategies import Strategy, make_strategy
 from workers.workloads import load_workload
@@ -29,32 +37,36 @@ from workers.workloads import load_workload
 log = logging.getLogger("elastrain.workers.loop")
 
 LOG_EVERY_STEPS = 10
+#: Metric points saved with each checkpoint (the steps since the previous one, at most
+#: this many): reports in flight when an attempt is stopped are not lost to the job's
+#: history, because the attempt that resumes from the checkpoint hands them back.
+MAX_METRICS_IN_CHECKPOINT = 1000
 
 # Control travels as a float in the per-step all-reduce (only rank 0 adds its code).
 _CONTROL_CODES = {Control.NONE: 0, Control.CHECKPOINT: 1, Control.STOP: 2}
 _CONTROL_BY_CODE = {code: control for control, code in _CONTROL_CODES.items()}
 
 
-def train(ctx: TrainContext, spec: dict[str, Any], hooks: TrainHooks) -> TrainResult:
-    """Train the job described by `spec` (a `JobSpec.model_dump(mode="json")` dict)."""
+def train(ctx: TrainContext, spec: JobSpec, hooks: TrainHooks) -> TrainResult:
+    """Train the job described by `spec`."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("train() needs an initialised torch.distributed process group")
     with _log_to_file(ctx.log_path, ctx.rank):
         return _train(ctx, spec, hooks)
 
 
-def _train(ctx: TrainContext, spec: dict[str, Any], hooks: TrainHooks) -> TrainResult:
-    training, ckpt_spec = spec["training"], spec["checkpoint"]
-    seed = training["seed"]
-    global_batch = training["global_batch_size"]
-    micro_batch = training["micro_batch_size"]
-    max_steps = training["max_steps"]
+def _train(ctx: TrainContext, spec: JobSpec, hooks: TrainHooks) -> TrainResult:
+    training = spec.training
+    seed = training.seed
+    global_batch = training.global_batch_size
+    micro_batch = training.micro_batch_size
+    max_steps = training.max_steps
     is_rank0 = ctx.rank == 0
 
     # Same seed on every rank before building, so every rank builds the same initial model.
     seed_everything(seed)
-    workload = load_workload(spec["workload"])
-    strategy = make_strategy(spec["strategy"]["kind"])
+    workload = load_workload(spec.workload)
+    strategy = make_strategy(spec.strategy.kind)
     strategy.setup(workload, ctx, spec)
     layout = strategy.layout
     sampler = ElasticSampler(len(workload.dataset), global_batch, seed)
@@ -63,7 +75,7 @@ def _train(ctx: TrainContext, spec: dict[str, Any], hooks: TrainHooks) -> TrainR
     if is_rank0:
         log.info(
             "job %s attempt %s: %s world_size=%d dp=%d pp=%d G=%d micro=%d accum=%d steps=%d",
-            ctx.job_id, ctx.attempt, spec["strategy"]["kind"], ctx.world_size, layout.dp,
+            ctx.job_id, ctx.attempt, spec.strategy.kind.value, ctx.world_size, layout.dp,
             layout.pp, global_batch, micro_batch,
             sampler.num_microbatches(layout.dp, micro_batch), max_steps,
         )  # fmt: skip
@@ -71,11 +83,13 @@ def _train(ctx: TrainContext, spec: dict[str, Any], hooks: TrainHooks) -> TrainR
     # Resume from the latest good checkpoint, whatever world size or split wrote it.
     resumed_from = resume(checkpointer, strategy, ctx, hooks, seed)
     start_step = resumed_from or 0
+    ctx.step = start_step
 
     # DDP/FSDP/pipeline average gradients over the dp replicas; each replica's summed
     # loss times dp/G makes that average the gradient of the global-batch mean loss.
     loss_scale = layout.dp / global_batch
     done = start_step  # optimizer steps completed
+    since_save: list[StepMetrics] = []  # rank 0: points since the last checkpoint
     control = Control.NONE
     for step in range(start_step, max_steps):
         t0 = time.perf_counter()
@@ -83,23 +97,25 @@ def _train(ctx: TrainContext, spec: dict[str, Any], hooks: TrainHooks) -> TrainR
         out = strategy.train_step([collate(mb) for mb in ids], loss_scale)
         polled = hooks.poll_control() if is_rank0 else Control.NONE
         loss_sum, control = reduce_loss_and_control(out.loss_sum, polled, ctx.device)
-        done = step + 1
+        done = ctx.step = step + 1
         step_time = time.perf_counter() - t0
         loss = loss_sum / global_batch
 
         if is_rank0:
-            hooks.report_metrics(
-                metrics_point(
-                    done, loss, step_time, strategy, workload.tokens_per_sample, global_batch,
-                    ctx.world_size, batch_crc(sampler.global_batch(step)),
-                )
+            point = step_metrics(
+                done, loss, step_time, strategy, workload.tokens_per_sample, global_batch,
+                ctx.world_size, batch_crc(sampler.global_batch(step)),
             )  # fmt: skip
+            hooks.send(point)
+            since_save.append(point)
             if done % LOG_EVERY_STEPS == 0 or done == start_step + 1:
                 log.info("step %d loss %.4f (%.3fs)", done, loss, step_time)
 
-        if done % ckpt_spec["every_steps"] == 0 or done == max_steps or control != Control.NONE:
+        if done % spec.checkpoint.every_steps == 0 or done == max_steps or control != Control.NONE:
             reason = control.value if control != Control.NONE else "scheduled"
-            save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason)
+            save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
+                            metrics=since_save)  # fmt: skip
+            since_save = []
         # Every rank polls: a failed background save then raises on every rank alike.
         commits = checkpointer.poll_commits()
         if is_rank0:
@@ -126,7 +142,7 @@ class Collator:
     """Sample ids -> stacked (inputs, targets). An empty id list gives size-0 tensors with
     the right trailing shape and dtype (strategies turn those into zero-weight steps)."""
 
-    def __init__(self, dataset: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, dataset: SampleDataset) -> None:
         self.dataset = dataset
         x0, y0 = dataset[0]
         self.empty = (x0.new_empty((0, *x0.shape)), y0.new_empty((0, *y0.shape)))
@@ -138,7 +154,7 @@ class Collator:
         return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
 
 
-def make_checkpointer(ctx: TrainContext, spec: dict[str, Any]) -> Any:
+def make_checkpointer(ctx: TrainContext, spec: JobSpec) -> Any:
     # Imported here so the rest of `workers` imports without the DCP machinery loaded.
     from checkpoints.dcp import ShardedCheckpointer
 
@@ -146,7 +162,7 @@ def make_checkpointer(ctx: TrainContext, spec: dict[str, Any]) -> Any:
         ctx.checkpoint_root,
         rank=ctx.rank,
         world_size=ctx.world_size,
-        async_save=spec["checkpoint"]["async_save"],
+        async_save=spec.checkpoint.async_save,
     )
 
 
@@ -160,7 +176,11 @@ def resume(
     if outcome is not None and ctx.rank == 0:
         for path, reason in outcome.skipped:
             log.warning("skipped checkpoint %s: %s", path, reason)
-            hooks.event("checkpoint_fallback", reason, {"path": str(path)})
+            hooks.send(
+                WorkerEvent(
+                    event=EventKind.CHECKPOINT_FALLBACK, reason=reason, details={"path": str(path)}
+                )
+            )
     if outcome is None:
         reseed(seed, 0, ctx.rank)
         return None
@@ -173,15 +193,15 @@ def resume(
         reseed(seed, step, ctx.rank)  # resharded: per-rank streams have no successor
     if ctx.rank == 0:
         log.info("resumed from %s at step %d", outcome.info.path, step)
-        hooks.event(
-            "resumed",
-            f"resumed from step {step} (saved at world size {outcome.info.world_size}, "
-            f"now {ctx.world_size})",
-            {
-                "step": step,
-                "path": str(outcome.info.path),
-                "saved_world_size": outcome.info.world_size,
-            },
+        hooks.send(
+            Resumed(
+                step=step,
+                path=str(outcome.info.path),
+                saved_world_size=outcome.info.world_size,
+                world_size=ctx.world_size,
+                saved_attempt=outcome.info.attempt,
+                metrics=saved_metrics(outcome.info.manifest.extra),
+            )
         )
     return step
 
@@ -202,28 +222,32 @@ def save_checkpoint(
     checkpointer: Any,
     strategy: Strategy,
     ctx: TrainContext,
-    spec: dict[str, Any],
+    spec: JobSpec,
     done: int,
     *,
     reason: str,
+    metrics: Sequence[StepMetrics] = (),
 ) -> None:
-    training = spec["training"]
+    training = spec.training
     layout = strategy.layout
     blocked = checkpointer.save(
         step=done,
         attempt=ctx.attempt,
         state=strategy.state_dict_for_checkpoint(),
         manifest_fields={
-            "strategy": spec["strategy"]["kind"],
+            "strategy": spec.strategy.kind.value,
             "layout": {"dp": layout.dp, "pp": layout.pp},
             "data_position": {
                 "step": done,
-                "samples_consumed": done * training["global_batch_size"],
+                "samples_consumed": done * training.global_batch_size,
             },
             "extra": {
-                "seed": training["seed"],
-                "global_batch_size": training["global_batch_size"],
-                "micro_batch_size": training["micro_batch_size"],
+                "seed": training.seed,
+                "global_batch_size": training.global_batch_size,
+                "micro_batch_size": training.micro_batch_size,
+                "metrics": [
+                    {"step": m.step, **m.values} for m in metrics[-MAX_METRICS_IN_CHECKPOINT:]
+                ],
             },
         },
         rank_extra=get_rng_states(ctx.world_size),
@@ -232,13 +256,21 @@ def save_checkpoint(
         log.info("checkpoint at step %d (%s): blocked %.3fs", done, reason, blocked)
 
 
-def forward_commits(commits: list[dict[str, Any]], hooks: TrainHooks) -> None:
-    for info in commits:
-        log.info("checkpoint committed: %s", info.get("path", info))
-        hooks.checkpoint_committed(info)
+def saved_metrics(extra: dict[str, Any]) -> tuple[StepMetrics, ...]:
+    """The metric points a checkpoint's manifest carries (see `save_checkpoint`)."""
+    return tuple(
+        StepMetrics(step=int(p["step"]), values={k: v for k, v in p.items() if k != "step"})
+        for p in extra.get("metrics") or ()
+    )
 
 
-def metrics_point(
+def forward_commits(commits: list[CheckpointCommitted], hooks: TrainHooks) -> None:
+    for commit in commits:
+        log.info("checkpoint committed: %s", commit.path)
+        hooks.send(commit)
+
+
+def step_metrics(
     done: int,
     loss: float,
     step_time: float,
@@ -247,11 +279,10 @@ def metrics_point(
     global_batch: int,
     world_size: int,
     crc: int,
-) -> dict[str, Any]:
+) -> StepMetrics:
     samples_per_s = global_batch / step_time
     layout = strategy.layout
-    return {
-        "step": done,
+    values = {
         "loss": loss,
         "lr": strategy.optimizer.param_groups[0]["lr"],
         "step_time_s": step_time,
@@ -266,6 +297,7 @@ def metrics_point(
         # from it, not from when the scheduler happened to persist the point.
         "wall_time": time.time(),
     }
+    return StepMetrics(step=done, values=values)
 
 
 def rss_bytes() -> int:

@@ -1,4 +1,5 @@
-"""`/v1/cluster`: the scheduler's latest snapshot of the Ray cluster (the API never asks Ray)."""
+"""`/v1/cluster`: the scheduler's latest snapshot of the Ray cluster, from the DB (the API
+never asks Ray, and every replica serves the same view)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from api.deps import CurrentTenant
+from api.deps import CurrentTenant, SessionDep
 from service import cluster
 
 router = APIRouter(prefix="/v1", tags=["cluster"])
 
 
 @router.get("/cluster", summary="Nodes, free resources and where jobs run")
-def get_cluster(_: CurrentTenant) -> dict[str, Any]:
-    return cluster.current().to_dict()
+def get_cluster(_: CurrentTenant, session: SessionDep) -> dict[str, Any]:
+    return cluster.current(session).to_dict()

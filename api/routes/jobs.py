@@ -1,7 +1,8 @@
 """`/v1/jobs`: submit, list, inspect and steer jobs.
 
-Routes only read and request: the scheduler is the one writer of run state. The exception
-is cancelling a PENDING job, which no driver holds yet, so the API cancels it at once.
+Routes only read and request: run state changes by `service.decisions.decide`. A cancel of
+a job that no driver holds (queued, or waiting between attempts) is decided and applied at
+once, in the request's transaction, by the same decision the scheduler would take.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from sqlalchemy.orm import Session
 
 from api.deps import CurrentTenant, SessionDep, SettingsDep
 from api.errors import Conflict
-from api.logs import logs_dir, read_logs
+from api.logs import read_logs
 from api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, MetricOut
+from contracts.spec import JobSpec
+from contracts.storage import JobStorage
+from service import executor
 from service.jobs import (
     JobNotFound,
     get_job,
@@ -28,11 +32,9 @@ from service.jobs import (
     list_events,
     list_jobs,
     list_metrics,
-    record_event,
-    set_job_state,
+    request_checkpoint,
 )
 from service.models import Job
-from service.spec import JobSpec
 from service.states import ACTIVE, JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -159,7 +161,9 @@ def get_job_route(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> 
         **_CONFLICT,
     },
 )
-def cancel_job(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Response:
+def cancel_job(
+    job_id: JobId, session: SessionDep, tenant: CurrentTenant, settings: SettingsDep
+) -> Response:
     # FOR UPDATE (PostgreSQL): the scheduler cannot admit it between our read and write.
     job = _owned_job(session, job_id, tenant, for_update=True)
     if job.state == JobState.CANCELLED:
@@ -167,17 +171,9 @@ def cancel_job(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Res
         return _job(job)
     if job.state.is_terminal:
         raise Conflict(f"job {job_id} already finished ({job.state.value}); nothing to cancel")
-    if job.state == JobState.PENDING:
-        # No driver holds it yet: cancelled now, not by the scheduler.
-        job.cancel_requested = True
-        set_job_state(session, job, JobState.CANCELLED, reason="cancelled by user")
-        session.commit()
-        return _job(job)
-    if not job.cancel_requested:
-        job.cancel_requested = True
-        record_event(session, job, kind="cancel_requested", reason="cancel requested by user")
-        session.commit()
-    return _job(job, status.HTTP_202_ACCEPTED)
+    executor.cancel(session, job, storage_path=settings.storage_path)
+    session.commit()
+    return _job(job, status.HTTP_200_OK if job.state.is_terminal else status.HTTP_202_ACCEPTED)
 
 
 @router.post(
@@ -187,18 +183,14 @@ def cancel_job(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Res
     summary="Ask a running job to save a checkpoint now",
     responses={**_NOT_FOUND, **_CONFLICT},
 )
-def request_checkpoint(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Response:
+def checkpoint_now(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Response:
     job = _owned_job(session, job_id, tenant, for_update=True)
     if not job.state.is_active:
         raise Conflict(
             f"job {job_id} is {job.state.value}; a checkpoint can be requested only while "
             f"it is {_ACTIVE_NAMES}"
         )
-    if not job.checkpoint_requested:
-        job.checkpoint_requested = True
-        record_event(
-            session, job, kind="checkpoint_requested", reason="checkpoint requested by user"
-        )
+    if request_checkpoint(session, job):
         session.commit()
     return _job(job, status.HTTP_202_ACCEPTED)
 
@@ -252,7 +244,9 @@ def job_logs(
 ) -> LogChunk:
     _owned_job(session, job_id, tenant)
     session.close()  # reading files needs no DB connection
-    chunk = read_logs(logs_dir(settings.storage_path, job_id), offset=offset, attempt=attempt)
+    chunk = read_logs(
+        JobStorage.of(settings.storage_path, job_id).logs, offset=offset, attempt=attempt
+    )
     return LogChunk(
         text=chunk.text,
         next_offset=chunk.next_offset,

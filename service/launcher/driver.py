@@ -1,10 +1,11 @@
 """The per-attempt driver: a detached, named Ray actor that runs `TorchTrainer.fit()`.
 
 It lives in its own Ray worker process (never in the control plane), so `fit()` and the
-torch it imports stay out of the API process. Rank 0 of the worker group pushes metrics,
-checkpoint commits and events to it with fire-and-forget actor calls (no `ray.train.report`,
-whose ~2 s throttle would slow training: RAY_NOTES.md); the scheduler drains them on every
-pass. The train function is named by import path and resolved inside the actor process,
+torch it imports stay out of the API process. Rank 0 of the worker group pushes typed
+messages (`contracts.messages`: metrics, checkpoint commits, events) to it with
+fire-and-forget actor calls (no `ray.train.report`, whose ~2 s throttle would slow
+training); the driver numbers them, and the scheduler drains them on every pass and
+acknowledges what it stored. The train function is named by import path and resolved inside the actor process,
 so `service` never imports `workers`.
 """
 
@@ -12,9 +13,21 @@ from __future__ import annotations
 
 import os
 import threading
-import traceback
-from pathlib import Path
-from typing import Any
+
+from contracts.messages import (
+    Control,
+    DriverReport,
+    DriverStatus,
+    Finished,
+    Placement,
+    Resumed,
+    StepMetrics,
+    WorkerError,
+    WorkerFailed,
+    WorkerMessage,
+)
+from contracts.spec import JobSpec
+from contracts.storage import JobStorage
 
 #: Ray Train settings for this attempt's controller.
 DRIVER_ENV = {
@@ -23,6 +36,9 @@ DRIVER_ENV = {
     # default of 60 s would abort and retry a start that is merely slow.
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600",
 }
+
+#: A report carries at most this many messages; the rest come with the next poll.
+MAX_MESSAGES_PER_REPORT = 5000
 
 #: What runs on every worker of the group, resolved inside the driver process.
 TRAIN_FN = "workers.ray_entry:train_loop_per_worker"
@@ -37,7 +53,7 @@ class JobDriver:
         job_id: int,
         attempt: int,
         world_size: int,
-        spec: dict[str, Any],
+        spec: JobSpec,
         storage_path: str,
         driver_name: str,
         namespace: str,
@@ -50,97 +66,73 @@ class JobDriver:
         self.driver_name = driver_name
         self.namespace = namespace
         self._lock = threading.Lock()
-        self._status = "starting"
-        self._metrics: list[dict[str, Any]] = []
-        self._commits: list[dict[str, Any]] = []
-        self._events: list[dict[str, Any]] = []
-        self._placement: dict[int, str] = {}
-        self._placement_group: str | None = None
-        self._pids: dict[int, int] = {}
-        self._error: str | None = None
-        self._worker_error: str | None = None
+        self._status = DriverStatus.STARTING
+        self._outbox: list[tuple[int, WorkerMessage]] = []  # (seq, message), not yet acked
+        self._seq = 0
+        self._placement: Placement | None = None
         self._resumed_from: int | None = None
+        self._worker_error: WorkerError | None = None
+        self._error: WorkerError | None = None
         self._final_step: int | None = None
-        self._control: list[str] = []  # queued one-shot requests: "checkpoint" | "stop"
+        self._control: list[Control] = []  # queued one-shot requests
         self._thread = threading.Thread(target=self._run, name="fit", daemon=True)
         self._thread.start()
 
-    # -- called by rank 0 of the worker group -------------------------------------------------
-    def push(self, kind: str, payload: dict[str, Any]) -> None:
+    # -- called by rank 0 of the worker group (and any rank's failure) -----------------------
+    def push(self, message: WorkerMessage) -> None:
         with self._lock:
-            if kind == "metric":
-                self._metrics.append(payload)
-                if self._status == "starting":
-                    self._status = "running"
-            elif kind == "commit":
-                self._commits.append(payload)
-            elif kind == "placement":
-                self._placement = {int(k): v for k, v in payload["ranks"].items()}
-                self._placement_group = payload.get("placement_group")
-                self._pids = {int(k): v for k, v in payload.get("pids", {}).items()}
-            elif kind == "started":
-                self._resumed_from = payload.get("resumed_from_step")
-            elif kind == "error":
+            self._seq += 1
+            self._outbox.append((self._seq, message))
+            if isinstance(message, StepMetrics) and self._status == DriverStatus.STARTING:
+                self._status = DriverStatus.RUNNING
+            elif isinstance(message, Placement):
+                self._placement = message
+            elif isinstance(message, Resumed):
+                self._resumed_from = message.step
+            elif isinstance(message, WorkerFailed) and self._worker_error is None:
                 # The first worker error is the cause; later ones are usually its echoes.
-                if self._worker_error is None:
-                    self._worker_error = payload["message"]
-                self._events.append(
-                    {"kind": "worker_error", "reason": payload["message"], "details": payload}
-                )
-            elif kind == "finished":
-                self._final_step = payload.get("final_step")
-            else:
-                self._events.append(
-                    {
-                        "kind": payload.get("kind", kind),
-                        "reason": payload.get("reason", ""),
-                        "details": payload.get("details"),
-                    }
-                )
+                self._worker_error = message.error
+            elif isinstance(message, Finished):
+                self._final_step = message.final_step
 
-    def get_control(self) -> str:
+    def get_control(self) -> Control:
         with self._lock:
-            return self._control.pop(0) if self._control else "none"
+            return self._control.pop(0) if self._control else Control.NONE
 
     # -- called by the scheduler ------------------------------------------------------------------
-    def request(self, what: str) -> None:
+    def request(self, control: Control) -> None:
         with self._lock:
-            if what not in self._control:
-                self._control.append(what)
+            if control not in self._control:
+                self._control.append(control)
 
-    def drain(self) -> dict[str, Any]:
+    def drain(self, ack: int) -> DriverReport:
+        """Forget the messages up to `ack` (stored by the scheduler); report the rest."""
         with self._lock:
-            out = {
-                "status": self._status,
-                "metrics": self._metrics,
-                "commits": self._commits,
-                "events": self._events,
-                "error": self._error,
-                "resumed_from_step": self._resumed_from,
-                "placement": dict(self._placement),
-                "placement_group": self._placement_group,
-                "pids": dict(self._pids),
-                "final_step": self._final_step,
-            }
-            self._metrics, self._commits, self._events = [], [], []
-            return out
-
-    def ping(self) -> str:
-        return self._status
+            self._outbox = [(seq, m) for seq, m in self._outbox if seq > ack]
+            batch = self._outbox[:MAX_MESSAGES_PER_REPORT]
+            return DriverReport(
+                status=self._status,
+                messages=tuple(m for _, m in batch),
+                seq=batch[-1][0] if batch else ack,
+                error=self._error,
+                placement=self._placement,
+                resumed_from_step=self._resumed_from,
+            )
 
     def placement_group_id(self) -> str | None:
-        return self._placement_group
+        with self._lock:
+            return self._placement.placement_group if self._placement else None
 
     # -- the fit thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             stopped_early = self._fit()
             with self._lock:
-                self._status = "stopped" if stopped_early else "succeeded"
+                self._status = DriverStatus.STOPPED if stopped_early else DriverStatus.SUCCEEDED
         except BaseException as exc:
             with self._lock:
-                self._error = self._worker_error or _last_line(exc)
-                self._status = "failed"
+                self._error = self._worker_error or WorkerError.from_exception(exc)
+                self._status = DriverStatus.FAILED
 
     def _fit(self) -> bool:
         # Set here rather than as the actor's runtime_env, so that the driver can start in
@@ -151,11 +143,11 @@ class JobDriver:
 
         TorchTrainer = _trainer_class()
 
-        scaling = self.spec["scaling"]
-        resources = {"CPU": float(scaling["cpus_per_worker"])}
-        if scaling["use_gpu"]:
-            resources["GPU"] = float(scaling["gpus_per_worker"])
-        run_dir = Path(self.storage_path) / "jobs" / str(self.job_id) / "ray"
+        scaling = self.spec.scaling
+        resources = {"CPU": float(scaling.cpus_per_worker)}
+        if scaling.use_gpu:
+            resources["GPU"] = float(scaling.gpus_per_worker)
+        run_dir = JobStorage.of(self.storage_path, self.job_id).ray_runs
         trainer = TorchTrainer(
             train_loop_per_worker=_resolve(TRAIN_FN),
             train_loop_config={
@@ -168,7 +160,7 @@ class JobDriver:
             },
             scaling_config=ScalingConfig(
                 num_workers=self.world_size,
-                use_gpu=bool(scaling["use_gpu"]),
+                use_gpu=scaling.use_gpu,
                 resources_per_worker=resources,
             ),
             # Restarts are the scheduler's: it picks the world size from the cluster it
@@ -184,7 +176,7 @@ class JobDriver:
             raise result.error
         with self._lock:
             final = self._final_step
-        max_steps = int(self.spec["training"]["max_steps"])
+        max_steps = self.spec.training.max_steps
         return final is not None and final < max_steps
 
 
@@ -204,7 +196,7 @@ def _trainer_class():  # type: ignore[no-untyped-def]
 
     class ElastrainTorchTrainer(TorchTrainer):
         def _create_default_callbacks(self):  # type: ignore[no-untyped-def]
-            callbacks = super()._create_default_callbacks()
+            callbacks = super()._create_default_callbacks()  # type: ignore[misc]
             return [c for c in callbacks if not isinstance(c, PlacementGroupCleanerCallback)]
 
     return ElastrainTorchTrainer
@@ -215,10 +207,3 @@ def _resolve(path: str):  # type: ignore[no-untyped-def]
 
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
-
-
-def _last_line(exc: BaseException) -> str:
-    """The most specific line of a (possibly nested, cross-process) error."""
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__

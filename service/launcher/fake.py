@@ -1,23 +1,33 @@
 """An in-memory launcher for fast tests of the scheduler's control logic (no Ray).
 
-A test drives each fake driver by hand (`fake.drivers[(job, attempt)]`): make it run,
-report metrics, commit checkpoints, fail or succeed, and steps the scheduler one pass at
-a time.
+A test drives each fake driver by hand (`fake.driver(job, attempt)`): make it run, report
+metrics, commit checkpoints, fail or succeed, and steps the scheduler one pass at a time.
+What a test puts in `metrics`/`commits`/`events` becomes typed messages, numbered and kept
+until the scheduler acknowledges them, as the real driver does.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.launcher.base import (
-    ClusterCapacity,
+from contracts.messages import (
+    CheckpointCommitted,
+    Control,
     DriverReport,
     DriverStatus,
-    LaunchRequest,
-    NodeCapacity,
+    EventKind,
+    Placement,
+    Resumed,
+    StepMetrics,
+    WorkerError,
+    WorkerEvent,
+    WorkerMessage,
 )
+from service.capacity import ClusterCapacity, NodeCapacity
+from service.launcher.base import AttemptKey, LaunchRequest
 
 
 @dataclass
@@ -27,19 +37,90 @@ class FakeDriver:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     commits: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
-    error: str | None = None
+    error: str | WorkerError | None = None
     resumed_from_step: int | None = None
     placement: dict[int, str] = field(default_factory=dict)
     checkpoint_requests: int = 0
     stop_requested: bool = False
     killed: bool = False
+    outbox: list[tuple[int, WorkerMessage]] = field(default_factory=list)
+    seq: int = 0
+    acked: int = 0
+    _resume_sent: bool = False
+
+    def _send(self, message: WorkerMessage) -> None:
+        self.seq += 1
+        self.outbox.append((self.seq, message))
+
+    def resume(
+        self,
+        step: int,
+        *,
+        path: str = "",
+        saved_world_size: int | None = None,
+        saved_attempt: int = 0,
+        metrics: tuple[StepMetrics, ...] = (),
+    ) -> None:
+        """The worker group restored the checkpoint of `step` (at `path`, saved at
+        `saved_world_size` workers, the current size when not given, by `saved_attempt`,
+        with the metric points saved with it)."""
+        ws = self.request.world_size
+        self._send(
+            Resumed(
+                step=step,
+                path=path,
+                saved_world_size=saved_world_size or ws,
+                world_size=ws,
+                saved_attempt=saved_attempt,
+                metrics=metrics,
+            )
+        )
+        self.resumed_from_step = step
+        self._resume_sent = True
+
+    def report(self, ack: int) -> DriverReport:
+        """Turn what the test queued into messages; report those after `ack`."""
+        if self.resumed_from_step is not None and not self._resume_sent:
+            self.resume(self.resumed_from_step)
+        for point in self.metrics:
+            values = {k: v for k, v in point.items() if k != "step"}
+            self._send(StepMetrics(step=int(point["step"]), values=values))
+        for commit in self.commits:
+            self._send(
+                CheckpointCommitted(
+                    step=int(commit["step"]),
+                    attempt=self.request.attempt,
+                    world_size=int(commit.get("world_size") or self.request.world_size),
+                    path=str(commit["path"]),
+                    bytes=int(commit.get("bytes") or 0),
+                    manifest=commit.get("manifest"),
+                )
+            )
+        for ev in self.events:
+            self._send(WorkerEvent(event=EventKind(ev.get("kind", "worker_error")),
+                                   reason=ev.get("reason", ""), details=ev.get("details")))  # fmt: skip
+        self.metrics, self.commits, self.events = [], [], []
+        self.acked = max(self.acked, ack)
+        self.outbox = [(s, m) for s, m in self.outbox if s > self.acked]
+        error = self.error
+        if isinstance(error, str):
+            error = WorkerError(type="WorkerError", message=error)
+        return DriverReport(
+            status=self.status,
+            messages=tuple(m for _, m in self.outbox),
+            seq=self.outbox[-1][0] if self.outbox else self.acked,
+            error=error,
+            placement=Placement(nodes=dict(self.placement)) if self.placement else None,
+            resumed_from_step=self.resumed_from_step,
+        )
 
 
 class FakeLauncher:
     def __init__(self, nodes: dict[str, float] | None = None) -> None:
-        """`nodes`: node id -> CPUs."""
+        """`nodes`: node id -> CPUs (default: one node of 2 CPUs; `{}`: no nodes)."""
         self.nodes: dict[str, NodeCapacity] = {
-            nid: NodeCapacity(node_id=nid, cpus=cpus) for nid, cpus in (nodes or {"n0": 2}).items()
+            nid: NodeCapacity(node_id=nid, cpus=cpus)
+            for nid, cpus in ({"n0": 2} if nodes is None else nodes).items()
         }
         self.drivers: dict[tuple[int, int], FakeDriver] = {}
         self.launches: list[LaunchRequest] = []
@@ -51,8 +132,8 @@ class FakeLauncher:
         node = self.nodes[node_id]
         self.nodes[node_id] = NodeCapacity(node_id=node_id, cpus=node.cpus, alive=False)
 
-    def add_node(self, node_id: str, cpus: float) -> None:
-        self.nodes[node_id] = NodeCapacity(node_id=node_id, cpus=cpus)
+    def add_node(self, node_id: str, cpus: float, *, gpus: float = 0, address: str = "") -> None:
+        self.nodes[node_id] = NodeCapacity(node_id=node_id, cpus=cpus, gpus=gpus, address=address)
 
     def driver(self, job_id: int, attempt: int | None = None) -> FakeDriver:
         if attempt is None:
@@ -72,34 +153,24 @@ class FakeLauncher:
             self.drivers[key] = FakeDriver(request=request)
             self.launches.append(request)
 
-    def poll(self, job_id: int, attempt: int) -> DriverReport:
-        d = self.drivers.get((job_id, attempt))
-        if d is None or d.killed:
-            return DriverReport(status=DriverStatus.LOST)
-        report = DriverReport(
-            status=d.status,
-            metrics=d.metrics,
-            commits=d.commits,
-            events=d.events,
-            error=d.error,
-            resumed_from_step=d.resumed_from_step,
-            placement=dict(d.placement),
-        )
-        d.metrics, d.commits, d.events = [], [], []
-        return report
+    def poll(self, acks: Mapping[AttemptKey, int]) -> dict[AttemptKey, DriverReport]:
+        reports = {}
+        for key, ack in acks.items():
+            d = self.drivers.get((key.job_id, key.attempt))
+            if d is None or d.killed:
+                reports[key] = DriverReport(status=DriverStatus.LOST)
+            else:
+                reports[key] = d.report(ack)
+        return reports
 
-    def request_checkpoint(self, job_id: int, attempt: int) -> None:
-        self.drivers[(job_id, attempt)].checkpoint_requests += 1
+    def send_control(self, key: AttemptKey, control: Control) -> None:
+        d = self.drivers[(key.job_id, key.attempt)]
+        if control == Control.CHECKPOINT:
+            d.checkpoint_requests += 1
+        elif control == Control.STOP:
+            d.stop_requested = True
 
-    def request_stop(self, job_id: int, attempt: int) -> None:
-        self.drivers[(job_id, attempt)].stop_requested = True
-
-    def kill(self, job_id: int, attempt: int) -> None:
-        d = self.drivers.get((job_id, attempt))
-        if d is not None:
-            d.killed = True
-
-    def release(self, job_id: int, attempt: int) -> None:
-        d = self.drivers.get((job_id, attempt))
+    def release(self, key: AttemptKey) -> None:
+        d = self.drivers.get((key.job_id, key.attempt))
         if d is not None:
             d.killed = True

@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from service.launcher.base import (
-    ClusterCapacity,
-    DriverReport,
-    DriverStatus,
-    LaunchRequest,
-    NodeCapacity,
-    driver_name,
-)
+from contracts.messages import Control, DriverReport, DriverStatus, WorkerError
+from service.capacity import ClusterCapacity, NodeCapacity
+from service.launcher.base import AttemptKey, LaunchRequest, driver_name
 from service.launcher.driver import JobDriver
 from service.settings import Settings
 
 log = logging.getLogger("elastrain.launcher")
 
-_POLL_TIMEOUT_S = 10.0
+#: How long one poll waits for all drivers together. A driver that has not answered by
+#: then reports its last known status; the pass goes on (it holds no DB lock meanwhile).
+_POLL_TIMEOUT_S = 5.0
 
 
 class RayLauncher:
@@ -70,7 +68,7 @@ class RayLauncher:
 
     def _dashboard_url(self) -> str | None:
         try:
-            url = ray.get_runtime_context().worker.node.address_info.get("webui_url")  # type: ignore[union-attr]
+            url = ray.get_runtime_context().worker.node.address_info.get("webui_url")
         except Exception:
             return None
         return f"http://{url}" if url else None
@@ -95,8 +93,8 @@ class RayLauncher:
         self._handles[request.driver_name] = handle
         log.info("launched %s at world size %d", request.driver_name, request.world_size)
 
-    def _handle(self, job_id: int, attempt: int) -> Any | None:
-        name = driver_name(job_id, attempt)
+    def _handle(self, key: AttemptKey) -> Any | None:
+        name = driver_name(*key)
         if name not in self._handles:
             try:  # a restarted control plane re-attaches by name
                 self._handles[name] = ray.get_actor(name, namespace=self.namespace)
@@ -104,51 +102,50 @@ class RayLauncher:
                 return None
         return self._handles[name]
 
-    def poll(self, job_id: int, attempt: int) -> DriverReport:
-        name = driver_name(job_id, attempt)
-        handle = self._handle(job_id, attempt)
-        if handle is None:
-            return DriverReport(status=DriverStatus.LOST, error="driver actor not found")
-        try:
-            out = ray.get(handle.drain.remote(), timeout=_POLL_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            return DriverReport(status=self._last_status.get(name, DriverStatus.STARTING))
-        except ray.exceptions.RayActorError as exc:
-            self._handles.pop(name, None)
-            return DriverReport(status=DriverStatus.LOST, error=f"driver died: {str(exc)[-300:]}")
-        status = DriverStatus(out["status"])
-        self._last_status[name] = status
-        if out.get("placement_group"):
-            self._placement_groups[name] = out["placement_group"]
-        return DriverReport(
-            status=status,
-            metrics=out["metrics"],
-            commits=out["commits"],
-            events=out["events"],
-            error=out["error"],
-            resumed_from_step=out["resumed_from_step"],
-            placement={int(k): v for k, v in out["placement"].items()},
-            pids={int(k): v for k, v in out.get("pids", {}).items()},
-            final_step=out["final_step"],
+    def poll(self, acks: Mapping[AttemptKey, int]) -> dict[AttemptKey, DriverReport]:
+        reports: dict[AttemptKey, DriverReport] = {}
+        refs: dict[Any, AttemptKey] = {}
+        for key, ack in acks.items():
+            handle = self._handle(key)
+            if handle is None:
+                reports[key] = _lost(key, "driver actor not found")
+            else:
+                refs[handle.drain.remote(ack)] = key
+        ready = (
+            ray.wait(list(refs), num_returns=len(refs), timeout=_POLL_TIMEOUT_S)[0] if refs else []
         )
+        for ref in refs:
+            key = refs[ref]
+            name = driver_name(*key)
+            if ref not in ready:
+                reports[key] = DriverReport(
+                    status=self._last_status.get(name, DriverStatus.STARTING), seq=acks[key]
+                )
+                continue
+            try:
+                report: DriverReport = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                self._handles.pop(name, None)
+                reports[key] = _lost(key, f"driver died: {str(exc)[-300:]}")
+                continue
+            self._last_status[name] = report.status
+            if report.placement is not None and report.placement.placement_group:
+                self._placement_groups[name] = report.placement.placement_group
+            reports[key] = report
+        return reports
 
-    def request_checkpoint(self, job_id: int, attempt: int) -> None:
-        handle = self._handle(job_id, attempt)
+    def send_control(self, key: AttemptKey, control: Control) -> None:
+        handle = self._handle(key)
         if handle is not None:
-            handle.request.remote("checkpoint")
+            handle.request.remote(control)
 
-    def request_stop(self, job_id: int, attempt: int) -> None:
-        handle = self._handle(job_id, attempt)
-        if handle is not None:
-            handle.request.remote("stop")
-
-    def kill(self, job_id: int, attempt: int) -> None:
+    def release(self, key: AttemptKey) -> None:
         # Killing the driver takes its TorchTrainer controller and worker actors with it
         # (they are owned by the driver). Their placement group outlives them (it belongs
         # to the Ray job, not the actor), so it is removed here to free the resources now.
-        name = driver_name(job_id, attempt)
-        handle = self._handle(job_id, attempt)
-        pg_id = self._placement_groups.get(name)
+        name = driver_name(*key)
+        handle = self._handle(key)
+        pg_id = self._placement_groups.pop(name, None)
         if handle is not None:
             if pg_id is None:
                 with contextlib.suppress(Exception):
@@ -161,13 +158,12 @@ class RayLauncher:
         # placement group would otherwise hold their CPUs on the surviving nodes.
         if pg_id:
             _remove_placement_group(pg_id)
-
-    def release(self, job_id: int, attempt: int) -> None:
-        self.kill(job_id, attempt)
-        name = driver_name(job_id, attempt)
         self._handles.pop(name, None)
         self._last_status.pop(name, None)
-        self._placement_groups.pop(name, None)
+
+
+def _lost(key: AttemptKey, why: str) -> DriverReport:
+    return DriverReport(status=DriverStatus.LOST, error=WorkerError(type="DriverLost", message=why))
 
 
 def _head_node_id() -> str | None:

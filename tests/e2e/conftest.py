@@ -19,7 +19,7 @@ A test of a job that really trained:
     wait_for_chart(page, len(metrics))
 
 The helpers behind them live in `tests/e2e/server.py` (start_server, ServerHandle) and
-`tests/e2e/seed.py` (job histories written through `service.jobs`).
+`tests/e2e/seed.py` (job histories produced by the real scheduler on a fake cluster).
 """
 
 from __future__ import annotations

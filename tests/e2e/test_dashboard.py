@@ -1,25 +1,25 @@
 """The dashboard in a real headless Chromium against a real API server and real job records.
 
-Jobs are submitted over REST and their runs are written through `service.jobs` (see
-`seed.py`); the page must draw exactly what the API serves.
+Jobs are submitted over REST and their runs are decided and written by the real scheduler,
+stepped against a fake cluster whose drivers `seed.py` plays; the page must draw exactly
+what the API serves.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from typing import Any
 
 import httpx
 import pytest
 
-from service.jobs import get_job, record_metrics
+from service import cluster
 from service.states import JobState
 from tests.e2e import seed
 from tests.e2e.conftest import open_dashboard, wait_for_chart
-from tests.e2e.server import ServerHandle, uvicorn_argv
+from tests.e2e.server import ServerHandle
 
 pytestmark = pytest.mark.browser
 
@@ -74,24 +74,23 @@ def test_list_shows_jobs_and_filters(page: Any, server: ServerHandle, story: see
 
 
 def test_list_updates_itself(page: Any, server: ServerHandle) -> None:
-    job_id = seed.running_job(server, name="live-update", step=10, max_steps=100)
+    # No restart allowed: the worker error below fails the job at once.
+    job_id = seed.running_job(
+        server, name="live-update", step=10, max_steps=100, failure={"max_restarts": 0}
+    )
     open_dashboard(page, server, "/")
     row = page.locator(f"#jobs-table tr[data-job-id='{job_id}']")
     row.wait_for()
     assert "10 / 100" in row.inner_text()
     mark_page(page)
-    with server.session() as s:
-        job = get_job(s, job_id)
-        record_metrics(
-            s, job, attempt=job.attempt, points=[{"step": i, "loss": 2.0} for i in range(11, 51)]
-        )
+    seed.train(server, job_id, 50)
     page.wait_for_function(
         "(id) => document.querySelector(`#jobs-table tr[data-job-id='${id}'] .step`)"
         ".textContent.startsWith('50 /')",
         arg=job_id,
         timeout=10_000,
     )
-    seed.set_state(server, job_id, JobState.FAILED, "worker error: rank 1: CUDA OOM")
+    assert seed.fail(server, job_id, "rank 1: CUDA OOM") == JobState.FAILED
     page.wait_for_function(
         "(id) => document.querySelector(`#jobs-table tr[data-job-id='${id}'] .badge`)"
         ".textContent === 'FAILED'",
@@ -135,14 +134,19 @@ def test_job_page_draws_real_metrics(page: Any, server: ServerHandle, story: see
     assert sum(v is not None for v in world[labels.index("checkpoint")]) == len(checkpoints)
 
     events = page.inner_text("#events-table")
-    assert "node lost: 10.0.0.3 (ranks 2, 3)" in events
+    assert story.lost_node is not None
+    lost = story.lost_node[:12]
+    assert f"node {lost} lost (ranks [2, 3])" in events  # the scheduler's node_lost event
+    assert f"node lost ({lost})" in events  # RUNNING -> RECOVERING
     assert "resumed from step 125 at world size 2" in events
     assert "4 → 2" in events
     rows = page.locator("#checkpoints-table tbody tr")
     assert rows.count() == len(checkpoints)
     assert rows.first.locator("td").first.inner_text() == f"{checkpoints[0]['step']:,}"
     assert "13.0 MiB" in page.inner_text("#checkpoints-table")
-    wait_text(page, "#job-log", "step   262")
+    # The newest attempt's rank-0 log; workers.loop logs every 10th step.
+    wait_text(page, "#job-log", "step 260 loss")
+    assert "resumed from" in page.inner_text("#job-log")
     assert json.loads(page.inner_text("#job-spec"))["name"] == "gpt-tiny-elastic"
     # Offline clusters: nothing is fetched from anywhere but the service itself.
     assert requests and all(u.startswith(server.url) or u.startswith("data:") for u in requests)
@@ -153,11 +157,7 @@ def test_job_page_appends_new_points(page: Any, server: ServerHandle) -> None:
     open_dashboard(page, server, f"/jobs/{job_id}")
     page.wait_for_function("() => window.__elastrain.charts.loss?.plot.data[0].length === 30")
     mark_page(page)
-    with server.session() as s:
-        job = get_job(s, job_id)
-        record_metrics(s, job, attempt=job.attempt, points=[
-            {"step": i, "loss": 1.0 + 1 / i, "samples_per_s": 70.0} for i in range(31, 41)
-        ])  # fmt: skip
+    seed.train(server, job_id, 40)
     page.wait_for_function("() => window.__elastrain.charts.loss.plot.data[0].length === 40")
     # Only the new points travelled (since_step), and they were appended in order.
     assert page.evaluate("() => window.__elastrain.perf.metrics.points") == 10
@@ -252,8 +252,8 @@ def test_cancel_running_job(page: Any, server: ServerHandle) -> None:
     # A running job is stopped by the scheduler: first the request shows...
     wait_text(page, "#job-reason", "cancel requested")
     assert "cancel requested" in page.inner_text("#events-table")
-    # ...then the scheduler's transition (played here) arrives without a reload.
-    seed.set_state(server, job_id, JobState.CANCELLED, "cancelled by user")
+    # ...then the scheduler's pass stops the driver; the change arrives without a reload.
+    seed.scheduler_pass(server)
     wait_text(page, "#job-state", "CANCELLED")
     assert_not_reloaded(page)
 
@@ -308,22 +308,22 @@ NODES = [
 ]  # fmt: skip
 
 
-def _cluster_argv(port: int) -> list[str]:
-    """The API with a cluster snapshot published in its process, as the scheduler does."""
-    code = (
-        "import json, sys, time, uvicorn\n"
-        "from service.cluster import ClusterView, NodeView, publish\n"
-        f"nodes = [NodeView(**n) for n in json.loads({json.dumps(NODES)!r})]\n"
-        "publish(ClusterView(connected=True, nodes=nodes, dashboard_url='127.0.0.1:8265',"
-        " updated_at=time.time()))\n"
-        "sys.argv = ['uvicorn', *sys.argv[1:]]\n"
-        "uvicorn.main()\n"
+def _publish_cluster(srv: ServerHandle) -> None:
+    """Write a cluster snapshot into the server's database, as the scheduler does on every
+    pass. The API serves it as connected while it is younger than 15 s."""
+    view = cluster.ClusterView(
+        connected=True,
+        nodes=[cluster.NodeView(**n) for n in NODES],
+        dashboard_url="127.0.0.1:8265",
+        updated_at=time.time(),
     )
-    return [sys.executable, "-c", code, *uvicorn_argv(port)[3:]]
+    with srv.session() as s:
+        cluster.publish(s, view)
 
 
 def test_cluster_panel(page: Any, server_factory: Any) -> None:
-    srv = server_factory(argv=_cluster_argv)
+    srv = server_factory()
+    _publish_cluster(srv)
     assert httpx.get(f"{srv.url}/v1/cluster").json()["connected"] is True
     open_dashboard(page, srv, "/cluster")
     page.wait_for_selector("#cluster-nodes .node")

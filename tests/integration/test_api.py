@@ -6,12 +6,12 @@ database the way the scheduler would (through `set_job_state`).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts.storage import JobStorage
 from service.db import session_scope
 from service.jobs import (
     get_job,
@@ -304,7 +304,7 @@ def test_logs_follow_with_offset(client: TestClient, settings: Settings) -> None
     empty = client.get(url).json()
     assert (empty["text"], empty["files"], empty["attempt"]) == ("", [], None)
 
-    logs = Path(settings.storage_path) / "jobs" / str(job["id"]) / "logs"
+    logs = JobStorage.of(settings.storage_path, job["id"]).logs
     logs.mkdir(parents=True)
     (logs / "attempt-1.rank-0.log").write_text("old attempt\n")
     log = logs / "attempt-2.rank-0.log"
@@ -337,10 +337,11 @@ def test_logs_follow_with_offset(client: TestClient, settings: Settings) -> None
     assert client.get(url, params={"offset": "garbage!"}).status_code == 422
 
 
-def test_cluster_snapshot(client: TestClient) -> None:
+def test_cluster_snapshot(client: TestClient, app_sessions: sessionmaker[Session]) -> None:
     from service import cluster
 
-    before = cluster.current()  # process-wide: the scheduler tests publish here too
+    with session_scope(app_sessions) as s:
+        assert cluster.current(s).connected is False  # no scheduler has written one yet
     view = cluster.ClusterView(
         connected=True,
         nodes=[
@@ -351,13 +352,22 @@ def test_cluster_snapshot(client: TestClient) -> None:
         ],
         updated_at=123.0,
     )  # fmt: skip
-    cluster.publish(view)
-    try:
-        body = client.get("/v1/cluster").json()
-    finally:
-        cluster.publish(before)
+    with session_scope(app_sessions) as s:
+        cluster.publish(s, view)  # what the scheduler does on every pass
+    body = client.get("/v1/cluster").json()
     assert body["connected"] is True
     assert body["nodes"][0]["node_id"] == "n1" and body["nodes"][0]["jobs"] == [7]
+
+
+def test_stale_cluster_snapshot_is_not_connected(app_sessions: sessionmaker[Session]) -> None:
+    """An API replica whose scheduler died serves the last view, marked disconnected."""
+    from service import cluster
+
+    with session_scope(app_sessions) as s:
+        cluster.publish(s, cluster.ClusterView(connected=True, updated_at=1.0))
+    with session_scope(app_sessions) as s:
+        assert cluster.current(s).connected is True
+        assert cluster.current(s, stale_after_s=-1).connected is False
 
 
 def test_token_auth(settings: Settings) -> None:

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoints import find_latest_good, list_committed, read_manifest
+from checkpoints import apply_retention, find_latest_good, list_committed, read_manifest
 from checkpoints.dcp import CheckpointSaveError, ShardedCheckpointer
 from tests.unit.dist_utils import run_distributed
 
@@ -180,9 +180,10 @@ def ddp_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
 def test_ddp_commits_and_manifest(ddp_saved: tuple[Path, dict[str, Any]]) -> None:
     _root, saved = ddp_saved
     commits = saved["commits"]
-    assert [(c["step"], c["attempt"], c["world_size"]) for c in commits] == [(3, 1, 2), (5, 1, 2)]
-    assert all(c["bytes"] > 0 and Path(c["path"]).is_dir() for c in commits)
-    m = read_manifest(commits[1]["path"])
+    assert [(c.step, c.attempt, c.world_size) for c in commits] == [(3, 1, 2), (5, 1, 2)]
+    assert all(c.bytes > 0 and Path(c.path).is_dir() for c in commits)
+    m = read_manifest(commits[1].path)
+    assert commits[1].manifest == m.to_dict()
     assert m.strategy == "ddp" and m.layout == {"dp": 2, "pp": 1}
     assert m.data_position == FIELDS["data_position"] and m.extra == FIELDS["extra"]
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "rank_0.extra.pt"} <= set(m.files)
@@ -288,8 +289,8 @@ def fsdp_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, di
 def test_fsdp_async_commit_reported(fsdp_saved: tuple[Path, Path, dict[str, Any]]) -> None:
     _sync, root_async, saved = fsdp_saved
     (commit,) = saved["commits"]
-    assert commit["step"] == 3 and commit["path"] == str(root_async / "step_000000003-a0")
-    assert commit["manifest"]["files"][".metadata"]["size"] > 0
+    assert commit.step == 3 and commit.path == str(root_async / "step_000000003-a0")
+    assert commit.manifest is not None and commit.manifest["files"][".metadata"]["size"] > 0
 
 
 def _load_fsdp(rank: int, world_size: int, root_sync: str, root_async: str) -> list[Any]:
@@ -356,7 +357,7 @@ def test_background_failure_is_raised(tmp_path: Path) -> None:
     blocker.mkdir()
     ckpt = ShardedCheckpointer(blocker, rank=0, world_size=1, async_save=True)
     ckpt.save(step=1, attempt=0, state=ckpt_state(model, optim), manifest_fields={})
-    assert ckpt.finalize()[0]["step"] == 1
+    assert ckpt.finalize()[0].step == 1
 
     # Make the next folder unwritable from inside: a file where a shard must go.
     target = blocker / "step_000000002-a0"
@@ -376,12 +377,17 @@ def test_unknown_manifest_field_rejected(tmp_path: Path) -> None:
         ckpt.save(step=1, attempt=0, state=ckpt_state(model, optim), manifest_fields={"x": 1})
 
 
-def test_keep_last_prunes_after_commit_and_empty_root_loads_none(tmp_path: Path) -> None:
+def test_close_returns_every_commit_and_retention_prunes(tmp_path: Path) -> None:
     model, optim = build("plain")
-    ckpt = ShardedCheckpointer(tmp_path, rank=0, world_size=1, async_save=True, keep_last=2)
-    assert ckpt.load_latest(ckpt_state(model, optim)) is None
+    ckpt = ShardedCheckpointer(tmp_path, rank=0, world_size=1, async_save=True)
+    assert ckpt.load_latest(ckpt_state(model, optim)) is None  # empty root: nothing to load
     for step in range(1, 5):
         ckpt.save(step=step, attempt=0, state=ckpt_state(model, optim), manifest_fields={})
-    assert [c["step"] for c in ckpt.close()] == [1, 2, 3, 4]
+    assert [c.step for c in ckpt.close()] == [1, 2, 3, 4]
+    # The one retention path (the service's) on real DCP folders.
+    assert [p.name for p in apply_retention(tmp_path, keep_last=2)] == [
+        "step_000000001-a0",
+        "step_000000002-a0",
+    ]
     assert [i.step for i in list_committed(tmp_path)] == [4, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000003-a0", "step_000000004-a0"]

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from api.cli import app
 from api.main import create_app
+from contracts.storage import JobStorage
 from service.settings import Settings
 from tests.factories import spec_dict
 
@@ -108,7 +109,7 @@ def test_metrics_checkpoints_logs_of_a_fresh_job(cli, tmp_path: Path, server) ->
     assert cli("metrics", str(job_id)).exit_code == 0
     assert cli("checkpoints", str(job_id)).exit_code == 0
     _, settings = server
-    logs = Path(settings.storage_path) / "jobs" / str(job_id) / "logs"
+    logs = JobStorage.of(settings.storage_path, job_id).logs
     logs.mkdir(parents=True)
     (logs / "attempt-1.rank-0.log").write_text("hello from rank 0\n")
     result = cli("logs", str(job_id))

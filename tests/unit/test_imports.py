@@ -1,4 +1,5 @@
-"""Import hygiene (see DESIGN.md): the API and the service never load torch, nor the API Ray.
+"""Import hygiene (see DESIGN.md): the API and the service never load torch, nor the API Ray;
+the shared contracts load none of the heavy packages.
 
 Each check runs in a fresh interpreter (this one has loaded who knows what). Modules are
 imported one at a time and `sys.modules` is checked after each, so a failure names the
@@ -55,6 +56,11 @@ def _service_modules() -> list[str]:
     return sorted(n for n in names if not n.startswith(("service.launcher", "service.migrations")))
 
 
+def test_contracts_load_nothing_heavy() -> None:
+    steps = ["contracts.spec", "contracts.messages", "contracts.storage"]
+    assert _first_offender(steps, {"torch", "ray", "sqlalchemy", "numpy"}) == {}
+
+
 def test_service_does_not_load_torch() -> None:
     modules = _service_modules()
     assert "service.jobs" in modules
@@ -64,6 +70,8 @@ def test_service_does_not_load_torch() -> None:
 # The import table of DESIGN.md, checked statically over every source file: who may
 # import what, including imports inside functions.
 _FORBIDDEN: dict[str, set[str]] = {
+    # Shared by every other package across process boundaries: stdlib and pydantic only.
+    "contracts": {"torch", "ray", "sqlalchemy", "service", "api", "workers", "checkpoints"},
     "api": {"torch", "ray", "workers"},
     "service": {"torch", "workers", "api"},
     "workers": {"sqlalchemy", "service", "api"},

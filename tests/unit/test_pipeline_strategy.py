@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contracts.spec import JobSpec
 from tests.unit.dist_utils import run_distributed
 from workers.api import TrainContext, Workload
 from workers.strategies.base import Layout
@@ -102,18 +103,20 @@ def make_workload(seed: int) -> Workload:
     return Workload(model=make_model(seed), dataset=[], loss_fn=lm_loss)
 
 
-def spec_dict(schedule: str, microbatches: int, stages: int = 2) -> dict[str, Any]:
-    """What `JobSpec.model_dump(mode="json")` holds for the fields the strategy reads."""
-    return {
-        "strategy": {
+def make_spec(schedule: str, microbatches: int, stages: int = 2) -> JobSpec:
+    """A pipeline job spec; the strategy reads its `strategy` and `training` sections."""
+    return JobSpec(
+        name="pipeline-test",
+        workload={"name": "synthetic"},
+        strategy={
             "kind": "pipeline",
             "pipeline_stages": stages,
             "microbatches": microbatches,
             "schedule": schedule,
-            "mixed_precision": None,
         },
-        "training": {"learning_rate": LR},
-    }
+        scaling={"min_workers": stages, "max_workers": max(4, stages)},
+        training={"learning_rate": LR},
+    )
 
 
 def loop_share(
@@ -181,7 +184,7 @@ def _run_case(rank: int, world_size: int, case: Case, root: str) -> dict[str, An
     strategy.setup(
         make_workload(seed=0),
         _ctx(rank, world_size, root),
-        spec_dict(case.schedule, case.microbatches, case.stages),
+        make_spec(case.schedule, case.microbatches, case.stages),
     )
     layout = strategy.layout
     assert layout.dp == len(case.shares)
@@ -216,7 +219,7 @@ def _pair_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         "cases": {c.name: _run_case(rank, world_size, c, root) for c in PAIR_CASES}
     }
     strategy = PipelineStrategy()
-    strategy.setup(make_workload(seed=0), _ctx(rank, world_size, root), spec_dict("1f1b", 4))
+    strategy.setup(make_workload(seed=0), _ctx(rank, world_size, root), make_spec("1f1b", 4))
     x, y = make_batch(16, seed=3)
     losses = []
     for _ in range(20):
@@ -238,14 +241,14 @@ def _quad_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     }
     strategy = PipelineStrategy()
     # A different seed, so a load that does nothing cannot pass.
-    strategy.setup(make_workload(seed=1), _ctx(rank, world_size, root), spec_dict("1f1b", 4))
+    strategy.setup(make_workload(seed=1), _ctx(rank, world_size, root), make_spec("1f1b", 4))
     state = strategy.state_dict_for_checkpoint()
     dcp.load(state, checkpoint_id=str(Path(root) / "ckpt"))
     strategy.load_checkpoint_state(state)
     results["loaded"] = _state_to_plain(strategy.state_dict_for_checkpoint())
     # ... and into another split: 4 stages of 1 block each.
     four = PipelineStrategy()
-    four.setup(make_workload(seed=1), _ctx(rank, world_size, root), spec_dict("1f1b", 4, 4))
+    four.setup(make_workload(seed=1), _ctx(rank, world_size, root), make_spec("1f1b", 4, 4))
     state = four.state_dict_for_checkpoint()
     dcp.load(state, checkpoint_id=str(Path(root) / "ckpt"))
     four.load_checkpoint_state(state)
@@ -429,14 +432,23 @@ def test_checkpoint_loads_into_unsplit_model(pair: list[dict[str, Any]], ckpt_ro
 def test_spec_defaults_and_errors() -> None:
     from workers.strategies.pipeline import PipelineOptions
 
-    opts = PipelineOptions.from_spec({"strategy": {"kind": "pipeline"}, "training": {}})
+    workload = {"name": "synthetic"}
+    spec = JobSpec(name="p", workload=workload, strategy={"kind": "pipeline"})
+    opts = PipelineOptions.from_spec(spec)
     assert (opts.stages, opts.microbatches, opts.schedule) == (2, 4, "1f1b")
+    assert opts.learning_rate == spec.training.learning_rate
+    gpu = JobSpec(
+        name="p",
+        workload=workload,
+        strategy={"kind": "pipeline", "mixed_precision": "bf16"},
+        scaling={"use_gpu": True, "gpus_per_worker": 1},
+    )
     with pytest.raises(ValueError, match="mixed_precision"):
-        PipelineOptions.from_spec({"strategy": {"mixed_precision": "bf16"}, "training": {}})
+        PipelineOptions.from_spec(gpu)
 
 
 def test_model_without_pipeline_stage_is_rejected() -> None:
     strategy = PipelineStrategy()
     workload = Workload(model=nn.Linear(2, 2), dataset=[], loss_fn=F.mse_loss)
     with pytest.raises(ValueError, match="pipeline_stage"):
-        strategy.setup(workload, _ctx(0, 2, "/tmp"), spec_dict("gpipe", 2))
+        strategy.setup(workload, _ctx(0, 2, "/tmp"), make_spec("gpipe", 2))

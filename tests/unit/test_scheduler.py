@@ -5,23 +5,27 @@ Real DB (SQLite file), no Ray: each test runs in milliseconds.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
-from service import decisions, jobs
+from contracts.messages import DriverStatus
+from contracts.spec import JobSpec
+from service import jobs
 from service.db import make_engine, make_session_factory, migrate, session_scope
-from service.launcher.base import DriverStatus
 from service.launcher.fake import FakeLauncher
 from service.scheduler import Scheduler
 from service.settings import Settings
-from service.spec import JobSpec
 from service.states import JobState
 
 
 class Clock:
+    """The scheduler's clock, moved by hand (it starts at the real time: the DB's
+    timestamps, such as when a wait below min began, are compared with it)."""
+
     def __init__(self) -> None:
-        self.t = 1000.0
+        self.t = time.time()
 
     def __call__(self) -> float:
         return self.t
@@ -280,29 +284,6 @@ def test_second_scheduler_without_lease_does_nothing(env) -> None:
     assert other.run_pass() is False
 
 
-def test_decide_failure_backoff_grows() -> None:
-    first = decisions.decide_failure(
-        cause=decisions.FailureCause.WORKER_ERROR,
-        error="e",
-        step=3,
-        restarts=0,
-        max_restarts=5,
-        recent_failures=[],
-        backoff_s=1.0,
-    )
-    second = decisions.decide_failure(
-        cause=decisions.FailureCause.WORKER_ERROR,
-        error="e",
-        step=3,
-        restarts=1,
-        max_restarts=5,
-        recent_failures=[("e", 3)],
-        backoff_s=1.0,
-    )
-    assert first.action == second.action == decisions.FailureAction.RETRY
-    assert second.delay_s > first.delay_s
-
-
 def test_pipeline_world_size_is_a_multiple_of_stages() -> None:
     spec = JobSpec.model_validate(
         {
@@ -331,3 +312,106 @@ def test_job_that_finishes_while_resizing_succeeds(env) -> None:
     d.status = DriverStatus.SUCCEEDED  # the stop arrived at the last step: nothing to resume
     sched.run_pass()
     assert job(factory, jid).state == JobState.SUCCEEDED
+
+
+def test_a_report_is_stored_once_even_when_its_pass_rolls_back(env, monkeypatch) -> None:
+    factory, launcher, sched, _ = env
+    jid = submit(factory)
+    sched.run_pass()
+    d = launcher.driver(jid)
+    d.status, d.placement = DriverStatus.RUNNING, {0: "n1", 1: "n2", 2: "n3"}
+    d.metrics = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    persist = jobs.persist_report
+
+    def persist_then_fail(*args, **kwargs):  # type: ignore[no-untyped-def]
+        persist(*args, **kwargs)
+        raise RuntimeError("the database went away mid-transaction")
+
+    monkeypatch.setattr(jobs, "persist_report", persist_then_fail)
+    sched.run_pass()  # drained from the driver, then rolled back
+    assert job(factory, jid).step == 0
+    monkeypatch.setattr(jobs, "persist_report", persist)
+    sched.run_pass()  # not acknowledged, so the driver sends it again
+    with session_scope(factory) as s:
+        assert [m.step for m in jobs.list_metrics(s, jid)] == [1, 2]
+        assert jobs.current_attempt(s, jobs.get_job(s, jid)).report_seq == 2
+    d.metrics = [{"step": 3, "loss": 1.2}]
+    sched.run_pass()  # acknowledged messages are not sent twice
+    with session_scope(factory) as s:
+        assert [m.step for m in jobs.list_metrics(s, jid)] == [1, 2, 3]
+        placements = [e for e in jobs.list_events(s, jid) if e.kind == "placement"]
+        assert len(placements) == 1
+    assert [seq for seq, _ in d.outbox] == [3]  # only the unacknowledged one is kept
+
+
+def test_the_cluster_view_is_in_the_database_for_every_api_replica(env) -> None:
+    from service import cluster
+
+    factory, launcher, sched, _ = env
+    jid = submit(factory, scaling={"min_workers": 2, "max_workers": 2})
+    sched.run_pass()
+    launcher.driver(jid).placement = {0: "n1", 1: "n2"}
+    sched.run_pass()
+    launcher.remove_node("n3")
+    sched.run_pass()
+    with session_scope(factory) as s:
+        view = cluster.current(s)
+    assert view.connected
+    by_id = {n.node_id: n for n in view.nodes}
+    assert (by_id["n1"].jobs, by_id["n2"].jobs, by_id["n3"].jobs) == ([jid], [jid], [])
+    assert (by_id["n1"].cpus_free, by_id["n3"].alive) == (0, False)
+
+
+def test_cancel_of_a_job_no_driver_holds_is_decided_at_once(env) -> None:
+    from service import executor
+
+    factory, launcher, sched, _ = env
+    jid = submit(factory, scaling={"min_workers": 3, "max_workers": 3})
+    sched.run_pass()
+    d = launcher.driver(jid)
+    d.status, d.placement = DriverStatus.RUNNING, {0: "n1", 1: "n2", 2: "n3"}
+    sched.run_pass()
+    launcher.remove_node("n3")
+    sched.run_pass()  # lost a node: waits below min, no driver
+    assert job(factory, jid).state == JobState.RECOVERING
+    with session_scope(factory) as s:
+        executor.cancel(s, jobs.get_job(s, jid), storage_path=sched.settings.storage_path)
+    assert job(factory, jid).state == JobState.CANCELLED
+    assert len(launcher.launches) == 1
+
+
+def test_steps_whose_reports_died_with_their_attempt_come_back_from_the_checkpoint(env) -> None:
+    """Rank 0 reported steps 1-2, trained and checkpointed to step 5, and its node died
+    before reports 3-5 reached the driver: the attempt that resumes from step 5 hands back
+    the points saved with the checkpoint, so the job's history has no hole."""
+    from contracts.messages import StepMetrics
+
+    factory, launcher, sched, _ = env
+    jid = submit(factory, scaling={"min_workers": 1, "max_workers": 2})
+    launcher.remove_node("n3")
+    sched.run_pass()
+    d1 = launcher.driver(jid, 1)
+    d1.status, d1.placement = DriverStatus.RUNNING, {0: "n1", 1: "n2"}
+    d1.metrics = [{"step": s, "loss": 3.0 - s / 10, "world_size": 2} for s in (1, 2)]
+    sched.run_pass()
+    launcher.remove_node("n2")
+    sched.run_pass()  # node lost: attempt 2 at world size 1
+    d2 = launcher.driver(jid, 2)
+    saved = tuple(
+        StepMetrics(step=s, values={"loss": 3.0 - s / 10, "world_size": 2}) for s in range(1, 6)
+    )
+    d2.resume(5, path="/ckpt/step_000000005-a1", saved_world_size=2, saved_attempt=1, metrics=saved)
+    d2.status = DriverStatus.RUNNING
+    d2.metrics = [{"step": 6, "loss": 2.3, "world_size": 1}]
+    sched.run_pass()
+    with session_scope(factory) as s:
+        rows = jobs.list_metrics(s, jid)
+        assert [(m.step, m.attempt) for m in rows] == [
+            (1, 1),
+            (2, 1),
+            (3, 1),
+            (4, 1),
+            (5, 1),
+            (6, 2),
+        ]
+        assert jobs.get_job(s, jid).step == 6

@@ -13,14 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from service.spec import JobSpec
+from contracts.messages import EventKind
+from contracts.spec import JobSpec
 from tests.unit.dist_utils import run_distributed
 from workers.api import Control, NullHooks, TrainContext
 
 STEPS = 8
 
 
-def make_spec(kind: str, *, global_batch: int = 32, micro: int = 8, every: int = 4) -> dict:
+def make_spec(kind: str, *, global_batch: int = 32, micro: int = 8, every: int = 4) -> JobSpec:
     return JobSpec(
         name="t",
         workload={"name": "synthetic", "params": {"num_samples": 512}},
@@ -33,10 +34,10 @@ def make_spec(kind: str, *, global_batch: int = 32, micro: int = 8, every: int =
             "seed": 5,
         },
         checkpoint={"every_steps": every, "async_save": True},
-    ).model_dump(mode="json")
+    )
 
 
-def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str, dict, list[str]]]) -> Any:
+def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str, JobSpec, list[str]]]) -> Any:
     """Run `train()` once per job, one after the other, in this rank's process."""
     from workers.loop import train
 
@@ -60,6 +61,8 @@ def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str, dict, list[s
             "metrics": hooks.metrics,
             "commits": hooks.commits,
             "events": hooks.events,
+            "resumed": hooks.resumed,
+            "ctx_step": ctx.step,
             "seconds": time.perf_counter() - t0,
         }
     return out if rank == 0 else None
@@ -101,24 +104,25 @@ def corrupt_a_newer_copy(root: Path, good: str, bad: str) -> None:
 
 
 def losses(run: dict[str, Any]) -> list[float]:
-    return [m["loss"] for m in run["metrics"]]
+    return [m.values["loss"] for m in run["metrics"]]
 
 
 def crcs(run: dict[str, Any]) -> list[int]:
-    return [m["batch_crc"] for m in run["metrics"]]
+    return [m.values["batch_crc"] for m in run["metrics"]]
 
 
 @pytest.mark.parametrize("label", ["ddp1", "ddp2", "fsdp2"])
 def test_loss_falls_and_metrics_every_step(runs: dict, label: str) -> None:
     run = runs[label]
-    assert [m["step"] for m in run["metrics"]] == list(range(1, STEPS + 1))
+    assert [m.step for m in run["metrics"]] == list(range(1, STEPS + 1))
     assert losses(run)[-1] < 0.5 * losses(run)[0]
-    point = run["metrics"][-1]
+    point = run["metrics"][-1].values
     assert point["world_size"] == point["dp"] == int(label[-1]) and point["pp"] == 1
     assert point["samples_per_s"] > 0 and point["tokens_per_s"] is None
     assert run["result"].final_step == STEPS and not run["result"].stopped_early
+    assert run["ctx_step"] == STEPS  # the loop keeps TrainContext.step current
     # every_steps=4 and the final step: committed at 4 and 8.
-    assert [c["step"] for c in run["commits"]] == [4, 8]
+    assert [c.step for c in run["commits"]] == [4, 8]
 
 
 # Same global batch, same ids, same initial weights: the runs differ only in how float
@@ -143,7 +147,8 @@ def test_uneven_shares_and_empty_microbatches(runs: dict, label: str) -> None:
 
 
 def test_fsdp_shards_params_and_optimizer_state(runs: dict) -> None:
-    ddp, fsdp = runs["ddp2"]["metrics"][-1]["memory"], runs["fsdp2"]["metrics"][-1]["memory"]
+    ddp = runs["ddp2"]["metrics"][-1].values["memory"]
+    fsdp = runs["fsdp2"]["metrics"][-1].values["memory"]
     for key in ("param_bytes", "grad_bytes", "optim_bytes"):
         # Dim-0 shards over 2 ranks: half, up to the padding of odd-sized dims.
         assert fsdp[key] <= 0.55 * ddp[key], key
@@ -153,30 +158,42 @@ def test_fsdp_shards_params_and_optimizer_state(runs: dict) -> None:
 def test_stop_saves_and_returns(runs: dict) -> None:
     run = runs["stop2"]
     assert run["result"].stopped_early and run["result"].final_step == 3
-    assert [m["step"] for m in run["metrics"]] == [1, 2, 3]
+    assert run["ctx_step"] == 3
+    assert [m.step for m in run["metrics"]] == [1, 2, 3]
     commit = run["commits"][-1]
-    assert commit["step"] == 3
-    manifest = commit["manifest"]
+    assert commit.step == 3 and commit.attempt == 2 and commit.world_size == 2
+    manifest = commit.manifest
+    assert manifest is not None
     assert manifest["data_position"] == {"step": 3, "samples_consumed": 96}
     assert manifest["layout"] == {"dp": 2, "pp": 1} and manifest["strategy"] == "fsdp"
-    assert manifest["extra"] == {"seed": 5, "global_batch_size": 32, "micro_batch_size": 8}
+    extra = dict(manifest["extra"])
+    saved = extra.pop("metrics")
+    assert extra == {"seed": 5, "global_batch_size": 32, "micro_batch_size": 8}
+    # The steps since the previous checkpoint travel with it (see the resume test).
+    assert saved == [{"step": m.step, **m.values} for m in run["metrics"]]
 
 
 def test_resume_continues_the_same_sample_stream(runs: dict) -> None:
     resumed, stopped = runs["resume1"], runs["stop2"]
     assert resumed["result"].resumed_from_step == 3
-    assert [m["step"] for m in resumed["metrics"]] == list(range(4, STEPS + 1))
+    assert [m.step for m in resumed["metrics"]] == list(range(4, STEPS + 1))
     # The interrupted-then-resized run sees exactly the batches of the uninterrupted one...
     assert crcs(stopped) + crcs(resumed) == crcs(runs["fsdp2"])
     # ...and follows its loss curve (model and AdamW state restored, resharded 2 -> 1).
     assert losses(stopped) + losses(resumed) == pytest.approx(losses(runs["fsdp2"]), rel=RTOL)
     # The damaged newer copy was reported and passed over.
-    [fallback, resume] = resumed["events"]
-    kind, reason, details = fallback
-    assert kind == "checkpoint_fallback" and reason
-    assert details["path"].endswith("step_000000005-a2")
-    assert resume[0] == "resumed" and resume[2]["step"] == 3
-    log = (Path(resumed["commits"][-1]["path"]).parent / "rank0.log").read_text()
+    [fallback] = resumed["events"]
+    assert fallback.event is EventKind.CHECKPOINT_FALLBACK and fallback.reason
+    assert fallback.details is not None
+    assert fallback.details["path"].endswith("step_000000005-a2")
+    resume = resumed["resumed"]
+    assert resume is not None and resume.step == 3
+    assert (resume.saved_world_size, resume.world_size) == (2, 1)
+    assert resume.path.endswith("step_000000003-a2")
+    # It hands back the steps saved with the checkpoint, for reports that never arrived.
+    assert resume.saved_attempt == 2
+    assert resume.metrics == tuple(stopped["metrics"])
+    log = (Path(resumed["commits"][-1].path).parent / "rank0.log").read_text()
     assert "resumed from" in log
 
 

@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
+from contracts.spec import StrategyKind
 from workers.strategies.base import Layout, StepOutput, Strategy
 
-__all__ = ["STRATEGY_KINDS", "Layout", "StepOutput", "Strategy", "make_strategy"]
-
-#: Must match `service.spec.StrategyKind`.
-STRATEGY_KINDS = ("ddp", "fsdp", "pipeline")
+__all__ = ["Layout", "StepOutput", "Strategy", "make_strategy"]
 
 
-def make_strategy(kind: str) -> Strategy:
+def make_strategy(kind: StrategyKind) -> Strategy:
     """A fresh, not yet set-up strategy for this rank. Modules are imported lazily so a
     ddp job never imports the pipelining machinery (and vice versa)."""
-    if kind == "ddp":
+    kind = StrategyKind(kind)  # also accepts the plain value ("ddp"), and names a bad one
+    if kind is StrategyKind.ddp:
         from workers.strategies.ddp import DDPStrategy
 
         return DDPStrategy()
-    if kind == "fsdp":
+    if kind is StrategyKind.fsdp:
         from workers.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy()
-    if kind == "pipeline":
+    if kind is StrategyKind.pipeline:
         from workers.strategies.pipeline import PipelineStrategy
 
         return PipelineStrategy()
-    raise ValueError(f"strategy.kind: unknown {kind!r}; allowed: {', '.join(STRATEGY_KINDS)}")
+    raise AssertionError(f"unhandled StrategyKind {kind!r}")  # pragma: no cover

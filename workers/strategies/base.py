@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from contracts.spec import JobSpec
 from workers.api import TrainContext, Workload
 
 
@@ -52,7 +53,7 @@ class Strategy(ABC):
     checkpoint_options: Any = None
 
     @abstractmethod
-    def setup(self, workload: Workload, ctx: TrainContext, spec: dict[str, Any]) -> None:
+    def setup(self, workload: Workload, ctx: TrainContext, spec: JobSpec) -> None:
         """Place and wrap `workload.model`, build the optimizer (AdamW, spec lr)."""
 
     @abstractmethod

@@ -17,12 +17,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from contracts.spec import JobSpec, MixedPrecision
 from workers.api import TrainContext, Workload
 from workers.strategies.base import Layout, StepOutput, Strategy, microbatch_loss
 
 GRAD_CLIP_NORM = 1.0
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {MixedPrecision.bf16: torch.bfloat16, MixedPrecision.fp16: torch.float16}
 
 
 class DataParallelStrategy(Strategy):
@@ -33,21 +34,24 @@ class DataParallelStrategy(Strategy):
         self.autocast_dtype: torch.dtype | None = None
         self.scaler: torch.amp.GradScaler | None = None
 
-    def setup(self, workload: Workload, ctx: TrainContext, spec: dict[str, Any]) -> None:
+    def setup(self, workload: Workload, ctx: TrainContext, spec: JobSpec) -> None:
         self.device = ctx.device
         self.loss_fn = workload.loss_fn
         self.layout = Layout(dp=ctx.world_size, dp_rank=ctx.rank)
-        precision = spec["strategy"].get("mixed_precision")
+        precision = spec.strategy.mixed_precision
         if precision is not None and ctx.device.type != "cuda":
-            raise ValueError(f"strategy.mixed_precision={precision!r} needs a GPU (device is cpu)")
-        self.model = self.wrap(workload.model.to(ctx.device), _DTYPES.get(precision))
-        if precision == "fp16":
+            raise ValueError(
+                f"strategy.mixed_precision={precision.value!r} needs a GPU (device is cpu)"
+            )
+        dtype = _DTYPES[precision] if precision is not None else None
+        self.model = self.wrap(workload.model.to(ctx.device), dtype)
+        if precision is MixedPrecision.fp16:
             # fp16 gradients underflow without loss scaling; bf16 has fp32's range.
             self.scaler = torch.amp.GradScaler(ctx.device.type)
         # The default AdamW implementation (single-tensor on CPU, foreach on CUDA) is
         # deterministic; `fused` is left off for the same reason.
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=spec["training"]["learning_rate"], fused=False
+            self.model.parameters(), lr=spec.training.learning_rate, fused=False
         )
 
     @abstractmethod

@@ -47,9 +47,9 @@ group) and AdamW (`fused=False`, deterministic) steps.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -60,18 +60,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from contracts.spec import JobSpec, PipelineSchedule
 from workers.api import TrainContext, Workload
 from workers.strategies.base import Layout, StepOutput, Strategy
 from workers.strategies.ddp import GRAD_CLIP_NORM
 
 log = logging.getLogger(__name__)
-
-# Defaults of `service.spec.StrategySpec` (workers must not import `service`); used when a
-# spec dict leaves the field out or null.
-DEFAULT_STAGES = 2
-DEFAULT_MICROBATCHES = 4
-DEFAULT_SCHEDULE = "1f1b"
-SCHEDULES = ("gpipe", "1f1b")
 
 # Gradient all-reduce bucket: large enough to amortise per-call latency, small enough not
 # to double the gradient memory of a big stage in one temporary buffer.
@@ -125,24 +119,21 @@ def pipeline_chunks(num_samples: int, max_chunks: int) -> int:
 class PipelineOptions:
     stages: int
     microbatches: int
-    schedule: Literal["gpipe", "1f1b"]
+    schedule: PipelineSchedule
     learning_rate: float
 
     @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> PipelineOptions:
-        strategy = spec.get("strategy") or {}
-        training = spec.get("training") or {}
-        schedule = strategy.get("schedule") or DEFAULT_SCHEDULE
-        if schedule not in SCHEDULES:
-            raise ValueError(f"strategy.schedule: {schedule!r} is not one of {SCHEDULES}")
-        if strategy.get("mixed_precision"):
+    def from_spec(cls, spec: JobSpec) -> PipelineOptions:
+        """The spec's pipeline settings, its defaults filled in."""
+        strategy = spec.strategy
+        if strategy.mixed_precision is not None:
             # Not wired into the stages yet; failing beats silently training in fp32.
             raise ValueError("strategy.mixed_precision is not supported with pipeline yet")
         return cls(
-            stages=int(strategy.get("pipeline_stages") or DEFAULT_STAGES),
-            microbatches=int(strategy.get("microbatches") or DEFAULT_MICROBATCHES),
-            schedule=schedule,
-            learning_rate=float(training.get("learning_rate", 3e-4)),
+            stages=strategy.stages,
+            microbatches=strategy.n_microbatches,
+            schedule=strategy.pipeline_schedule,
+            learning_rate=spec.training.learning_rate,
         )
 
 
@@ -162,7 +153,7 @@ class PipelineStrategy(Strategy):
     def __init__(self, *, grad_clip: float | None = GRAD_CLIP_NORM) -> None:
         self.grad_clip = grad_clip
 
-    def setup(self, workload: Workload, ctx: TrainContext, spec: dict[str, Any]) -> None:
+    def setup(self, workload: Workload, ctx: TrainContext, spec: JobSpec) -> None:
         opts = PipelineOptions.from_spec(spec)
         self.options = opts
         self.layout = pipeline_layout(ctx.rank, ctx.world_size, opts.stages)
@@ -174,7 +165,8 @@ class PipelineStrategy(Strategy):
             )
         self._pp_group, self._dp_group = self._new_groups(opts.stages)
 
-        stage_module: nn.Module = workload.model.pipeline_stage(self.layout.pp_rank, opts.stages)
+        build_stage = cast(Callable[[int, int], nn.Module], workload.model.pipeline_stage)
+        stage_module = build_stage(self.layout.pp_rank, opts.stages)
         self.model = stage_module.to(self.device)
         self.is_first = self.layout.pp_rank == 0
         self.is_last = self.layout.pp_rank == opts.stages - 1
@@ -241,8 +233,8 @@ class PipelineStrategy(Strategy):
         )
         # 1F1B needs at least as many micro-batches as stages; below that it would be
         # GPipe anyway (same gradients, different order).
-        cls = ScheduleGPipe
-        if self.options.schedule == "1f1b" and chunks >= self.options.stages:
+        cls: type[ScheduleGPipe] | type[Schedule1F1B] = ScheduleGPipe
+        if self.options.schedule is PipelineSchedule.one_f_one_b and chunks >= self.options.stages:
             cls = Schedule1F1B
         schedule = cls(stage, n_microbatches=chunks, loss_fn=self._sum_loss, scale_grads=False)
         self._schedules[key] = schedule

@@ -8,37 +8,23 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any
 
+from contracts.spec import BUILTIN_WORKLOADS, WorkloadSpec
 from workers.api import Workload, WorkloadFactory
-
-#: Built-in names -> factory entrypoints. The names must match `service.spec.BUILTIN_WORKLOADS`
-#: (kept as plain names there so the API validates without importing torch).
-BUILTIN_WORKLOADS: dict[str, str] = {
-    "gpt": "workers.workloads.gpt:build",
-    "synthetic": "workers.workloads.synthetic:build",
-}
 
 
 class WorkloadError(ValueError):
     """The spec's workload cannot be built; the message names the spec field to fix."""
 
 
-def load_workload(spec_workload: dict[str, Any]) -> Workload:
-    """Build the workload described by the spec's `workload` section (a plain dict:
-    `{"name": ..., "entrypoint": ..., "params": {...}}`, exactly one of name/entrypoint)."""
-    name = spec_workload.get("name")
-    entrypoint = spec_workload.get("entrypoint")
-    params = dict(spec_workload.get("params") or {})
-    if (name is None) == (entrypoint is None):
+def load_workload(spec: WorkloadSpec) -> Workload:
+    """Build the workload the spec's `workload` section describes: a built-in by name
+    (`contracts.spec.BUILTIN_WORKLOADS`) or a user's `module:function`, called with
+    `params` as keyword arguments."""
+    entrypoint = BUILTIN_WORKLOADS[spec.name] if spec.name is not None else spec.entrypoint
+    if entrypoint is None:  # WorkloadSpec validates exactly one; a model_construct may not
         raise WorkloadError("workload: give exactly one of 'name' or 'entrypoint'")
-    if name is not None:
-        if name not in BUILTIN_WORKLOADS:
-            raise WorkloadError(
-                f"workload.name: unknown built-in {name!r}; allowed: {', '.join(BUILTIN_WORKLOADS)}"
-            )
-        entrypoint = BUILTIN_WORKLOADS[name]
-    assert entrypoint is not None
+    params = dict(spec.params)
     factory = resolve_entrypoint(entrypoint)
     try:
         inspect.signature(factory).bind(**params)

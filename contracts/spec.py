@@ -2,7 +2,8 @@
 
 Every model forbids unknown fields and every check names the field it is about, so that
 a 422 tells the user exactly what to change. The spec is plain data (no torch, no ray):
-the API validates it, the DB stores it as JSON and the workers read it back.
+the API validates it, the DB stores it as JSON, and the driver and every worker receive it
+as this model.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-#: Built-in workloads shipped with the package (see `workers/workloads/`). Kept here as
-#: names only, so the API can validate without importing torch.
-BUILTIN_WORKLOADS: tuple[str, ...] = ("gpt", "synthetic")
+#: Built-in workloads shipped with the package: name -> the factory's entrypoint in
+#: `workers/workloads/`. Strings only, so the API validates without importing torch; the
+#: workers resolve the entrypoint.
+BUILTIN_WORKLOADS: dict[str, str] = {
+    "gpt": "workers.workloads.gpt:build",
+    "synthetic": "workers.workloads.synthetic:build",
+}
 
 # "package.module:factory" (dotted module path, one colon, a Python identifier).
 _ENTRYPOINT_RE = re.compile(

@@ -1,0 +1,273 @@
+"""What crosses process boundaries at run time: worker -> driver -> scheduler.
+
+Rank 0 of a worker group sends one `WorkerMessage` at a time to its attempt's driver actor
+(fire and forget). The driver numbers them and hands them to the scheduler in a
+`DriverReport`; the scheduler persists them and acknowledges the highest number it has
+committed, so a message is stored exactly once even when a pass rolls back or the control
+plane restarts (the driver re-sends what was not acknowledged). Ray pickles these classes
+by reference, so both ends import them from here, a module free of torch, ray and
+sqlalchemy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar
+
+
+class EventKind(str, Enum):
+    """What an event row records. Transitions are written by `service.jobs.set_job_state`;
+    the rest are happenings around them."""
+
+    TRANSITION = "transition"
+    PLACEMENT = "placement"  # where the ranks of an attempt run
+    NODE_LOST = "node_lost"
+    WORKER_ERROR = "worker_error"
+    RESUMED = "resumed"  # an attempt restored a checkpoint
+    CHECKPOINT_FALLBACK = "checkpoint_fallback"  # a newer checkpoint was torn or corrupt
+    CHECKPOINT_REQUESTED = "checkpoint_requested"
+    CANCEL_REQUESTED = "cancel_requested"
+    BELOW_MIN = "below_min"  # fewer than min_workers fit: the job waits
+    CAPACITY = "capacity"  # enough capacity again after a wait
+    LAUNCH_FAILED = "launch_failed"
+
+
+class DriverStatus(str, Enum):
+    """Where an attempt's driver stands."""
+
+    STARTING = "starting"  # worker group not yet training
+    RUNNING = "running"  # at least one step taken in this attempt
+    SUCCEEDED = "succeeded"  # reached max_steps
+    STOPPED = "stopped"  # stopped on request after a checkpoint (resize)
+    FAILED = "failed"  # the worker group raised
+    LOST = "lost"  # the driver actor is gone (its node died, or it was killed)
+
+    @property
+    def is_final(self) -> bool:
+        return self in (
+            DriverStatus.SUCCEEDED,
+            DriverStatus.STOPPED,
+            DriverStatus.FAILED,
+            DriverStatus.LOST,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerError:
+    """Why an attempt failed, as a record rather than a string to re-parse."""
+
+    type: str
+    """The exception's class name (`ValueError`), or `DriverLost` / `WorkerGroupError`."""
+    message: str
+    """The most specific line of the exception's text."""
+    rank: int | None = None
+    node_id: str | None = None
+    hostname: str | None = None
+    pid: int | None = None
+    step: int | None = None
+    """The optimizer step the rank was on (None: before training started)."""
+    traceback: str = ""
+
+    @classmethod
+    def from_exception(
+        cls,
+        exc: BaseException,
+        *,
+        rank: int | None = None,
+        node_id: str | None = None,
+        hostname: str | None = None,
+        pid: int | None = None,
+        step: int | None = None,
+        traceback: str = "",
+    ) -> WorkerError:
+        """The record of `exc`. Its message is the most specific line of the exception's
+        text: the last non-blank one (a message that embeds a remote traceback ends with
+        the root cause), or the type's name when the text is empty."""
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        return cls(
+            type=type(exc).__name__,
+            message=lines[-1] if lines else type(exc).__name__,
+            rank=rank,
+            node_id=node_id,
+            hostname=hostname,
+            pid=pid,
+            step=step,
+            traceback=traceback,
+        )
+
+    @property
+    def signature(self) -> str:
+        """What makes two failures "the same error": neither the rank, the node nor the
+        process, which differ from one attempt to the next."""
+        return f"{self.type}: {self.message}"
+
+    def summary(self) -> str:
+        """One line for people: where it happened, then what."""
+        where = []
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
+        if self.node_id:
+            where.append(f"on node {self.node_id[:12]}")
+        host = ", ".join(x for x in (self.hostname, f"pid {self.pid}" if self.pid else None) if x)
+        prefix = " ".join(where) + (f" ({host})" if host else "")
+        return f"{prefix}: {self.signature}" if prefix else self.signature
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": self.type,
+            "message": self.message,
+            "rank": self.rank,
+            "node_id": self.node_id,
+            "hostname": self.hostname,
+            "pid": self.pid,
+            "step": self.step,
+            "traceback": self.traceback,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerError:
+        return cls(
+            type=str(data.get("type") or "Error"),
+            message=str(data.get("message") or ""),
+            rank=data.get("rank"),
+            node_id=data.get("node_id"),
+            hostname=data.get("hostname"),
+            pid=data.get("pid"),
+            step=data.get("step"),
+            traceback=str(data.get("traceback") or ""),
+        )
+
+
+class Control(str, Enum):
+    """What the scheduler asks of a running worker group through its driver. Rank 0 checks
+    once per step and every rank acts on it at the same step."""
+
+    NONE = "none"
+    CHECKPOINT = "checkpoint"  # save a checkpoint after this step, keep going
+    STOP = "stop"  # save a checkpoint after this step, then return (resize / preempt)
+
+
+class MessageKind(str, Enum):
+    PLACEMENT = "placement"
+    METRICS = "metrics"
+    CHECKPOINT = "checkpoint"
+    RESUMED = "resumed"
+    EVENT = "event"
+    FAILED = "failed"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """Which node and process holds each rank: the scheduler sees node loss from it."""
+
+    kind: ClassVar[MessageKind] = MessageKind.PLACEMENT
+    nodes: dict[int, str]  # rank -> Ray node id
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> worker process id
+    placement_group: str | None = None  # the worker group's placement group (hex id)
+
+    def node_list(self) -> tuple[str, ...]:
+        return tuple(self.nodes[r] for r in sorted(self.nodes))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepMetrics:
+    """One optimizer step. `values` holds loss, lr, step_time_s, samples_per_s,
+    tokens_per_s, world_size, memory, batch_crc, wall_time (see workers.loop)."""
+
+    kind: ClassVar[MessageKind] = MessageKind.METRICS
+    step: int
+    values: dict[str, Any]
+
+    @property
+    def loss(self) -> float | None:
+        loss = self.values.get("loss")
+        return None if loss is None else float(loss)
+
+    @property
+    def world_size(self) -> int | None:
+        ws = self.values.get("world_size")
+        return None if ws is None else int(ws)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointCommitted:
+    """A checkpoint whose manifest is on disk (`checkpoints` commit protocol)."""
+
+    kind: ClassVar[MessageKind] = MessageKind.CHECKPOINT
+    step: int
+    attempt: int
+    world_size: int
+    path: str
+    bytes: int
+    manifest: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Resumed:
+    """The attempt restored a checkpoint before its first step."""
+
+    kind: ClassVar[MessageKind] = MessageKind.RESUMED
+    step: int
+    path: str
+    saved_world_size: int
+    world_size: int
+    saved_attempt: int = 0
+    """The attempt that saved the checkpoint."""
+    metrics: tuple[StepMetrics, ...] = ()
+    """The steps before the checkpoint, as saved with it: the scheduler fills in those it
+    never received (reports still in flight when their attempt was stopped)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerEvent:
+    """Something worth an event row that is not one of the messages above."""
+
+    kind: ClassVar[MessageKind] = MessageKind.EVENT
+    event: EventKind
+    reason: str
+    details: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerFailed:
+    kind: ClassVar[MessageKind] = MessageKind.FAILED
+    error: WorkerError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Finished:
+    """Rank 0 returned from the loop."""
+
+    kind: ClassVar[MessageKind] = MessageKind.FINISHED
+    final_step: int
+    stopped_early: bool
+
+
+WorkerMessage = (
+    Placement | StepMetrics | CheckpointCommitted | Resumed | WorkerEvent | WorkerFailed | Finished
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DriverReport:
+    """What a driver tells the scheduler on a poll: its status and the messages after the
+    sequence number the scheduler acknowledged."""
+
+    status: DriverStatus
+    messages: tuple[WorkerMessage, ...] = ()
+    seq: int = 0
+    """The sequence number of the last message in `messages` (the acknowledged one when
+    there are none): the scheduler stores it with what it persisted and acknowledges it on
+    the next poll."""
+    error: WorkerError | None = None
+    """Why the attempt ended, when it FAILED or was LOST."""
+    placement: Placement | None = None
+    """The latest placement, also when it was acknowledged before."""
+    resumed_from_step: int | None = None
+    """The checkpoint step this attempt restored (None: a fresh start, or not yet)."""
+
+    @property
+    def metrics(self) -> list[StepMetrics]:
+        return [m for m in self.messages if isinstance(m, StepMetrics)]

@@ -1,0 +1,273 @@
+"""Carry out what `service.decisions.decide` returned: the DB, then Ray, then files.
+
+For one job, every DB write of a decision lands in one short transaction, under the job's
+row lock, and only if the job is still where the decision saw it (same state, same
+attempt): a user's cancel or another scheduler that moved it first wins, and the next pass
+decides again. Ray calls (launch, control, release) and file deletions run after the commit
+and outside any lock, in the order decided, so a rolled-back decision never launched
+anything, and a slow Ray call never holds a row.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from checkpoints.retention import delete_checkpoints, retention_plan
+from contracts.messages import Control, EventKind
+from contracts.spec import JobSpec
+from contracts.storage import JobStorage
+from service import jobs, observe
+from service.db import session_scope
+from service.decisions import (
+    Action,
+    ApplyRetention,
+    DelayRelaunch,
+    EndAttempt,
+    Facts,
+    JobView,
+    MarkSpare,
+    PersistReport,
+    RecordEvent,
+    SendControl,
+    SetReason,
+    StartAttempt,
+    StartWaiting,
+    StopWaiting,
+    Transition,
+    decide,
+)
+from service.launcher.base import AttemptKey, Launcher, LaunchRequest, driver_name
+from service.models import Job
+
+log = logging.getLogger("elastrain.executor")
+
+
+@dataclass
+class Timers:
+    """Soft state: lost on restart, harmlessly (a relaunch is just not delayed, growth
+    waits one more interval)."""
+
+    relaunch_not_before: dict[int, float] = field(default_factory=dict)
+    spare_since: dict[int, float] = field(default_factory=dict)
+
+
+# -- effects: what happens once the DB has committed ---------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    request: LaunchRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    key: AttemptKey
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    key: AttemptKey
+    control: Control
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteFiles:
+    root: Path
+    paths: tuple[Path, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SetTimer:
+    job_id: int
+    relaunch_not_before: float | None = None
+    spare_since: float | None = None
+    clear_spare: bool = False
+
+
+Effect = Launch | Release | Signal | DeleteFiles | SetTimer
+
+
+def apply_to_db(
+    session: Session, job: Job, actions: Sequence[Action], *, storage_path: Path
+) -> list[Effect]:
+    """Write `actions` to the job's rows (through `service.jobs`, one function per kind)
+    and return the effects to carry out once the transaction has committed."""
+    effects: list[Effect] = []
+    for action in actions:
+        key = AttemptKey(job.id, job.attempt)
+        if isinstance(action, Transition):
+            jobs.set_job_state(
+                session, job, action.to, reason=action.reason, world_size=action.world_size
+            )
+        elif isinstance(action, SetReason):
+            jobs.set_state_reason(job, reason=action.reason)
+        elif isinstance(action, RecordEvent):
+            jobs.record_event(
+                session, job, kind=action.kind, reason=action.reason, details=action.details
+            )
+        elif isinstance(action, PersistReport):
+            jobs.persist_report(session, job, action.report)
+        elif isinstance(action, ApplyRetention):
+            root = JobStorage.of(storage_path, job.id).checkpoints
+            doomed = retention_plan(root, action.keep_last)
+            # Rows first, files after the commit: a crash in between leaves folders the
+            # catalogue no longer lists, which the next retention deletes.
+            jobs.delete_checkpoint_rows(session, job, paths=[str(p) for p in doomed])
+            if doomed:
+                effects.append(DeleteFiles(root=root, paths=tuple(doomed)))
+        elif isinstance(action, StartAttempt):
+            name = driver_name(job.id, job.attempt + 1)
+            attempt = jobs.start_attempt(
+                session, job, world_size=action.world_size, driver_name=name
+            )
+            effects.append(
+                Launch(
+                    LaunchRequest(
+                        job_id=job.id,
+                        attempt=attempt.number,
+                        world_size=action.world_size,
+                        spec=JobSpec.model_validate(job.spec),
+                        storage_path=str(storage_path),
+                        driver_name=name,
+                    )
+                )
+            )
+        elif isinstance(action, EndAttempt):
+            jobs.end_attempt(
+                session,
+                job,
+                outcome=action.outcome.value,
+                error=action.error,
+                step=action.step,
+                count_restart=action.count_restart,
+            )
+            effects.append(Release(key))
+        elif isinstance(action, SendControl):
+            if action.control == Control.STOP:
+                jobs.request_stop(session, job)
+            elif action.control == Control.CHECKPOINT:
+                jobs.checkpoint_request_sent(session, job)
+            effects.append(Signal(key, action.control))
+        elif isinstance(action, StartWaiting):
+            jobs.start_waiting(
+                session,
+                job,
+                reason=action.reason,
+                since=datetime.fromtimestamp(action.at, timezone.utc),
+            )
+        elif isinstance(action, StopWaiting):
+            jobs.stop_waiting(session, job, reason=action.reason)
+        elif isinstance(action, DelayRelaunch):
+            effects.append(SetTimer(job.id, relaunch_not_before=action.until))
+        elif isinstance(action, MarkSpare):
+            effects.append(
+                SetTimer(job.id, spare_since=action.since, clear_spare=action.since is None)
+            )
+    return effects
+
+
+class Executor:
+    def __init__(
+        self,
+        *,
+        sessions: sessionmaker[Session],
+        launcher: Launcher,
+        storage_path: Path,
+        timers: Timers,
+    ) -> None:
+        self.sessions = sessions
+        self.launcher = launcher
+        self.storage_path = storage_path
+        self.timers = timers
+
+    def execute(self, view: JobView, actions: Sequence[Action]) -> bool:
+        """Apply what was decided on `view`. False when nothing was done: the job moved
+        since `view` was read, or the transaction failed (the next pass decides again)."""
+        if not actions:
+            return True
+        seen = (view.state, view.attempt.number if view.attempt else 0)
+        try:
+            with session_scope(self.sessions) as session:
+                job = jobs.get_job(session, view.id, for_update=True)
+                if (job.state, job.attempt) != seen:
+                    log.info("job %s moved since it was observed; deciding again", view.id)
+                    return False
+                effects = apply_to_db(session, job, actions, storage_path=self.storage_path)
+        except Exception:
+            log.exception("job %s: applying %s failed; retrying next pass", view.id, actions)
+            return False
+        for effect in effects:
+            self._carry_out(effect)
+        return True
+
+    def _carry_out(self, effect: Effect) -> None:
+        try:
+            if isinstance(effect, Launch):
+                self._launch(effect.request)
+            elif isinstance(effect, Release):
+                self.launcher.release(effect.key)
+            elif isinstance(effect, Signal):
+                self.launcher.send_control(effect.key, effect.control)
+            elif isinstance(effect, DeleteFiles):
+                delete_checkpoints(effect.root, effect.paths)
+            elif isinstance(effect, SetTimer):
+                self._set_timer(effect)
+        except Exception:  # the DB is right; a level-triggered next pass repairs the rest
+            log.exception("carrying out %s failed", effect)
+
+    def _launch(self, request: LaunchRequest) -> None:
+        try:
+            self.launcher.launch(request)
+        except Exception as exc:  # the next pass sees the driver as LOST and retries
+            log.error("launch of %s failed: %s", request.driver_name, exc)
+            with session_scope(self.sessions) as session:
+                job = jobs.get_job(session, request.job_id, for_update=True)
+                jobs.record_event(
+                    session,
+                    job,
+                    kind=EventKind.LAUNCH_FAILED,
+                    reason=f"{type(exc).__name__}: {exc}",
+                    details={"traceback": traceback.format_exc()[-2000:]},
+                )
+
+    def _set_timer(self, timer: SetTimer) -> None:
+        if timer.relaunch_not_before is not None:
+            self.timers.relaunch_not_before[timer.job_id] = timer.relaunch_not_before
+        if timer.spare_since is not None:
+            self.timers.spare_since[timer.job_id] = timer.spare_since
+        if timer.clear_spare:
+            self.timers.spare_since.pop(timer.job_id, None)
+
+
+#: Actions that need the job's driver: only the scheduler carries those out.
+_NEEDS_DRIVER = (StartAttempt, EndAttempt, SendControl)
+
+
+def cancel(
+    session: Session,
+    job: Job,
+    *,
+    storage_path: Path,
+    clock: Callable[[], float] = time.time,
+) -> None:
+    """A user's cancel, in the caller's transaction. A job no driver holds (queued, or
+    waiting between attempts) is cancelled at once, by the same decision the scheduler
+    would take; otherwise the request is recorded and the scheduler stops the driver."""
+    if not jobs.request_cancel(session, job):
+        return
+    actions = decide(observe.view_of(session, job), Facts(now=clock()))
+    if any(isinstance(a, _NEEDS_DRIVER) for a in actions):
+        jobs.record_event(
+            session, job, kind=EventKind.CANCEL_REQUESTED, reason="cancel requested by user"
+        )
+        return
+    effects = apply_to_db(session, job, actions, storage_path=storage_path)
+    assert not effects, f"a cancel without a driver has nothing to carry out: {effects}"

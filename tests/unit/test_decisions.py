@@ -1,0 +1,659 @@
+"""The lifecycle table of `service.decisions`: state x facts -> actions, row by row.
+
+Pure: no DB, no Ray, no clock. Each row is a job as the DB has it, what the scheduler
+observed, and exactly what `decide` must do. The last test checks that the rows exercise
+every edge of `service.states.ALLOWED` and no other, so the state table and the decision
+table cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from contracts.messages import (
+    CheckpointCommitted,
+    Control,
+    DriverReport,
+    DriverStatus,
+    EventKind,
+    Placement,
+    StepMetrics,
+    WorkerError,
+)
+from contracts.spec import JobSpec
+from service.capacity import (
+    Allocation,
+    CapacityLedger,
+    ClusterCapacity,
+    NodeCapacity,
+    WorkerShape,
+    free_capacity,
+)
+from service.decisions import (
+    Action,
+    ApplyRetention,
+    AttemptOutcome,
+    AttemptView,
+    DelayRelaunch,
+    EndAttempt,
+    Facts,
+    FailureAction,
+    JobView,
+    MarkSpare,
+    PastFailure,
+    PersistReport,
+    Policy,
+    RecordEvent,
+    SendControl,
+    SetReason,
+    StartAttempt,
+    StartWaiting,
+    StopWaiting,
+    Transition,
+    allocation_after,
+    decide,
+    decide_failure,
+    lost_ranks,
+    plan_admissions,
+    progress,
+    should_grow,
+)
+from service.states import ALLOWED, JobState
+
+S = JobState
+NOW = 10_000.0
+POLICY = Policy(grow_interval_s=10, below_min_timeout_s=60, restart_backoff_s=1)
+
+
+def spec(**overrides: Any) -> JobSpec:
+    body: dict[str, Any] = {
+        "name": "t",
+        "workload": {"name": "synthetic"},
+        "scaling": {"min_workers": 1, "max_workers": 3},
+        "failure": {"max_restarts": 2},
+    }
+    body.update(overrides)
+    return JobSpec.model_validate(body)
+
+
+SPEC = spec()
+MIN2 = spec(scaling={"min_workers": 2, "max_workers": 3})
+
+
+def nodes(*alive: str, dead: tuple[str, ...] = ()) -> ClusterCapacity:
+    """One CPU per node: one worker each."""
+    return ClusterCapacity(
+        nodes=tuple(NodeCapacity(node_id=n, cpus=1) for n in alive)
+        + tuple(NodeCapacity(node_id=n, cpus=1, alive=False) for n in dead)
+    )
+
+
+def running_attempt(n: int = 1, *, on: tuple[str, ...] = ("a", "b"), **kw: Any) -> AttemptView:
+    return AttemptView(number=n, world_size=len(on), nodes=on, **kw)
+
+
+def job(state: JobState, **kw: Any) -> JobView:
+    base: dict[str, Any] = {"id": 1, "state": state, "spec": SPEC, "step": 30}
+    if state not in (S.PENDING,):
+        base.update(attempt=running_attempt(), world_size=2)
+    base.update(kw)
+    return JobView(**base)
+
+
+def between_attempts(state: JobState, **kw: Any) -> JobView:
+    """RECOVERING or RESIZING after the attempt ended, before the next one starts."""
+    return job(state, attempt=running_attempt(ended=True), **kw)
+
+
+def facts(
+    free: ClusterCapacity | None = None,
+    *,
+    alive: tuple[str, ...] = ("a", "b"),
+    report: DriverReport | None = None,
+    **kw: Any,
+) -> Facts:
+    return Facts(
+        now=NOW,
+        policy=POLICY,
+        alive_nodes=frozenset(alive),
+        free=free if free is not None else nodes("a", "b"),
+        report=report,
+        **kw,
+    )
+
+
+def report(status: DriverStatus = DriverStatus.RUNNING, **kw: Any) -> DriverReport:
+    return DriverReport(status=status, **kw)
+
+
+BOOM = WorkerError(type="ValueError", message="boom", rank=1, node_id="b", step=30)
+METRICS = (StepMetrics(step=31, values={"loss": 1.0, "world_size": 2}),)
+COMMIT = CheckpointCommitted(step=30, attempt=1, world_size=2, path="/c/30", bytes=10)
+
+ended_ok = EndAttempt(outcome=AttemptOutcome.SUCCEEDED, step=30)
+cancelled = Transition(to=S.CANCELLED, reason="cancelled by user")
+cancel_live = [EndAttempt(outcome=AttemptOutcome.CANCELLED), cancelled]
+node_b_lost = RecordEvent(
+    kind=EventKind.NODE_LOST,
+    reason="node b lost (ranks [1])",
+    details={"node_id": "b", "ranks": [1]},
+)
+below_min = "waiting below min: 1 workers fit, the job needs 2"
+
+ROWS: list[Any] = [
+    # -- queued ---------------------------------------------------------------------------
+    pytest.param(job(S.PENDING, cancel_requested=True), facts(), [cancelled], id="pending+cancel"),
+    pytest.param(
+        job(S.PENDING),
+        facts(admission=2),
+        [
+            Transition(to=S.STARTING, reason="admitted at world size 2", world_size=2),
+            StartAttempt(world_size=2),
+        ],
+        id="pending+admitted",
+    ),
+    pytest.param(
+        job(S.PENDING, state_reason="x"),
+        facts(waiting_reason="queued behind job 7"),
+        [SetReason(reason="queued behind job 7")],
+        id="pending+waits",
+    ),
+    pytest.param(
+        job(S.PENDING, state_reason="queued behind job 7"),
+        facts(waiting_reason="queued behind job 7"),
+        [],
+        id="pending+still-waits-same-reason",
+    ),
+    # -- starting up ----------------------------------------------------------------------
+    pytest.param(job(S.STARTING), facts(report=report(DriverStatus.STARTING)), [], id="starting"),
+    pytest.param(
+        job(S.STARTING),
+        facts(report=report(messages=METRICS, seq=1)),
+        [
+            PersistReport(report=report(messages=METRICS, seq=1)),
+            Transition(to=S.RUNNING, reason="training started at world size 2", world_size=2),
+        ],
+        id="starting+first-step",
+    ),
+    pytest.param(
+        job(S.STARTING),
+        facts(report=report(DriverStatus.SUCCEEDED)),
+        [ended_ok, Transition(to=S.SUCCEEDED, reason="reached step 30")],
+        id="starting+succeeded-at-once",
+    ),
+    pytest.param(
+        job(S.STARTING, spec=spec(failure={"max_restarts": 0})),
+        facts(report=report(DriverStatus.FAILED, error=BOOM)),
+        [
+            EndAttempt(outcome=AttemptOutcome.FAILED, error=BOOM, step=30),
+            Transition(
+                to=S.FAILED,
+                reason="gave up after 0 restarts (failure.max_restarts): ValueError: boom",
+            ),
+        ],
+        id="starting+failed-no-restarts",
+    ),
+    pytest.param(
+        job(S.STARTING, cancel_requested=True), facts(), cancel_live, id="starting+cancel"
+    ),
+    pytest.param(
+        job(S.STARTING),
+        facts(nodes("a", "c"), alive=("a", "c"), report=report(DriverStatus.STARTING)),
+        [
+            node_b_lost,
+            EndAttempt(outcome=AttemptOutcome.NODE_LOST, step=30),
+            Transition(to=S.RECOVERING, reason="node lost (b)", world_size=2),
+            StartAttempt(world_size=2),
+            MarkSpare(since=None),
+        ],
+        id="starting+node-lost",
+    ),
+    # -- running --------------------------------------------------------------------------
+    pytest.param(job(S.RUNNING), facts(nodes("a", "b"), report=report()), [], id="running"),
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "b"), report=report(messages=(COMMIT,), seq=4)),
+        [PersistReport(report=report(messages=(COMMIT,), seq=4)), ApplyRetention(keep_last=3)],
+        id="running+checkpoint-committed",
+    ),
+    pytest.param(
+        job(S.RUNNING, checkpoint_requested=True),
+        facts(nodes("a", "b"), report=report()),
+        [SendControl(control=Control.CHECKPOINT)],
+        id="running+checkpoint-now",
+    ),
+    pytest.param(job(S.RUNNING, cancel_requested=True), facts(), cancel_live, id="running+cancel"),
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "b"), report=report(DriverStatus.SUCCEEDED)),
+        [ended_ok, Transition(to=S.SUCCEEDED, reason="reached step 30")],
+        id="running+succeeded",
+    ),
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "c"), alive=("a", "c"), report=report()),
+        [
+            node_b_lost,
+            EndAttempt(outcome=AttemptOutcome.NODE_LOST, step=30),
+            Transition(to=S.RECOVERING, reason="node lost (b)", world_size=2),
+            StartAttempt(world_size=2),
+            MarkSpare(since=None),
+        ],
+        id="running+node-lost+relaunch-on-what-is-left",
+    ),
+    pytest.param(
+        job(S.RUNNING, spec=MIN2),
+        facts(nodes("a"), alive=("a",), report=report()),
+        [
+            node_b_lost,
+            EndAttempt(outcome=AttemptOutcome.NODE_LOST, step=30),
+            Transition(to=S.RECOVERING, reason="node lost (b)"),
+            StartWaiting(reason=below_min, at=NOW),
+        ],
+        id="running+node-lost+below-min",
+    ),
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a"), alive=("a",), report=report(DriverStatus.SUCCEEDED)),
+        [ended_ok, Transition(to=S.SUCCEEDED, reason="reached step 30")],
+        id="running+node-lost-after-success",
+    ),
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "b"), report=report(DriverStatus.FAILED, error=BOOM)),
+        [
+            EndAttempt(outcome=AttemptOutcome.FAILED, error=BOOM, step=30, count_restart=True),
+            DelayRelaunch(until=NOW + 1),
+            Transition(
+                to=S.RECOVERING, reason=f"restart 1/2 after: {BOOM.summary()}", world_size=2
+            ),
+        ],
+        id="running+worker-error+backoff",
+    ),
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "b"), report=report(DriverStatus.LOST)),
+        [
+            EndAttempt(
+                outcome=AttemptOutcome.FAILED,
+                error=WorkerError(type="DriverLost", message="driver lost"),
+                step=30,
+                count_restart=True,
+            ),
+            DelayRelaunch(until=NOW + 1),
+            Transition(
+                to=S.RECOVERING, reason="restart 1/2 after: DriverLost: driver lost", world_size=2
+            ),
+        ],
+        id="running+driver-lost",
+    ),
+    pytest.param(
+        job(S.RUNNING, restarts=2),
+        facts(nodes("a", "b"), report=report(DriverStatus.FAILED, error=BOOM)),
+        [
+            EndAttempt(outcome=AttemptOutcome.FAILED, error=BOOM, step=30),
+            Transition(
+                to=S.FAILED,
+                reason="gave up after 2 restarts (failure.max_restarts): ValueError: boom",
+            ),
+        ],
+        id="running+worker-error+restarts-used-up",
+    ),
+    pytest.param(
+        job(S.RUNNING, failures=(PastFailure(signature=BOOM.signature, step=30),) * 2),
+        facts(nodes("a", "b"), report=report(DriverStatus.FAILED, error=BOOM)),
+        [
+            EndAttempt(outcome=AttemptOutcome.FAILED, error=BOOM, step=30),
+            Transition(
+                to=S.FAILED, reason="the same error at step 30 3 times in a row: ValueError: boom"
+            ),
+        ],
+        id="running+same-error-third-time",
+    ),
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "b", "c"), report=report()),
+        [MarkSpare(since=NOW)],
+        id="running+capacity-appears",
+    ),
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "b", "c"), report=report(), spare_since=NOW - 5),
+        [],
+        id="running+capacity-not-long-enough",
+    ),
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "b", "c"), report=report(), spare_since=NOW - 10, others_waiting=True),
+        [],
+        id="running+capacity-but-queue-waits",
+    ),
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "b", "c"), report=report(), spare_since=NOW - 10),
+        [
+            SendControl(control=Control.STOP),
+            Transition(
+                to=S.RESIZING, reason="capacity for 3 workers: growing 2 -> 3", world_size=3
+            ),
+            MarkSpare(since=None),
+        ],
+        id="running+grow",
+    ),
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "b"), report=report(), spare_since=NOW - 3),
+        [MarkSpare(since=None)],
+        id="running+capacity-gone-again",
+    ),
+    # -- resizing -------------------------------------------------------------------------
+    pytest.param(
+        job(S.RESIZING, attempt=running_attempt(stop_requested=True)),
+        facts(nodes("a", "b", "c"), report=report(messages=METRICS, seq=2)),
+        [PersistReport(report=report(messages=METRICS, seq=2))],
+        id="resizing+old-attempt-trains-on",
+    ),
+    pytest.param(
+        job(S.RESIZING, attempt=running_attempt(stop_requested=True)),
+        facts(nodes("a", "b", "c"), report=report(DriverStatus.STOPPED)),
+        [
+            EndAttempt(outcome=AttemptOutcome.STOPPED, step=30),
+            StartAttempt(world_size=3),
+            MarkSpare(since=None),
+        ],
+        id="resizing+stopped+relaunch-bigger",
+    ),
+    pytest.param(
+        job(S.RESIZING, attempt=running_attempt(2, on=("a", "b", "c"))),
+        facts(nodes("a", "b", "c"), alive=("a", "b", "c"), report=report(resumed_from_step=30)),
+        [Transition(to=S.RUNNING, reason="resumed from step 30 at world size 3", world_size=3)],
+        id="resizing+new-attempt-runs",
+    ),
+    pytest.param(
+        job(S.RESIZING, attempt=running_attempt(stop_requested=True)),
+        facts(nodes("a", "b", "c"), report=report(DriverStatus.SUCCEEDED)),
+        [ended_ok, Transition(to=S.SUCCEEDED, reason="reached step 30")],
+        id="resizing+finished-at-last-step",
+    ),
+    pytest.param(
+        job(S.RESIZING, attempt=running_attempt(stop_requested=True)),
+        facts(nodes("a", "c"), alive=("a", "c"), report=report()),
+        [
+            node_b_lost,
+            EndAttempt(outcome=AttemptOutcome.NODE_LOST, step=30),
+            Transition(to=S.RECOVERING, reason="node lost (b)", world_size=2),
+            StartAttempt(world_size=2),
+            MarkSpare(since=None),
+        ],
+        id="resizing+node-lost",
+    ),
+    pytest.param(
+        between_attempts(S.RESIZING, spec=MIN2, below_min_since=NOW - 61),
+        facts(nodes("a")),
+        [Transition(to=S.FAILED, reason=f"below min_workers for 61s (timeout 60s): {below_min}")],
+        id="resizing+below-min-timeout",
+    ),
+    pytest.param(
+        job(S.RESIZING, cancel_requested=True), facts(), cancel_live, id="resizing+cancel"
+    ),
+    # -- recovering -----------------------------------------------------------------------
+    pytest.param(
+        job(S.RECOVERING, attempt=running_attempt(2)),
+        facts(report=report(messages=METRICS, seq=1, resumed_from_step=20)),
+        [
+            PersistReport(report=report(messages=METRICS, seq=1, resumed_from_step=20)),
+            Transition(to=S.RUNNING, reason="resumed from step 20 at world size 2", world_size=2),
+        ],
+        id="recovering+resumed",
+    ),
+    pytest.param(
+        job(S.RECOVERING, attempt=running_attempt(2), restarts=1),
+        facts(nodes("a", "b"), report=report(DriverStatus.FAILED, error=BOOM)),
+        [
+            EndAttempt(outcome=AttemptOutcome.FAILED, error=BOOM, step=30, count_restart=True),
+            DelayRelaunch(until=NOW + 1),
+            SetReason(reason=f"restart 2/2 after: {BOOM.summary()}"),
+        ],
+        id="recovering+relaunch-fails-too",
+    ),
+    pytest.param(
+        job(S.RECOVERING, attempt=running_attempt(2)),
+        facts(report=report(DriverStatus.SUCCEEDED)),
+        [ended_ok, Transition(to=S.SUCCEEDED, reason="reached step 30")],
+        id="recovering+nothing-left-to-do",
+    ),
+    pytest.param(
+        between_attempts(S.RECOVERING),
+        facts(relaunch_not_before=NOW + 1),
+        [],
+        id="recovering+backoff",
+    ),
+    pytest.param(
+        between_attempts(S.RECOVERING),
+        facts(nodes("a", "b")),
+        [StartAttempt(world_size=2), MarkSpare(since=None)],
+        id="recovering+relaunch",
+    ),
+    pytest.param(
+        between_attempts(S.RECOVERING, spec=MIN2),
+        facts(nodes("a")),
+        [StartWaiting(reason=below_min, at=NOW)],
+        id="recovering+below-min-starts-waiting",
+    ),
+    pytest.param(
+        between_attempts(S.RECOVERING, spec=MIN2, below_min_since=NOW - 30),
+        facts(nodes("a")),
+        [],
+        id="recovering+below-min-keeps-waiting",
+    ),
+    pytest.param(
+        between_attempts(S.RECOVERING, spec=MIN2, below_min_since=NOW - 61),
+        facts(nodes("a")),
+        [Transition(to=S.FAILED, reason=f"below min_workers for 61s (timeout 60s): {below_min}")],
+        id="recovering+below-min-timeout",
+    ),
+    pytest.param(
+        between_attempts(S.RECOVERING, spec=MIN2, below_min_since=NOW - 30),
+        facts(nodes("a", "b")),
+        [
+            StopWaiting(reason="capacity for 2 workers after waiting 30s"),
+            StartAttempt(world_size=2),
+            MarkSpare(since=None),
+        ],
+        id="recovering+capacity-back",
+    ),
+    pytest.param(
+        between_attempts(S.RECOVERING, cancel_requested=True),
+        facts(),
+        [cancelled],
+        id="recovering+cancel-without-driver",
+    ),
+    pytest.param(
+        job(S.RECOVERING, attempt=running_attempt(2), cancel_requested=True),
+        facts(),
+        cancel_live,
+        id="recovering+cancel",
+    ),
+    # -- finished -------------------------------------------------------------------------
+    *[
+        pytest.param(job(s, cancel_requested=True), facts(report=report()), [], id=f"{s.value}")
+        for s in (S.SUCCEEDED, S.FAILED, S.CANCELLED)
+    ],
+]
+
+
+@pytest.mark.parametrize(("view", "observed", "expected"), ROWS)
+def test_decision_table(view: JobView, observed: Facts, expected: list[Action]) -> None:
+    assert decide(view, observed) == expected
+
+
+def test_the_table_takes_exactly_the_allowed_transitions() -> None:
+    taken = set()
+    for row in ROWS:
+        view, observed, _ = row.values
+        for action in decide(view, observed):
+            if isinstance(action, Transition):
+                taken.add((view.state, action.to))
+    allowed = {(src, dst) for src, dsts in ALLOWED.items() for dst in dsts}
+    assert taken == allowed
+
+
+def test_decide_is_pure() -> None:
+    view, observed = job(S.RUNNING), facts(nodes("a", "c"), alive=("a", "c"), report=report())
+    assert decide(view, observed) == decide(view, observed)
+
+
+# -- the pieces ---------------------------------------------------------------------------
+
+
+def test_lost_ranks_groups_ranks_by_dead_node() -> None:
+    assert lost_ranks(("a", "b", "b", "c"), frozenset({"a", "c"})) == {"b": [1, 2]}
+    assert lost_ranks(("a",), frozenset({"a"})) == {}
+    assert lost_ranks((), frozenset()) == {}
+
+
+def test_progress_counts_steps_in_the_report() -> None:
+    assert progress(job(S.RUNNING), None) == 30
+    assert progress(job(S.RUNNING), report(messages=METRICS)) == 31
+
+
+@pytest.mark.parametrize(
+    ("current", "possible", "since", "waiting", "grow"),
+    [
+        (2, 3, NOW - 10, False, True),
+        (2, 3, NOW - 9, False, False),  # not for long enough
+        (2, 3, None, False, False),  # just appeared
+        (2, 3, NOW - 99, True, False),  # a queued job gets it
+        (3, 3, NOW - 99, False, False),  # nothing to grow into
+    ],
+)
+def test_should_grow(
+    current: int, possible: int, since: float | None, waiting: bool, grow: bool
+) -> None:
+    assert (
+        should_grow(
+            current=current,
+            possible=possible,
+            spare_since=since,
+            now=NOW,
+            grow_interval_s=10,
+            others_waiting=waiting,
+        )
+        is grow
+    )
+
+
+def test_decide_failure_backoff_grows_then_gives_up_on_a_repeat() -> None:
+    def retry(history: list[PastFailure], restarts: int = 0) -> Any:
+        return decide_failure(
+            signature="E: x",
+            step=3,
+            restarts=restarts,
+            max_restarts=5,
+            recent_failures=history,
+            backoff_s=1.0,
+        )
+
+    first, second = retry([]), retry([PastFailure(signature="E: x", step=3)], restarts=1)
+    assert first.action == second.action == FailureAction.RETRY
+    assert (first.delay_s, second.delay_s) == (1.0, 2.0)
+    other_step = retry([PastFailure(signature="E: x", step=2)] * 2)
+    assert other_step.action == FailureAction.RETRY and other_step.delay_s == 1.0
+    assert retry([PastFailure(signature="E: x", step=3)] * 2).action == FailureAction.GIVE_UP
+
+
+SHAPE = WorkerShape(cpus=1, gpus=0)
+
+
+def test_free_capacity_charges_placed_workers_and_packs_the_rest() -> None:
+    cluster = ClusterCapacity(
+        nodes=(
+            NodeCapacity(node_id="a", cpus=2),
+            NodeCapacity(node_id="b", cpus=2),
+            NodeCapacity(node_id="dead", cpus=8, alive=False),
+        )
+    )
+    placed = Allocation(shape=SHAPE, count=2, nodes=("b", "dead"))  # one worker died
+    unplaced = Allocation(shape=SHAPE, count=2)
+    free = free_capacity(cluster, [placed, unplaced])
+    assert {n.node_id: n.cpus for n in free.nodes} == {"a": 0, "b": 1}
+    assert free.workers_that_fit(1, 0) == 1
+    # Promised growth: placed on b, one more not yet placed.
+    grown = free_capacity(cluster, [Allocation(shape=SHAPE, count=2, nodes=("b",))])
+    assert {n.node_id: n.cpus for n in grown.nodes} == {"a": 1, "b": 1}
+
+
+def test_workers_that_fit_ignores_overcommitted_nodes() -> None:
+    cluster = ClusterCapacity(
+        nodes=(NodeCapacity(node_id="a", cpus=-1), NodeCapacity(node_id="b", cpus=2))
+    )
+    assert cluster.workers_that_fit(1, 0) == 2
+
+
+def test_ledger_offers_a_job_its_own_workers_but_not_others() -> None:
+    ledger = CapacityLedger(
+        nodes("a", "b", "c"), {1: Allocation(shape=SHAPE, count=2, nodes=("a", "b"))}
+    )
+    assert ledger.free().workers_that_fit(1, 0) == 1
+    assert ledger.free_for(1).workers_that_fit(1, 0) == 3
+    ledger.hold(2, Allocation(shape=SHAPE, count=1))
+    assert ledger.free_for(1).workers_that_fit(1, 0) == 2
+    ledger.hold(1, None)
+    assert ledger.free().workers_that_fit(1, 0) == 2
+
+
+def test_allocation_after_follows_the_actions() -> None:
+    view = job(S.RUNNING)
+    assert allocation_after(view, []) == Allocation(shape=SHAPE, count=2, nodes=("a", "b"))
+    grow = decide(view, facts(nodes("a", "b", "c"), report=report(), spare_since=NOW - 10))
+    assert allocation_after(view, grow) == Allocation(shape=SHAPE, count=3, nodes=("a", "b"))
+    lost = decide(view, facts(nodes("a", "c"), alive=("a", "c"), report=report()))
+    assert allocation_after(view, lost) == Allocation(shape=SHAPE, count=2)
+    assert allocation_after(view, cancel_live) is None
+
+
+def _pending(
+    job_id: int, *, priority: int = 0, min_workers: int = 1, max_workers: int = 1
+) -> JobView:
+    return JobView(
+        id=job_id,
+        state=S.PENDING,
+        spec=spec(
+            priority=priority, scaling={"min_workers": min_workers, "max_workers": max_workers}
+        ),
+    )
+
+
+def test_plan_admissions_priority_gang_and_no_backfill() -> None:
+    cluster = nodes("a", "b", "c")
+    queue = [
+        _pending(1, min_workers=2, max_workers=2),
+        _pending(2, priority=5, min_workers=2, max_workers=3),  # first: higher priority
+        _pending(3, min_workers=9, max_workers=9),  # never fits: does not block
+        _pending(4),
+    ]
+    admitted, waiting = plan_admissions(queue, cluster, cluster)
+    assert [(a.job_id, a.world_size) for a in admitted] == [(2, 3)]
+    reasons = {w.job_id: w.reason for w in waiting}
+    assert reasons[1] == "waiting for 2 free workers"
+    assert reasons[3].endswith("the whole cluster holds 3")
+    assert reasons[4] == "queued behind job 1"  # no backfill past the blocked job
+
+
+def test_plan_admissions_shares_what_is_free() -> None:
+    cluster = nodes("a", "b", "c")
+    admitted, _ = plan_admissions(
+        [_pending(1, max_workers=2), _pending(2, max_workers=2)], cluster, cluster
+    )
+    assert [(a.job_id, a.world_size) for a in admitted] == [(1, 2), (2, 1)]
+
+
+def test_placement_message_gives_rank_order() -> None:
+    placement = Placement(nodes={1: "b", 0: "a"})
+    assert placement.node_list() == ("a", "b")
+    view = job(S.STARTING, attempt=replace(running_attempt(), nodes=()))
+    lost = decide(view, facts(nodes("a"), alive=("a",), report=report(placement=placement)))
+    assert isinstance(lost[0], PersistReport) and lost[1] == node_b_lost

@@ -24,7 +24,7 @@ from checkpoints.retention import delete_checkpoints, retention_plan
 from contracts.messages import Control, EventKind
 from contracts.spec import JobSpec
 from contracts.storage import JobStorage
-from service import jobs, observe
+from service import jobs, observe, reports
 from service.db import session_scope
 from service.decisions import (
     Action,
@@ -114,13 +114,13 @@ def apply_to_db(
                 session, job, kind=action.kind, reason=action.reason, details=action.details
             )
         elif isinstance(action, PersistReport):
-            jobs.persist_report(session, job, action.report)
+            reports.persist_report(session, job, action.report)
         elif isinstance(action, ApplyRetention):
             root = JobStorage.of(storage_path, job.id).checkpoints
             doomed = retention_plan(root, action.keep_last)
             # Rows first, files after the commit: a crash in between leaves folders the
             # catalogue no longer lists, which the next retention deletes.
-            jobs.delete_checkpoint_rows(session, job, paths=[str(p) for p in doomed])
+            reports.delete_checkpoint_rows(session, job, paths=[str(p) for p in doomed])
             if doomed:
                 effects.append(DeleteFiles(root=root, paths=tuple(doomed)))
         elif isinstance(action, StartAttempt):

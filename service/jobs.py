@@ -1,7 +1,8 @@
 """Job records: creation, queries, and one function per kind of change to a job.
 
 A job's state and the fields that go with it (reason, world size, restarts, last error,
-the wait below min) change only here, each with its event. The scheduler reaches these
+the wait below min) change only here, each with its event. What its attempts report
+(metrics, checkpoints) is stored by `service.reports`. The scheduler reaches these
 through `service.executor`, which applies the actions of `service.decisions.decide`.
 
 Functions take a `Session` and keyword-only arguments, and never commit: the caller's
@@ -16,21 +17,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import Row, Table, bindparam, delete, func, insert, select
+from sqlalchemy import Row, Table, bindparam, func, insert, select
 from sqlalchemy.orm import Session
 
 from contracts.messages import (
-    CheckpointCommitted,
-    DriverReport,
     EventKind,
-    Resumed,
-    StepMetrics,
     WorkerError,
-    WorkerEvent,
-    WorkerFailed,
 )
 from contracts.spec import JobSpec
-from service.models import Attempt, CheckpointRecord, Event, Job, JobLabel, Metric, utcnow
+from service.models import Attempt, Event, Job, JobLabel, utcnow
 from service.states import IllegalTransition, JobState, can_transition
 
 
@@ -370,192 +365,5 @@ def current_attempt(session: Session, job: Job) -> Attempt | None:
     ).one_or_none()
 
 
-def persist_report(session: Session, job: Job, report: DriverReport) -> None:
-    """Store what the current attempt's driver reported, in order, and remember how far
-    (`report_seq`), so the next poll acknowledges exactly what was stored."""
-    attempt = current_attempt(session, job)
-    if attempt is None:
-        return
-    if report.placement is not None and not attempt.nodes:
-        placement = report.placement
-        attempt.nodes = list(placement.node_list())
-        record_event(
-            session,
-            job,
-            kind=EventKind.PLACEMENT,
-            reason=f"{len(placement.nodes)} workers on {len(set(placement.nodes.values()))} node(s)",
-            details={
-                "ranks": {str(r): n for r, n in sorted(placement.nodes.items())},
-                "pids": {str(r): p for r, p in sorted(placement.pids.items())},
-            },
-        )
-    batch: list[StepMetrics] = []
-    for message in report.messages:
-        if isinstance(message, StepMetrics):
-            batch.append(message)
-            continue
-        record_metrics(session, job, attempt=attempt.number, points=batch)
-        batch = []
-        if isinstance(message, CheckpointCommitted):
-            record_checkpoint(
-                session,
-                job,
-                attempt=attempt.number,
-                step=message.step,
-                world_size=message.world_size or attempt.world_size,
-                path=message.path,
-                size_bytes=message.bytes,
-                manifest=message.manifest,
-            )
-        elif isinstance(message, Resumed):
-            backfill_metrics(session, job, attempt=message.saved_attempt, points=message.metrics)
-            record_event(
-                session,
-                job,
-                kind=EventKind.RESUMED,
-                reason=f"resumed from step {message.step} (saved at world size "
-                f"{message.saved_world_size}, now {message.world_size})",
-                details={
-                    "step": message.step,
-                    "path": message.path,
-                    "saved_world_size": message.saved_world_size,
-                },
-            )
-        elif isinstance(message, WorkerEvent):
-            record_event(session, job, kind=message.event, reason=message.reason,
-                         details=message.details)  # fmt: skip
-        elif isinstance(message, WorkerFailed):
-            record_event(
-                session,
-                job,
-                kind=EventKind.WORKER_ERROR,
-                reason=message.error.summary(),
-                details=message.error.to_dict(),
-            )
-    record_metrics(session, job, attempt=attempt.number, points=batch)
-    attempt.report_seq = max(attempt.report_seq, report.seq)
-
-
-def record_metrics(
-    session: Session,
-    job: Job,
-    *,
-    attempt: int,
-    points: Sequence[StepMetrics | dict[str, Any]],
-) -> int:
-    """Persist metric points (`StepMetrics`, or dicts with a 'step'); fenced by attempt.
-    Returns how many steps were stored."""
-    if not points:
-        return 0
-    check_attempt(job, attempt)
-    typed = [p if isinstance(p, StepMetrics) else _as_step_metrics(p) for p in points]
-    steps = [p.step for p in typed]
-    # A recomputed step (after a resume) replaces what an earlier attempt reported.
-    session.execute(delete(Metric).where(Metric.job_id == job.id, Metric.step.in_(steps)))
-    seen: set[int] = set()
-    for point in reversed(typed):  # the last report of a step wins
-        if point.step in seen:
-            continue
-        seen.add(point.step)
-        values = {k: v for k, v in point.values.items() if k != "step"}
-        session.add(Metric(job_id=job.id, step=point.step, attempt=attempt, values=values))
-    last = max(typed, key=lambda p: p.step)
-    job.step = max(job.step, last.step)
-    if last.loss is not None:
-        job.latest_loss = last.loss
-    return len(seen)
-
-
-def backfill_metrics(
-    session: Session, job: Job, *, attempt: int, points: Sequence[StepMetrics]
-) -> int:
-    """Store the points of steps the job has no row for, as computed by `attempt`: what a
-    checkpoint carried of reports that never arrived (they were in flight when that
-    attempt was stopped). Steps already stored are left alone. Returns how many."""
-    if not points:
-        return 0
-    steps = {p.step for p in points}
-    stored = set(
-        session.scalars(select(Metric.step).where(Metric.job_id == job.id, Metric.step.in_(steps)))
-    )
-    missing = [p for p in points if p.step not in stored]
-    for point in missing:
-        session.add(Metric(job_id=job.id, step=point.step, attempt=attempt, values=point.values))
-    if missing:
-        job.step = max(job.step, max(p.step for p in missing))
-    return len(missing)
-
-
-def _as_step_metrics(point: dict[str, Any]) -> StepMetrics:
-    return StepMetrics(
-        step=int(point["step"]), values={k: v for k, v in point.items() if k != "step"}
-    )
-
-
-def list_metrics(
-    session: Session, job_id: int, *, since_step: int = 0, limit: int = 10_000
-) -> Sequence[Metric]:
-    return session.scalars(
-        select(Metric)
-        .where(Metric.job_id == job_id, Metric.step >= since_step)
-        .order_by(Metric.step)
-        .limit(limit)
-    ).all()
-
-
 def list_events(session: Session, job_id: int) -> Sequence[Event]:
     return session.scalars(select(Event).where(Event.job_id == job_id).order_by(Event.id)).all()
-
-
-def list_checkpoints(session: Session, job_id: int) -> Sequence[CheckpointRecord]:
-    return session.scalars(
-        select(CheckpointRecord)
-        .where(CheckpointRecord.job_id == job_id)
-        .order_by(CheckpointRecord.step.desc())
-    ).all()
-
-
-def delete_checkpoint_rows(session: Session, job: Job, *, paths: Sequence[str]) -> None:
-    """Drop catalogue rows of checkpoints that retention deletes."""
-    if paths:
-        session.execute(
-            delete(CheckpointRecord).where(
-                CheckpointRecord.job_id == job.id, CheckpointRecord.path.in_(list(paths))
-            )
-        )
-
-
-def record_checkpoint(
-    session: Session,
-    job: Job,
-    *,
-    attempt: int,
-    step: int,
-    world_size: int,
-    path: str,
-    size_bytes: int,
-    manifest: dict[str, Any] | None = None,
-    committed_at: datetime | None = None,
-) -> CheckpointRecord:
-    """Catalogue a committed checkpoint; fenced by attempt, idempotent per (job, step)."""
-    check_attempt(job, attempt)
-    existing = session.scalars(
-        select(CheckpointRecord).where(
-            CheckpointRecord.job_id == job.id, CheckpointRecord.step == step
-        )
-    ).one_or_none()
-    if existing is not None:
-        session.delete(existing)
-        session.flush()
-    row = CheckpointRecord(
-        job_id=job.id,
-        step=step,
-        attempt=attempt,
-        world_size=world_size,
-        path=path,
-        bytes=size_bytes,
-        manifest=manifest,
-        committed_at=committed_at or utcnow(),
-    )
-    session.add(row)
-    return row

@@ -28,13 +28,12 @@ from service.jobs import (
     get_job,
     get_job_row,
     insert_job,
-    list_checkpoints,
     list_events,
     list_jobs,
-    list_metrics,
     request_checkpoint,
 )
 from service.models import Job
+from service.reports import list_checkpoints, list_metrics
 from service.states import ACTIVE, JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])

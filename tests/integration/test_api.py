@@ -13,13 +13,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.storage import JobStorage
 from service.db import session_scope
-from service.jobs import (
-    get_job,
-    record_checkpoint,
-    record_metrics,
-    set_job_state,
-    start_attempt,
-)
+from service.jobs import get_job, set_job_state, start_attempt
+from service.reports import record_checkpoint, record_metrics
 from service.settings import Settings
 from service.states import JobState
 from tests.factories import spec_dict

@@ -12,7 +12,7 @@ import pytest
 
 from contracts.messages import DriverStatus
 from contracts.spec import JobSpec
-from service import jobs
+from service import jobs, reports
 from service.db import make_engine, make_session_factory, migrate, session_scope
 from service.launcher.fake import FakeLauncher
 from service.scheduler import Scheduler
@@ -266,9 +266,11 @@ def test_stale_attempt_reports_are_fenced(env) -> None:
     jid = submit(factory)
     sched.run_pass()
     with session_scope(factory) as s, pytest.raises(jobs.StaleAttempt):
-        jobs.record_metrics(s, jobs.get_job(s, jid), attempt=0, points=[{"step": 5, "loss": 1.0}])
+        reports.record_metrics(
+            s, jobs.get_job(s, jid), attempt=0, points=[{"step": 5, "loss": 1.0}]
+        )
     with session_scope(factory) as s, pytest.raises(jobs.StaleAttempt):
-        jobs.record_checkpoint(
+        reports.record_checkpoint(
             s, jobs.get_job(s, jid), attempt=0, step=5, world_size=1, path="x", size_bytes=1
         )
 
@@ -321,24 +323,24 @@ def test_a_report_is_stored_once_even_when_its_pass_rolls_back(env, monkeypatch)
     d = launcher.driver(jid)
     d.status, d.placement = DriverStatus.RUNNING, {0: "n1", 1: "n2", 2: "n3"}
     d.metrics = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
-    persist = jobs.persist_report
+    persist = reports.persist_report
 
     def persist_then_fail(*args, **kwargs):  # type: ignore[no-untyped-def]
         persist(*args, **kwargs)
         raise RuntimeError("the database went away mid-transaction")
 
-    monkeypatch.setattr(jobs, "persist_report", persist_then_fail)
+    monkeypatch.setattr(reports, "persist_report", persist_then_fail)
     sched.run_pass()  # drained from the driver, then rolled back
     assert job(factory, jid).step == 0
-    monkeypatch.setattr(jobs, "persist_report", persist)
+    monkeypatch.setattr(reports, "persist_report", persist)
     sched.run_pass()  # not acknowledged, so the driver sends it again
     with session_scope(factory) as s:
-        assert [m.step for m in jobs.list_metrics(s, jid)] == [1, 2]
+        assert [m.step for m in reports.list_metrics(s, jid)] == [1, 2]
         assert jobs.current_attempt(s, jobs.get_job(s, jid)).report_seq == 2
     d.metrics = [{"step": 3, "loss": 1.2}]
     sched.run_pass()  # acknowledged messages are not sent twice
     with session_scope(factory) as s:
-        assert [m.step for m in jobs.list_metrics(s, jid)] == [1, 2, 3]
+        assert [m.step for m in reports.list_metrics(s, jid)] == [1, 2, 3]
         placements = [e for e in jobs.list_events(s, jid) if e.kind == "placement"]
         assert len(placements) == 1
     assert [seq for seq, _ in d.outbox] == [3]  # only the unacknowledged one is kept
@@ -405,7 +407,7 @@ def test_steps_whose_reports_died_with_their_attempt_come_back_from_the_checkpoi
     d2.metrics = [{"step": 6, "loss": 2.3, "world_size": 1}]
     sched.run_pass()
     with session_scope(factory) as s:
-        rows = jobs.list_metrics(s, jid)
+        rows = reports.list_metrics(s, jid)
         assert [(m.step, m.attempt) for m in rows] == [
             (1, 1),
             (2, 1),

@@ -62,7 +62,7 @@ def persist_report(session: Session, job: Job, report: DriverReport) -> None:
                 world_size=message.world_size or attempt.world_size,
                 path=message.path,
                 size_bytes=message.bytes,
-                manifest=message.manifest,
+                manifest=_without_metrics(message.manifest),
             )
         elif isinstance(message, Resumed):
             backfill_metrics(session, job, attempt=message.saved_attempt, points=message.metrics)
@@ -212,3 +212,12 @@ def record_checkpoint(
     )
     session.add(row)
     return row
+
+
+def _without_metrics(manifest: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The manifest as catalogued: without the metric points it carries (they are in the
+    metrics table already; a resume hands back the ones that were not)."""
+    if not manifest or "metrics" not in manifest.get("extra", {}):
+        return manifest
+    extra = {k: v for k, v in manifest["extra"].items() if k != "metrics"}
+    return {**manifest, "extra": extra}

@@ -14,7 +14,8 @@ import logging
 import random
 import resource
 import time
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,11 @@ from workers.workloads import load_workload
 log = logging.getLogger("elastrain.workers.loop")
 
 LOG_EVERY_STEPS = 10
-#: Metric points saved with each checkpoint (the steps since the previous one, at most
-#: this many): reports in flight when an attempt is stopped are not lost to the job's
-#: history, because the attempt that resumes from the checkpoint hands them back.
-MAX_METRICS_IN_CHECKPOINT = 1000
+#: Metric points saved with each checkpoint: the newest this many steps (more than the
+#: scheduler ever lags behind, which is a second or two of steps). Reports still in flight
+#: when an attempt is stopped are then not lost to the job's history: the attempt that
+#: resumes from the checkpoint hands them back.
+METRICS_KEPT_WITH_CHECKPOINT = 256
 
 # Control travels as a float in the per-step all-reduce (only rank 0 adds its code).
 _CONTROL_CODES = {Control.NONE: 0, Control.CHECKPOINT: 1, Control.STOP: 2}
@@ -81,7 +83,8 @@ def _train(ctx: TrainContext, spec: JobSpec, hooks: TrainHooks) -> TrainResult:
         )  # fmt: skip
 
     # Resume from the latest good checkpoint, whatever world size or split wrote it.
-    resumed_from = resume(checkpointer, strategy, ctx, hooks, seed)
+    restored = resume(checkpointer, strategy, ctx, hooks, seed)
+    resumed_from = restored.step if restored is not None else None
     start_step = resumed_from or 0
     ctx.step = start_step
 
@@ -89,7 +92,10 @@ def _train(ctx: TrainContext, spec: JobSpec, hooks: TrainHooks) -> TrainResult:
     # loss times dp/G makes that average the gradient of the global-batch mean loss.
     loss_scale = layout.dp / global_batch
     done = start_step  # optimizer steps completed
-    since_save: list[StepMetrics] = []  # rank 0: points since the last checkpoint
+    # Rank 0: the newest points, saved with each checkpoint (continued across resumes).
+    recent: deque[StepMetrics] = deque(
+        restored.metrics if restored is not None else (), maxlen=METRICS_KEPT_WITH_CHECKPOINT
+    )
     control = Control.NONE
     for step in range(start_step, max_steps):
         t0 = time.perf_counter()
@@ -107,15 +113,14 @@ def _train(ctx: TrainContext, spec: JobSpec, hooks: TrainHooks) -> TrainResult:
                 ctx.world_size, batch_crc(sampler.global_batch(step)),
             )  # fmt: skip
             hooks.send(point)
-            since_save.append(point)
+            recent.append(point)
             if done % LOG_EVERY_STEPS == 0 or done == start_step + 1:
                 log.info("step %d loss %.4f (%.3fs)", done, loss, step_time)
 
         if done % spec.checkpoint.every_steps == 0 or done == max_steps or control != Control.NONE:
             reason = control.value if control != Control.NONE else "scheduled"
             save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
-                            metrics=since_save)  # fmt: skip
-            since_save = []
+                            metrics=recent)  # fmt: skip
         # Every rank polls: a failed background save then raises on every rank alike.
         commits = checkpointer.poll_commits()
         if is_rank0:
@@ -168,9 +173,10 @@ def make_checkpointer(ctx: TrainContext, spec: JobSpec) -> Any:
 
 def resume(
     checkpointer: Any, strategy: Strategy, ctx: TrainContext, hooks: TrainHooks, seed: int
-) -> int | None:
-    """Load the latest good checkpoint into the strategy; its step, or None for a fresh
-    start. Every rank must call it (DCP loads collectively)."""
+) -> Resumed | None:
+    """Load the latest good checkpoint into the strategy; what was restored (on every rank;
+    rank 0 also reports it), or None for a fresh start. Every rank must call it (DCP
+    loads collectively)."""
     state = strategy.state_dict_for_checkpoint()
     outcome = checkpointer.load_latest(state)
     if outcome is not None and ctx.rank == 0:
@@ -191,19 +197,18 @@ def resume(
         set_rng_states(extra)  # same world size: continue this rank's exact RNG streams
     else:
         reseed(seed, step, ctx.rank)  # resharded: per-rank streams have no successor
+    restored = Resumed(
+        step=step,
+        path=str(outcome.info.path),
+        saved_world_size=outcome.info.world_size,
+        world_size=ctx.world_size,
+        saved_attempt=outcome.info.attempt,
+        metrics=saved_metrics(outcome.info.manifest.extra),
+    )
     if ctx.rank == 0:
         log.info("resumed from %s at step %d", outcome.info.path, step)
-        hooks.send(
-            Resumed(
-                step=step,
-                path=str(outcome.info.path),
-                saved_world_size=outcome.info.world_size,
-                world_size=ctx.world_size,
-                saved_attempt=outcome.info.attempt,
-                metrics=saved_metrics(outcome.info.manifest.extra),
-            )
-        )
-    return step
+        hooks.send(restored)
+    return restored
 
 
 def reduce_loss_and_control(
@@ -226,7 +231,7 @@ def save_checkpoint(
     done: int,
     *,
     reason: str,
-    metrics: Sequence[StepMetrics] = (),
+    metrics: Iterable[StepMetrics] = (),
 ) -> None:
     training = spec.training
     layout = strategy.layout
@@ -245,9 +250,7 @@ def save_checkpoint(
                 "seed": training.seed,
                 "global_batch_size": training.global_batch_size,
                 "micro_batch_size": training.micro_batch_size,
-                "metrics": [
-                    {"step": m.step, **m.values} for m in metrics[-MAX_METRICS_IN_CHECKPOINT:]
-                ],
+                "metrics": [{"step": m.step, **m.values} for m in metrics],
             },
         },
         rank_extra=get_rng_states(ctx.world_size),

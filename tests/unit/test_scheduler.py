@@ -417,3 +417,17 @@ def test_steps_whose_reports_died_with_their_attempt_come_back_from_the_checkpoi
             (6, 2),
         ]
         assert jobs.get_job(s, jid).step == 6
+
+
+def test_the_catalogue_keeps_manifests_without_their_metric_points(env) -> None:
+    factory, launcher, sched, _ = env
+    jid = submit(factory)
+    sched.run_pass()
+    d = launcher.driver(jid)
+    d.status, d.placement = DriverStatus.RUNNING, {0: "n1", 1: "n2", 2: "n3"}
+    manifest = {"step": 2, "extra": {"seed": 0, "metrics": [{"step": 1}, {"step": 2}]}}
+    d.commits = [{"step": 2, "path": "/c/2", "bytes": 1, "manifest": manifest}]
+    sched.run_pass()
+    with session_scope(factory) as s:
+        [row] = reports.list_checkpoints(s, jid)
+        assert row.manifest == {"step": 2, "extra": {"seed": 0}}

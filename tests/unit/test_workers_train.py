@@ -193,6 +193,10 @@ def test_resume_continues_the_same_sample_stream(runs: dict) -> None:
     # It hands back the steps saved with the checkpoint, for reports that never arrived.
     assert resume.saved_attempt == 2
     assert resume.metrics == tuple(stopped["metrics"])
+    # ...and goes on keeping them: its own checkpoint carries the steps of both attempts.
+    final = resumed["commits"][-1].manifest
+    assert final is not None
+    assert [p["step"] for p in final["extra"]["metrics"]] == list(range(1, STEPS + 1))
     log = (Path(resumed["commits"][-1].path).parent / "rank0.log").read_text()
     assert "resumed from" in log
 

@@ -267,6 +267,9 @@ class DriverReport:
     """The latest placement, also when it was acknowledged before."""
     resumed_from_step: int | None = None
     """The checkpoint step this attempt restored (None: a fresh start, or not yet)."""
+    stopping: bool = False
+    """The driver has been asked to stop (and passes it on to the workers at their next
+    step). False also when the driver did not answer: the scheduler then asks again."""
 
     @property
     def metrics(self) -> list[StepMetrics]:

@@ -14,7 +14,7 @@ row by row in tests/unit/test_decisions.py.
 | any active | cancel requested | end the attempt (its driver is stopped) -> CANCELLED |
 | any active | a node holding one of its ranks died | end the attempt (node lost, no restart counted) -> RECOVERING, relaunch at the size that fits now |
 | STARTING, RECOVERING | driver reports steps | -> RUNNING ("resumed from step s" or "training started") |
-| RESIZING | steps from the attempt asked to stop | nothing: it trains on to its checkpoint |
+| RESIZING | steps from the attempt asked to stop | nothing: it trains on to its checkpoint (the stop is sent again if its driver never got it) |
 | RESIZING | steps from the relaunched attempt | -> RUNNING at the new size |
 | any active | driver SUCCEEDED | end the attempt -> SUCCEEDED |
 | RESIZING | driver STOPPED after its checkpoint | end the attempt, relaunch at the new size |
@@ -348,7 +348,9 @@ def _on_running(
     job: JobView, attempt: AttemptView, facts: Facts, report: DriverReport
 ) -> list[Action]:
     if job.state == JobState.RESIZING and attempt.stop_requested:
-        return []  # the attempt we asked to stop trains on until its checkpoint
+        # The attempt we asked to stop trains on until its checkpoint. Ask again if the
+        # request never reached its driver (a control is sent once, after the commit).
+        return [] if report.stopping else [SendControl(control=Control.STOP)]
     if job.state != JobState.RUNNING:
         if report.resumed_from_step is not None:
             why = f"resumed from step {report.resumed_from_step} at world size {attempt.world_size}"

@@ -75,6 +75,7 @@ class JobDriver:
         self._error: WorkerError | None = None
         self._final_step: int | None = None
         self._control: list[Control] = []  # queued one-shot requests
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="fit", daemon=True)
         self._thread.start()
 
@@ -102,6 +103,10 @@ class JobDriver:
     # -- called by the scheduler ------------------------------------------------------------------
     def request(self, control: Control) -> None:
         with self._lock:
+            if control == Control.STOP:
+                if self._stopping:
+                    return  # asked again (level-triggered): once is enough
+                self._stopping = True
             if control not in self._control:
                 self._control.append(control)
 
@@ -117,6 +122,7 @@ class JobDriver:
                 error=self._error,
                 placement=self._placement,
                 resumed_from_step=self._resumed_from,
+                stopping=self._stopping,
             )
 
     def placement_group_id(self) -> str | None:

@@ -112,6 +112,7 @@ class FakeDriver:
             error=error,
             placement=Placement(nodes=dict(self.placement)) if self.placement else None,
             resumed_from_step=self.resumed_from_step,
+            stopping=self.stop_requested,
         )
 
 

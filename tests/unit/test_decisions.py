@@ -352,9 +352,15 @@ ROWS: list[Any] = [
     # -- resizing -------------------------------------------------------------------------
     pytest.param(
         job(S.RESIZING, attempt=running_attempt(stop_requested=True)),
-        facts(nodes("a", "b", "c"), report=report(messages=METRICS, seq=2)),
-        [PersistReport(report=report(messages=METRICS, seq=2))],
+        facts(nodes("a", "b", "c"), report=report(messages=METRICS, seq=2, stopping=True)),
+        [PersistReport(report=report(messages=METRICS, seq=2, stopping=True))],
         id="resizing+old-attempt-trains-on",
+    ),
+    pytest.param(
+        job(S.RESIZING, attempt=running_attempt(stop_requested=True)),
+        facts(nodes("a", "b", "c"), report=report()),
+        [SendControl(control=Control.STOP)],
+        id="resizing+stop-never-arrived-is-sent-again",
     ),
     pytest.param(
         job(S.RESIZING, attempt=running_attempt(stop_requested=True)),

@@ -431,3 +431,23 @@ def test_the_catalogue_keeps_manifests_without_their_metric_points(env) -> None:
     with session_scope(factory) as s:
         [row] = reports.list_checkpoints(s, jid)
         assert row.manifest == {"step": 2, "extra": {"seed": 0}}
+
+
+def test_a_stop_lost_on_its_way_to_the_driver_is_sent_again(env, monkeypatch) -> None:
+    factory, launcher, sched, clock = env
+    jid = submit(factory, scaling={"min_workers": 1, "max_workers": 3})
+    launcher.remove_node("n3")
+    sched.run_pass()
+    d = launcher.driver(jid)
+    d.status, d.placement = DriverStatus.RUNNING, {0: "n1", 1: "n2"}
+    sched.run_pass()
+    launcher.add_node("n4", 1)
+    sched.run_pass()
+    clock.t += 6
+    send = launcher.send_control
+    monkeypatch.setattr(launcher, "send_control", lambda key, control: None)  # lost
+    sched.run_pass()
+    assert job(factory, jid).state == JobState.RESIZING and not d.stop_requested
+    monkeypatch.setattr(launcher, "send_control", send)
+    sched.run_pass()  # the report says the driver is not stopping: asked again
+    assert d.stop_requested

@@ -142,6 +142,14 @@ node_b_lost = RecordEvent(
     details={"node_id": "b", "ranks": [1]},
 )
 below_min = "waiting below min: 1 workers fit, the job needs 2"
+# Node b died under rank 1: the attempt ends, the job relaunches at 2 on a and c.
+relaunched_after_b_lost: list[Action] = [
+    node_b_lost,
+    EndAttempt(outcome=AttemptOutcome.NODE_LOST, step=30),
+    Transition(to=S.RECOVERING, reason="node lost (b)", world_size=2),
+    StartAttempt(world_size=2),
+    MarkSpare(since=None),
+]
 
 ROWS: list[Any] = [
     # -- queued ---------------------------------------------------------------------------
@@ -202,13 +210,7 @@ ROWS: list[Any] = [
     pytest.param(
         job(S.STARTING),
         facts(nodes("a", "c"), alive=("a", "c"), report=report(DriverStatus.STARTING)),
-        [
-            node_b_lost,
-            EndAttempt(outcome=AttemptOutcome.NODE_LOST, step=30),
-            Transition(to=S.RECOVERING, reason="node lost (b)", world_size=2),
-            StartAttempt(world_size=2),
-            MarkSpare(since=None),
-        ],
+        relaunched_after_b_lost,
         id="starting+node-lost",
     ),
     # -- running --------------------------------------------------------------------------
@@ -235,13 +237,7 @@ ROWS: list[Any] = [
     pytest.param(
         job(S.RUNNING),
         facts(nodes("a", "c"), alive=("a", "c"), report=report()),
-        [
-            node_b_lost,
-            EndAttempt(outcome=AttemptOutcome.NODE_LOST, step=30),
-            Transition(to=S.RECOVERING, reason="node lost (b)", world_size=2),
-            StartAttempt(world_size=2),
-            MarkSpare(since=None),
-        ],
+        relaunched_after_b_lost,
         id="running+node-lost+relaunch-on-what-is-left",
     ),
     pytest.param(
@@ -387,13 +383,7 @@ ROWS: list[Any] = [
     pytest.param(
         job(S.RESIZING, attempt=running_attempt(stop_requested=True)),
         facts(nodes("a", "c"), alive=("a", "c"), report=report()),
-        [
-            node_b_lost,
-            EndAttempt(outcome=AttemptOutcome.NODE_LOST, step=30),
-            Transition(to=S.RECOVERING, reason="node lost (b)", world_size=2),
-            StartAttempt(world_size=2),
-            MarkSpare(since=None),
-        ],
+        relaunched_after_b_lost,
         id="resizing+node-lost",
     ),
     pytest.param(

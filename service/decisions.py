@@ -44,7 +44,13 @@ from contracts.messages import (
     WorkerError,
 )
 from contracts.spec import JobSpec
-from service.capacity import Allocation, ClusterCapacity, WorkerShape, target_world_size
+from service.capacity import (
+    Allocation,
+    ClusterCapacity,
+    WorkerShape,
+    free_capacity,
+    target_world_size,
+)
 from service.states import JobState
 
 # ---------------------------------------------------------------------------------------
@@ -535,8 +541,6 @@ def plan_admissions(
     too, so a large high-priority job is never starved by a stream of small ones. A job
     that could not fit even on the whole (empty) cluster does not block the line.
     """
-    from service.capacity import free_capacity  # local: keeps the import list short
-
     order = sorted(pending, key=lambda j: -j.spec.priority)  # stable: oldest first
     admissions: list[Admission] = []
     waiting: list[Waiting] = []

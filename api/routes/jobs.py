@@ -154,8 +154,11 @@ def get_job_route(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> 
     status_code=status.HTTP_202_ACCEPTED,
     summary="Cancel a job",
     responses={
-        200: {"description": "Cancelled (it was PENDING, or already CANCELLED)"},
-        202: {"description": "Cancel requested; the scheduler stops the running job"},
+        200: {
+            "description": "Cancelled at once: no driver held it (queued, or waiting between "
+            "attempts), or it was already CANCELLED"
+        },
+        202: {"description": "Cancel requested; the scheduler stops the job's driver"},
         **_NOT_FOUND,
         **_CONFLICT,
     },

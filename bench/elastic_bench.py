@@ -132,7 +132,7 @@ class _FileHooks:
         from contracts.messages import StepMetrics
 
         if isinstance(message, StepMetrics):
-            point = {"step": message.step, **message.values}
+            point = message.to_point()
             with (self.folder / "steps.jsonl").open("a") as f:
                 f.write(json.dumps({k: point[k] for k in ("step", "wall_time", "world_size")}))
                 f.write("\n")

@@ -180,6 +180,15 @@ class StepMetrics:
     step: int
     values: dict[str, Any]
 
+    @classmethod
+    def from_point(cls, point: dict[str, Any]) -> StepMetrics:
+        """From the flat form `{"step": ..., "loss": ..., ...}` (`to_point`)."""
+        return cls(step=int(point["step"]), values={k: v for k, v in point.items() if k != "step"})
+
+    def to_point(self) -> dict[str, Any]:
+        """The flat form, as saved in a checkpoint's manifest."""
+        return {"step": self.step, **self.values}
+
     @property
     def loss(self) -> float | None:
         loss = self.values.get("loss")

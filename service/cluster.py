@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -108,11 +108,4 @@ def current(session: Session, *, stale_after_s: float = STALE_AFTER_S) -> Cluste
         return ClusterView(connected=False)
     view = ClusterView.from_dict(row.view)
     age = (utcnow() - as_utc(row.updated_at)).total_seconds()
-    if age > stale_after_s:
-        view = ClusterView(
-            connected=False,
-            nodes=view.nodes,
-            dashboard_url=view.dashboard_url,
-            updated_at=view.updated_at,
-        )
-    return view
+    return replace(view, connected=False) if age > stale_after_s else view

@@ -87,9 +87,7 @@ class DeleteFiles:
 @dataclass(frozen=True, slots=True)
 class SetTimer:
     job_id: int
-    relaunch_not_before: float | None = None
-    spare_since: float | None = None
-    clear_spare: bool = False
+    timer: DelayRelaunch | MarkSpare
 
 
 Effect = Launch | Release | Signal | DeleteFiles | SetTimer
@@ -165,12 +163,8 @@ def apply_to_db(
             )
         elif isinstance(action, StopWaiting):
             jobs.stop_waiting(session, job, reason=action.reason)
-        elif isinstance(action, DelayRelaunch):
-            effects.append(SetTimer(job.id, relaunch_not_before=action.until))
-        elif isinstance(action, MarkSpare):
-            effects.append(
-                SetTimer(job.id, spare_since=action.since, clear_spare=action.since is None)
-            )
+        elif isinstance(action, DelayRelaunch | MarkSpare):
+            effects.append(SetTimer(job.id, action))
     return effects
 
 
@@ -238,13 +232,14 @@ class Executor:
                     details={"traceback": traceback.format_exc()[-2000:]},
                 )
 
-    def _set_timer(self, timer: SetTimer) -> None:
-        if timer.relaunch_not_before is not None:
-            self.timers.relaunch_not_before[timer.job_id] = timer.relaunch_not_before
-        if timer.spare_since is not None:
-            self.timers.spare_since[timer.job_id] = timer.spare_since
-        if timer.clear_spare:
-            self.timers.spare_since.pop(timer.job_id, None)
+    def _set_timer(self, effect: SetTimer) -> None:
+        timer = effect.timer
+        if isinstance(timer, DelayRelaunch):
+            self.timers.relaunch_not_before[effect.job_id] = timer.until
+        elif timer.since is None:
+            self.timers.spare_since.pop(effect.job_id, None)
+        else:
+            self.timers.spare_since[effect.job_id] = timer.since
 
 
 #: Actions that need the job's driver: only the scheduler carries those out.

@@ -105,7 +105,7 @@ def record_metrics(
     if not points:
         return 0
     check_attempt(job, attempt)
-    typed = [p if isinstance(p, StepMetrics) else _as_step_metrics(p) for p in points]
+    typed = [p if isinstance(p, StepMetrics) else StepMetrics.from_point(p) for p in points]
     steps = [p.step for p in typed]
     # A recomputed step (after a resume) replaces what an earlier attempt reported.
     session.execute(delete(Metric).where(Metric.job_id == job.id, Metric.step.in_(steps)))
@@ -114,8 +114,7 @@ def record_metrics(
         if point.step in seen:
             continue
         seen.add(point.step)
-        values = {k: v for k, v in point.values.items() if k != "step"}
-        session.add(Metric(job_id=job.id, step=point.step, attempt=attempt, values=values))
+        session.add(Metric(job_id=job.id, step=point.step, attempt=attempt, values=point.values))
     last = max(typed, key=lambda p: p.step)
     job.step = max(job.step, last.step)
     if last.loss is not None:
@@ -141,12 +140,6 @@ def backfill_metrics(
     if missing:
         job.step = max(job.step, max(p.step for p in missing))
     return len(missing)
-
-
-def _as_step_metrics(point: dict[str, Any]) -> StepMetrics:
-    return StepMetrics(
-        step=int(point["step"]), values={k: v for k, v in point.items() if k != "step"}
-    )
 
 
 def list_metrics(

@@ -250,7 +250,7 @@ def save_checkpoint(
                 "seed": training.seed,
                 "global_batch_size": training.global_batch_size,
                 "micro_batch_size": training.micro_batch_size,
-                "metrics": [{"step": m.step, **m.values} for m in metrics],
+                "metrics": [m.to_point() for m in metrics],
             },
         },
         rank_extra=get_rng_states(ctx.world_size),
@@ -261,10 +261,7 @@ def save_checkpoint(
 
 def saved_metrics(extra: dict[str, Any]) -> tuple[StepMetrics, ...]:
     """The metric points a checkpoint's manifest carries (see `save_checkpoint`)."""
-    return tuple(
-        StepMetrics(step=int(p["step"]), values={k: v for k, v in p.items() if k != "step"})
-        for p in extra.get("metrics") or ()
-    )
+    return tuple(StepMetrics.from_point(p) for p in extra.get("metrics") or ())
 
 
 def forward_commits(commits: list[CheckpointCommitted], hooks: TrainHooks) -> None:

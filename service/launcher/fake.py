@@ -83,8 +83,7 @@ class FakeDriver:
         if self.resumed_from_step is not None and not self._resume_sent:
             self.resume(self.resumed_from_step)
         for point in self.metrics:
-            values = {k: v for k, v in point.items() if k != "step"}
-            self._send(StepMetrics(step=int(point["step"]), values=values))
+            self._send(StepMetrics.from_point(point))
         for commit in self.commits:
             self._send(
                 CheckpointCommitted(

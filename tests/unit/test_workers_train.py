@@ -170,7 +170,7 @@ def test_stop_saves_and_returns(runs: dict) -> None:
     saved = extra.pop("metrics")
     assert extra == {"seed": 5, "global_batch_size": 32, "micro_batch_size": 8}
     # The steps since the previous checkpoint travel with it (see the resume test).
-    assert saved == [{"step": m.step, **m.values} for m in run["metrics"]]
+    assert saved == [m.to_point() for m in run["metrics"]]
 
 
 def test_resume_continues_the_same_sample_stream(runs: dict) -> None:

@@ -31,6 +31,7 @@ class EventKind(str, Enum):
     BELOW_MIN = "below_min"  # fewer than min_workers fit: the job waits
     CAPACITY = "capacity"  # enough capacity again after a wait
     LAUNCH_FAILED = "launch_failed"
+    TIMELINE = "timeline"  # where the seconds of a start, recovery or resize went
 
 
 class DriverStatus(str, Enum):
@@ -156,6 +157,8 @@ class MessageKind(str, Enum):
     EVENT = "event"
     FAILED = "failed"
     FINISHED = "finished"
+    MARK = "mark"
+    TIMELINE = "timeline"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -200,6 +203,13 @@ class StepMetrics:
         return None if ws is None else int(ws)
 
 
+class RestoreSource(str, Enum):
+    """Where a resumed attempt took the job's state from."""
+
+    CHECKPOINT = "checkpoint"
+    PEER = "peer"  # a surviving worker's memory: no step since the last checkpoint is lost
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointCommitted:
     """A checkpoint whose manifest is on disk (`checkpoints` commit protocol)."""
@@ -215,11 +225,13 @@ class CheckpointCommitted:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Resumed:
-    """The attempt restored a checkpoint before its first step."""
+    """The attempt restored the job's state before its first step: from a checkpoint, or
+    from the memory of a worker that survived the previous attempt (`source`)."""
 
     kind: ClassVar[MessageKind] = MessageKind.RESUMED
     step: int
     path: str
+    """The checkpoint's folder; empty when the state came from a peer."""
     saved_world_size: int
     world_size: int
     saved_attempt: int = 0
@@ -227,6 +239,16 @@ class Resumed:
     metrics: tuple[StepMetrics, ...] = ()
     """The steps before the checkpoint, as saved with it: the scheduler fills in those it
     never received (reports still in flight when their attempt was stopped)."""
+    source: RestoreSource = field(default_factory=lambda: RestoreSource.CHECKPOINT)
+
+    def describe(self) -> str:
+        origin = (
+            "peer memory" if self.source == RestoreSource.PEER else f"checkpoint step {self.step}"
+        )
+        return (
+            f"resumed from step {self.step} ({origin}; saved at world size "
+            f"{self.saved_world_size}, now {self.world_size})"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -254,8 +276,77 @@ class Finished:
     stopped_early: bool
 
 
+class Phase(str, Enum):
+    """The phases of a start, recovery or resize, in the order they happen."""
+
+    DETECTED = "detected"  # the control plane decided: submitted, node lost, failed, resize
+    OLD_GROUP_STOPPED = "old_group_stopped"  # the previous attempt's processes let go
+    PLACED = "placed"  # resources reserved, a process chosen for every rank
+    PROCESSES_UP = "processes_up"  # every rank's process answers (warm: at once)
+    GROUP_FORMED = "group_formed"  # torch.distributed process group initialised
+    STATE_RESTORED = "state_restored"  # from peer memory, a checkpoint, or a fresh start
+    FIRST_STEP = "first_step"  # the first optimizer step of the attempt is done
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TimelineMark:
+    """One phase reached, at wall-clock `at` (rank 0 or the driver sends it)."""
+
+    kind: ClassVar[MessageKind] = MessageKind.MARK
+    phase: Phase
+    at: float
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Timeline:
+    """Where the seconds of one attempt's start went, sent once, at its first step."""
+
+    kind: ClassVar[MessageKind] = MessageKind.TIMELINE
+    cause: str
+    """Why the attempt started: "submitted", "node lost", "failed", "resize"."""
+    marks: tuple[TimelineMark, ...]
+
+    @property
+    def total_s(self) -> float:
+        return self.marks[-1].at - self.marks[0].at if self.marks else 0.0
+
+    def phases(self) -> list[dict[str, Any]]:
+        """Each phase with its seconds since the previous one and since detection."""
+        if not self.marks:
+            return []
+        start = self.marks[0].at
+        out, prev = [], start
+        for mark in self.marks:
+            out.append(
+                {
+                    "phase": mark.phase.value,
+                    "at": mark.at,
+                    "seconds": round(mark.at - prev, 3),
+                    "since_start_s": round(mark.at - start, 3),
+                    "detail": mark.detail,
+                }
+            )
+            prev = mark.at
+        return out
+
+    def describe(self) -> str:
+        steps = ", ".join(
+            f"{p['phase'].replace('_', ' ')} +{p['seconds']:.2f}s" for p in self.phases()[1:]
+        )
+        return f"{self.cause} -> first step in {self.total_s:.2f}s ({steps})"
+
+
 WorkerMessage = (
-    Placement | StepMetrics | CheckpointCommitted | Resumed | WorkerEvent | WorkerFailed | Finished
+    Placement
+    | StepMetrics
+    | CheckpointCommitted
+    | Resumed
+    | WorkerEvent
+    | WorkerFailed
+    | Finished
+    | TimelineMark
+    | Timeline
 )
 
 

@@ -314,19 +314,19 @@ def _decide_pending(job: JobView, facts: Facts) -> list[Action]:
 def _on_node_loss(
     job: JobView, facts: Facts, report: DriverReport, lost: dict[str, list[int]]
 ) -> list[Action]:
-    # Don't wait for Ray Train to notice the dead peers: stop the survivors now and
-    # relaunch from the latest checkpoint at the size the cluster still holds.
+    # Don't wait for the survivors to notice the dead peers: release the attempt now and
+    # relaunch at the size the cluster still holds (from the survivors' memory or the
+    # latest checkpoint).
+    step = progress(job, report)
     actions: list[Action] = [
         RecordEvent(
             kind=EventKind.NODE_LOST,
-            reason=f"node {node[:12]} lost (ranks {ranks})",
-            details={"node_id": node, "ranks": ranks},
+            reason=f"node {node[:12]} lost (ranks {ranks}) after step {step}",
+            details={"node_id": node, "ranks": ranks, "step": step},
         )
         for node, ranks in lost.items()
     ]
-    actions.append(
-        EndAttempt(outcome=AttemptOutcome.NODE_LOST, error=report.error, step=progress(job, report))
-    )
+    actions.append(EndAttempt(outcome=AttemptOutcome.NODE_LOST, error=report.error, step=step))
     nodes = ", ".join(n[:12] for n in lost)
     return actions + _enter_recovery(job, facts, reason=f"node lost ({nodes})")
 

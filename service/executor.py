@@ -29,6 +29,7 @@ from service.db import session_scope
 from service.decisions import (
     Action,
     ApplyRetention,
+    AttemptOutcome,
     DelayRelaunch,
     EndAttempt,
     Facts,
@@ -46,6 +47,7 @@ from service.decisions import (
 )
 from service.launcher.base import AttemptKey, Launcher, LaunchRequest, driver_name
 from service.models import Job
+from service.states import JobState
 
 log = logging.getLogger("elastrain.executor")
 
@@ -70,6 +72,8 @@ class Launch:
 @dataclass(frozen=True, slots=True)
 class Release:
     key: AttemptKey
+    final: bool = False
+    """The job has ended: its processes need not keep its state."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,7 @@ def apply_to_db(
                 effects.append(DeleteFiles(root=root, paths=tuple(doomed)))
         elif isinstance(action, StartAttempt):
             name = driver_name(job.id, job.attempt + 1)
+            cause, detected_at = _start_cause(session, job)
             attempt = jobs.start_attempt(
                 session, job, world_size=action.world_size, driver_name=name
             )
@@ -135,6 +140,8 @@ def apply_to_db(
                         spec=JobSpec.model_validate(job.spec),
                         storage_path=str(storage_path),
                         driver_name=name,
+                        cause=cause,
+                        detected_at=detected_at,
                     )
                 )
             )
@@ -165,7 +172,32 @@ def apply_to_db(
             jobs.stop_waiting(session, job, reason=action.reason)
         elif isinstance(action, DelayRelaunch | MarkSpare):
             effects.append(SetTimer(job.id, action))
+    if JobState(job.state).is_terminal:
+        effects = [Release(e.key, final=True) if isinstance(e, Release) else e for e in effects]
     return effects
+
+
+#: What the previous attempt's outcome says about why the next one starts.
+_CAUSES = {
+    AttemptOutcome.NODE_LOST.value: "node lost",
+    AttemptOutcome.STOPPED.value: "resize",
+    AttemptOutcome.FAILED.value: "failed",
+}
+
+
+def _start_cause(session: Session, job: Job) -> tuple[str, float]:
+    """Why the job's next attempt starts, and since when (its timeline's first mark): the
+    end of the previous attempt, or the submission."""
+    previous = jobs.current_attempt(session, job)
+    if previous is None or previous.ended_at is None:
+        return "submitted", _timestamp(job.created_at)
+    return _CAUSES.get(previous.outcome or "", "restart"), _timestamp(previous.ended_at)
+
+
+def _timestamp(moment: datetime) -> float:
+    # SQLite hands back naive datetimes; every stored time is UTC.
+    aware = moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+    return aware.timestamp()
 
 
 class Executor:
@@ -207,7 +239,7 @@ class Executor:
             if isinstance(effect, Launch):
                 self._launch(effect.request)
             elif isinstance(effect, Release):
-                self.launcher.release(effect.key)
+                self.launcher.release(effect.key, final=effect.final)
             elif isinstance(effect, Signal):
                 self.launcher.send_control(effect.key, effect.control)
             elif isinstance(effect, DeleteFiles):

@@ -20,6 +20,7 @@ from contracts.messages import (
     EventKind,
     Resumed,
     StepMetrics,
+    Timeline,
     WorkerEvent,
     WorkerFailed,
 )
@@ -70,12 +71,25 @@ def persist_report(session: Session, job: Job, report: DriverReport) -> None:
                 session,
                 job,
                 kind=EventKind.RESUMED,
-                reason=f"resumed from step {message.step} (saved at world size "
-                f"{message.saved_world_size}, now {message.world_size})",
+                reason=message.describe(),
                 details={
                     "step": message.step,
+                    "source": message.source.value,
                     "path": message.path,
                     "saved_world_size": message.saved_world_size,
+                },
+            )
+        elif isinstance(message, Timeline):
+            record_event(
+                session,
+                job,
+                kind=EventKind.TIMELINE,
+                reason=message.describe(),
+                details={
+                    "attempt": attempt.number,
+                    "cause": message.cause,
+                    "total_s": round(message.total_s, 3),
+                    "phases": message.phases(),
                 },
             )
         elif isinstance(message, WorkerEvent):

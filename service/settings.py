@@ -41,6 +41,17 @@ class Settings(BaseSettings):
     ray_num_cpus: int | None = Field(
         default=None, description="CPUs of the local Ray (unset: all)."
     )
+    warm_workers_per_node: int = Field(
+        default=2,
+        ge=0,
+        description="Idle worker processes (torch imported) kept on every node ahead of need.",
+    )
+    collective_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long a rank waits in a collective (or for its peers to rendezvous) "
+        "before it gives up; a dead peer is noticed at once, a partitioned one after this.",
+    )
 
     api_token: str | None = Field(
         default=None,

@@ -7,6 +7,7 @@ through `TrainHooks`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +97,13 @@ class TrainContext:
     step: int = 0
     """Optimizer steps completed so far (0 before training); the loop updates it each
     step, so the launcher glue can say at which step a failure happened."""
+    abort: threading.Event | None = None
+    """Set by the launcher glue when the attempt is released under the loop: every rank
+    checks it between steps and raises `AttemptAborted` (no collective needed)."""
+
+
+class AttemptAborted(Exception):
+    """The attempt was released while this rank was still training."""
 
 
 class TrainHooks(Protocol):

@@ -25,12 +25,23 @@ import torch.distributed as dist
 from contracts.messages import (
     CheckpointCommitted,
     EventKind,
+    Phase,
+    RestoreSource,
     Resumed,
     StepMetrics,
+    TimelineMark,
     WorkerEvent,
 )
 from contracts.spec import JobSpec
-from workers.api import Control, SampleDataset, TrainContext, TrainHooks, TrainResult
+from workers.api import (
+    AttemptAborted,
+    Control,
+    SampleDataset,
+    TrainContext,
+    TrainHooks,
+    TrainResult,
+)
+from workers.memory import NOTHING, ReplicaMemory, share_from_peer
 from workers.sampler import ElasticSampler, batch_crc
 from workers.strategies import Strategy, make_strategy
 from workers.workloads import load_workload
@@ -49,15 +60,25 @@ _CONTROL_CODES = {Control.NONE: 0, Control.CHECKPOINT: 1, Control.STOP: 2}
 _CONTROL_BY_CODE = {code: control for control, code in _CONTROL_CODES.items()}
 
 
-def train(ctx: TrainContext, spec: JobSpec, hooks: TrainHooks) -> TrainResult:
-    """Train the job described by `spec`."""
+def train(
+    ctx: TrainContext, spec: JobSpec, hooks: TrainHooks, memory: ReplicaMemory | None = None
+) -> TrainResult:
+    """Train the job described by `spec`.
+
+    `memory` is what this process kept of the job from an earlier attempt (a process that
+    outlives attempts passes the same one each time): the state is taken from there when
+    a rank of the group holds a replica newer than the last checkpoint. The loop keeps it
+    up to date with every optimizer step, also when it ends by an exception.
+    """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("train() needs an initialised torch.distributed process group")
     with _log_to_file(ctx.log_path, ctx.rank):
-        return _train(ctx, spec, hooks)
+        return _train(ctx, spec, hooks, memory if memory is not None else ReplicaMemory())
 
 
-def _train(ctx: TrainContext, spec: JobSpec, hooks: TrainHooks) -> TrainResult:
+def _train(
+    ctx: TrainContext, spec: JobSpec, hooks: TrainHooks, memory: ReplicaMemory
+) -> TrainResult:
     training = spec.training
     seed = training.seed
     global_batch = training.global_batch_size
@@ -82,8 +103,9 @@ def _train(ctx: TrainContext, spec: JobSpec, hooks: TrainHooks) -> TrainResult:
             sampler.num_microbatches(layout.dp, micro_batch), max_steps,
         )  # fmt: skip
 
-    # Resume from the latest good checkpoint, whatever world size or split wrote it.
-    restored = resume(checkpointer, strategy, ctx, hooks, seed)
+    # Resume from a survivor's memory, else the latest good checkpoint (whatever world
+    # size or split wrote it), else start fresh.
+    restored = restore(checkpointer, strategy, ctx, hooks, seed, memory)
     resumed_from = restored.step if restored is not None else None
     start_step = resumed_from or 0
     ctx.step = start_step
@@ -96,14 +118,27 @@ def _train(ctx: TrainContext, spec: JobSpec, hooks: TrainHooks) -> TrainResult:
     recent: deque[StepMetrics] = deque(
         restored.metrics if restored is not None else (), maxlen=METRICS_KEPT_WITH_CHECKPOINT
     )
+    # From here on this process's memory is the new state (the old one was handed on).
+    memory.hold(
+        job_id=ctx.job_id, strategy=strategy, step=start_step, world_size=ctx.world_size,
+        attempt=ctx.attempt, recent=recent,
+    )  # fmt: skip
+    if is_rank0:
+        hooks.send(TimelineMark(phase=Phase.STATE_RESTORED, at=time.time(),
+                                detail=describe_restore(restored)))  # fmt: skip
     control = Control.NONE
     for step in range(start_step, max_steps):
+        if ctx.abort is not None and ctx.abort.is_set():
+            raise AttemptAborted(f"attempt {ctx.attempt} released at step {step}")
         t0 = time.perf_counter()
         ids = sampler.microbatches(step, layout.dp_rank, layout.dp, micro_batch)
-        out = strategy.train_step([collate(mb) for mb in ids], loss_scale)
+        out = strategy.forward_backward([collate(mb) for mb in ids], loss_scale)
         polled = hooks.poll_control() if is_rank0 else Control.NONE
+        # Every rank agrees on the step before any updates its weights: a peer lost in
+        # here leaves all survivors at the same step boundary, their memory consistent.
         loss_sum, control = reduce_loss_and_control(out.loss_sum, polled, ctx.device)
-        done = ctx.step = step + 1
+        strategy.optimizer_step()
+        done = ctx.step = memory.step = step + 1
         step_time = time.perf_counter() - t0
         loss = loss_sum / global_batch
 
@@ -114,6 +149,8 @@ def _train(ctx: TrainContext, spec: JobSpec, hooks: TrainHooks) -> TrainResult:
             )  # fmt: skip
             hooks.send(point)
             recent.append(point)
+            if done == start_step + 1:
+                hooks.send(TimelineMark(phase=Phase.FIRST_STEP, at=point.values["wall_time"]))
             if done % LOG_EVERY_STEPS == 0 or done == start_step + 1:
                 log.info("step %d loss %.4f (%.3fs)", done, loss, step_time)
 
@@ -169,6 +206,58 @@ def make_checkpointer(ctx: TrainContext, spec: JobSpec) -> Any:
         world_size=ctx.world_size,
         async_save=spec.checkpoint.async_save,
     )
+
+
+def restore(
+    checkpointer: Any,
+    strategy: Strategy,
+    ctx: TrainContext,
+    hooks: TrainHooks,
+    seed: int,
+    memory: ReplicaMemory,
+) -> Resumed | None:
+    """Every rank calls it. From a peer's memory when some rank holds a full replica of the
+    job at least as new as the newest checkpoint (no step lost), else `resume`."""
+    newest = newest_checkpoint_step(ctx.checkpoint_root) if ctx.rank == 0 else None
+    offers: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(offers, (memory.step_for(ctx.job_id), newest))
+    held = [step for step, _ in offers]
+    newest = offers[0][1]
+    best = max(held)
+    if best == NOTHING or best == 0 or (newest is not None and newest > best):
+        memory.forget()  # superseded (or nothing): do not keep two models alive
+        return resume(checkpointer, strategy, ctx, hooks, seed)
+    donor = held.index(best)
+    meta = share_from_peer(memory, strategy, donor)
+    reseed(seed, best, ctx.rank)  # a new group: per-rank streams restart from (seed, step)
+    restored = Resumed(
+        step=best,
+        path="",
+        saved_world_size=int(meta["world_size"]),
+        world_size=ctx.world_size,
+        saved_attempt=int(meta["attempt"]),
+        metrics=tuple(StepMetrics.from_point(p) for p in meta["metrics"]),
+        source=RestoreSource.PEER,
+    )
+    if ctx.rank == 0:
+        log.info("resumed at step %d from the memory of rank %d", best, donor)
+        hooks.send(restored)
+    return restored
+
+
+def newest_checkpoint_step(root: Path) -> int | None:
+    from checkpoints import list_committed
+
+    committed = list_committed(root) if root.exists() else []
+    return committed[0].step if committed else None
+
+
+def describe_restore(restored: Resumed | None) -> str:
+    if restored is None:
+        return "fresh start"
+    if restored.source == RestoreSource.PEER:
+        return f"peer memory at step {restored.step}"
+    return f"checkpoint step {restored.step}"
 
 
 def resume(

@@ -28,6 +28,10 @@ class LaunchRequest:
     spec: JobSpec
     storage_path: str
     driver_name: str
+    cause: str = "submitted"
+    """Why this attempt starts: "submitted", "node lost", "failed", "resize"."""
+    detected_at: float = 0.0
+    """When the control plane decided it (wall clock; 0: now): where its timeline starts."""
 
     @property
     def key(self) -> AttemptKey:
@@ -49,9 +53,10 @@ class Launcher(Protocol):
     def send_control(self, key: AttemptKey, control: Control) -> None:
         """Ask the attempt to checkpoint now, or to checkpoint and stop (fire and forget)."""
 
-    def release(self, key: AttemptKey) -> None:
+    def release(self, key: AttemptKey, *, final: bool = False) -> None:
         """Stop the attempt's worker group now, free its resources and forget its driver
-        (cancel, node loss, failure, or after it finished)."""
+        (cancel, node loss, failure, or after it finished). Its processes may keep the
+        job's state for the next attempt, unless `final` (the job has ended)."""
 
 
 def driver_name(job_id: int, attempt: int) -> str:

@@ -1,107 +1,136 @@
-"""The per-attempt driver: a detached, named Ray actor that runs `TorchTrainer.fit()`.
+"""One attempt's driver: forms its worker group from pooled processes, runs it, reports.
 
-It lives in its own Ray worker process (never in the control plane), so `fit()` and the
-torch it imports stay out of the API process. Rank 0 of the worker group pushes typed
-messages (`contracts.messages`: metrics, checkpoint commits, events) to it with
-fire-and-forget actor calls (no `ray.train.report`, whose ~2 s throttle would slow
-training); the driver numbers them, and the scheduler drains them on every pass and
-acknowledges what it stored. The train function is named by import path and resolved inside the actor process,
-so `service` never imports `workers`.
+Drivers live inside the runtime actor (`service.launcher.runtime`), one per running
+attempt, each on its own thread; creating one costs no process. Rank 0 of the worker group
+pushes typed messages (`contracts.messages`: metrics, checkpoint commits, events, timeline
+marks) to it with fire-and-forget actor calls; the driver numbers them, and the scheduler
+drains them on every pass and acknowledges what it stored.
+
+The group: a placement group reserves the attempt's resources on the nodes of the
+processes chosen for it (`WorkerPool`), preferring processes that hold the job's state;
+rank 0 hosts the store the others rendezvous at; every rank `run`s its `Assignment` and
+answers with a `RunOutcome` when its part ends. When a peer dies the survivors fail their
+next collective at once and come back holding the state of the last step they all
+agreed on.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 import threading
+import time
+from collections.abc import Sequence
+from typing import Any
 
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from contracts.group import Assignment, RunOutcome
 from contracts.messages import (
     Control,
     DriverReport,
     DriverStatus,
-    Finished,
+    Phase,
     Placement,
     Resumed,
     StepMetrics,
+    Timeline,
+    TimelineMark,
     WorkerError,
     WorkerFailed,
     WorkerMessage,
 )
-from contracts.spec import JobSpec
-from contracts.storage import JobStorage
+from service.launcher.base import LaunchRequest
+from service.launcher.pool import PooledWorker, WorkerPool, choose_worker
 
-#: Ray Train settings for this attempt's controller.
-DRIVER_ENV = {
-    # The scheduler only launches a worker group that fits, so waiting for its workers
-    # may take as long as process start-up takes (minutes on a loaded machine); Ray's
-    # default of 60 s would abort and retry a start that is merely slow.
-    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600",
-}
+log = logging.getLogger("elastrain.driver")
 
 #: A report carries at most this many messages; the rest come with the next poll.
 MAX_MESSAGES_PER_REPORT = 5000
+#: How long a new attempt waits for the job's previous processes to let go (they hold its
+#: state); after that it takes other processes and a checkpoint.
+OLD_GROUP_GRACE_S = 5.0
+#: After the first rank's part ended badly, how long to wait for the others' outcomes
+#: (survivors fail their next collective within milliseconds; a dead process is known to
+#: Ray within a second or two).
+OUTCOME_GRACE_S = 15.0
+#: How long to try a placement on the preferred nodes before placing anywhere.
+PREFERRED_PLACEMENT_S = 1.0
+#: How long to wait for Ray to reserve the attempt's resources at all.
+PLACEMENT_TIMEOUT_S = 120.0
+#: How long a process may take to start when no warm one is left on a node.
+START_TIMEOUT_S = 300.0
 
-#: What runs on every worker of the group, resolved inside the driver process.
-TRAIN_FN = "workers.ray_entry:train_loop_per_worker"
 
-
-class JobDriver:
-    """Wrapped with `ray.remote` by the launcher (kept a plain class for readability)."""
-
+class AttemptDriver:
     def __init__(
         self,
+        request: LaunchRequest,
         *,
-        job_id: int,
-        attempt: int,
-        world_size: int,
-        spec: JobSpec,
-        storage_path: str,
-        driver_name: str,
+        pool: WorkerPool,
+        runtime_name: str,
         namespace: str,
+        collective_timeout_s: float,
     ) -> None:
-        self.job_id = job_id
-        self.attempt = attempt
-        self.world_size = world_size
-        self.spec = spec
-        self.storage_path = storage_path
-        self.driver_name = driver_name
+        self.request = request
+        self.key = (request.job_id, request.attempt)
+        self.pool = pool
+        self.runtime_name = runtime_name
         self.namespace = namespace
+        self.collective_timeout_s = collective_timeout_s
         self._lock = threading.Lock()
         self._status = DriverStatus.STARTING
         self._outbox: list[tuple[int, WorkerMessage]] = []  # (seq, message), not yet acked
         self._seq = 0
         self._placement: Placement | None = None
         self._resumed_from: int | None = None
-        self._worker_error: WorkerError | None = None
         self._error: WorkerError | None = None
-        self._final_step: int | None = None
         self._control: list[Control] = []  # queued one-shot requests
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="fit", daemon=True)
+        self._released = threading.Event()
+        self._marks: dict[Phase, TimelineMark] = {}
+        self.workers: list[PooledWorker] = []
+        self.pg: Any = None
+        detected = request.detected_at or time.time()
+        self._mark(Phase.DETECTED, at=detected, detail=request.cause)
+        self._thread = threading.Thread(target=self._run, name=f"attempt-{self.key}", daemon=True)
         self._thread.start()
 
-    # -- called by rank 0 of the worker group (and any rank's failure) -----------------------
+    # -- called by rank 0 of the worker group -------------------------------------------------
     def push(self, message: WorkerMessage) -> None:
         with self._lock:
-            self._seq += 1
-            self._outbox.append((self._seq, message))
+            if isinstance(message, TimelineMark):
+                self._marks.setdefault(message.phase, message)
+                if message.phase == Phase.FIRST_STEP:
+                    self._append(self._timeline())
+                return
+            self._append(message)
             if isinstance(message, StepMetrics) and self._status == DriverStatus.STARTING:
                 self._status = DriverStatus.RUNNING
             elif isinstance(message, Placement):
                 self._placement = message
             elif isinstance(message, Resumed):
                 self._resumed_from = message.step
-            elif isinstance(message, WorkerFailed) and self._worker_error is None:
-                # The first worker error is the cause; later ones are usually its echoes.
-                self._worker_error = message.error
-            elif isinstance(message, Finished):
-                self._final_step = message.final_step
+
+    def _append(self, message: WorkerMessage) -> None:
+        self._seq += 1
+        self._outbox.append((self._seq, message))
+
+    def _mark(self, phase: Phase, *, at: float | None = None, detail: str = "") -> None:
+        self.push(TimelineMark(phase=phase, at=time.time() if at is None else at, detail=detail))
+
+    def _timeline(self) -> Timeline:
+        order = list(Phase)
+        marks = sorted(self._marks.values(), key=lambda m: order.index(m.phase))
+        return Timeline(cause=self.request.cause, marks=tuple(marks))
 
     def get_control(self) -> Control:
         with self._lock:
             return self._control.pop(0) if self._control else Control.NONE
 
-    # -- called by the scheduler ------------------------------------------------------------------
-    def request(self, control: Control) -> None:
+    # -- called by the scheduler (through the runtime) ----------------------------------------
+    def request_control(self, control: Control) -> None:
         with self._lock:
             if control == Control.STOP:
                 if self._stopping:
@@ -125,91 +154,240 @@ class JobDriver:
                 stopping=self._stopping,
             )
 
-    def placement_group_id(self) -> str | None:
-        with self._lock:
-            return self._placement.placement_group if self._placement else None
+    def release(self) -> None:
+        """The attempt is over for the scheduler: let go of the processes (they keep the
+        job's state) and of the reserved resources."""
+        self._released.set()
+        for w in self.workers:
+            if w.busy:
+                w.handle.abort.remote()
+        self._remove_placement_group()
 
-    # -- the fit thread -------------------------------------------------------------------------
+    # -- the group -----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            stopped_early = self._fit()
-            with self._lock:
-                self._status = DriverStatus.STOPPED if stopped_early else DriverStatus.SUCCEEDED
-        except BaseException as exc:
-            with self._lock:
-                self._error = self._worker_error or WorkerError.from_exception(exc)
-                self._status = DriverStatus.FAILED
-
-    def _fit(self) -> bool:
-        # Set here rather than as the actor's runtime_env, so that the driver can start in
-        # an already-running pooled Ray worker process (a runtime_env forces a fresh one);
-        # TorchTrainer hands RAY_TRAIN_* variables of this process on to its controller.
-        os.environ.update(DRIVER_ENV)
-        from ray.train import FailureConfig, RunConfig, ScalingConfig
-
-        TorchTrainer = _trainer_class()
-
-        scaling = self.spec.scaling
-        resources = {"CPU": float(scaling.cpus_per_worker)}
-        if scaling.use_gpu:
-            resources["GPU"] = float(scaling.gpus_per_worker)
-        run_dir = JobStorage.of(self.storage_path, self.job_id).ray_runs
-        trainer = TorchTrainer(
-            train_loop_per_worker=_resolve(TRAIN_FN),
-            train_loop_config={
-                "job_id": self.job_id,
-                "attempt": self.attempt,
-                "spec": self.spec,
-                "storage_path": self.storage_path,
-                "driver_name": self.driver_name,
-                "namespace": self.namespace,
-            },
-            scaling_config=ScalingConfig(
-                num_workers=self.world_size,
-                use_gpu=scaling.use_gpu,
-                resources_per_worker=resources,
-            ),
-            # Restarts are the scheduler's: it picks the world size from the cluster it
-            # sees, which is much faster than Ray Train's retry at the old size.
-            run_config=RunConfig(
-                name=f"attempt-{self.attempt:03d}",
-                storage_path=str(run_dir),
-                failure_config=FailureConfig(max_failures=0),
-            ),
-        )
-        result = trainer.fit()
-        if getattr(result, "error", None) is not None:
-            raise result.error
+            outcomes = self._run_group()
+            status, error = self._verdict(outcomes)
+        except Exception as exc:
+            log.exception("attempt %s", self.key)
+            status, error = DriverStatus.FAILED, WorkerError.from_exception(exc)
         with self._lock:
-            final = self._final_step
-        max_steps = self.spec.training.max_steps
-        return final is not None and final < max_steps
+            if error is not None:
+                self._append(WorkerFailed(error=error))
+            self._error = error
+            self._status = status
+
+    def _run_group(self) -> list[RunOutcome | WorkerError]:
+        request = self.request
+        spec = request.spec
+        stopped_at = self._wait_for_old_group()
+        self._mark(Phase.OLD_GROUP_STOPPED, at=max(stopped_at, self._marks[Phase.DETECTED].at))
+        self.workers = self._place(request.world_size)
+        if self._released.is_set():
+            raise RuntimeError("released before it started")
+        self._mark(Phase.PLACED, detail=self._describe_workers())
+        self.pool.wait_ready(self.workers, timeout=START_TIMEOUT_S)
+        self._mark(Phase.PROCESSES_UP)
+        rank0 = self.workers[0]
+        port = ray.get(rank0.handle.free_port.remote(), timeout=30)
+        assert rank0.info is not None
+        refs = [
+            w.handle.run.remote(
+                Assignment(
+                    job_id=request.job_id,
+                    attempt=request.attempt,
+                    rank=rank,
+                    world_size=request.world_size,
+                    master_addr=rank0.info.address,
+                    master_port=port,
+                    spec=spec,
+                    storage_path=request.storage_path,
+                    runtime_name=self.runtime_name,
+                    namespace=self.namespace,
+                    collective_timeout_s=self.collective_timeout_s,
+                )
+            )
+            for rank, w in enumerate(self.workers)
+        ]
+        self.push(
+            Placement(
+                nodes={r: w.node_id for r, w in enumerate(self.workers)},
+                pids={r: w.info.pid for r, w in enumerate(self.workers) if w.info is not None},
+                placement_group=self.pg.id.hex() if self.pg is not None else None,
+            )
+        )
+        return self._collect(refs)
+
+    def _wait_for_old_group(self) -> float:
+        """Wait (a little) for this job's processes still running an older attempt: they
+        hold its newest state. Returns when the last of them let go."""
+        deadline = time.monotonic() + OLD_GROUP_GRACE_S
+        while time.monotonic() < deadline:
+            busy = [w for w in self.pool.job_workers(self.request.job_id) if w.busy]
+            if not busy:
+                break
+            time.sleep(0.02)
+        returned = [w.returned_at for w in self.pool.job_workers(self.request.job_id)]
+        return max(returned, default=0.0)
+
+    def _place(self, n: int) -> list[PooledWorker]:
+        """Reserve `n` bundles and pick a process on each bundle's node, holders of the
+        job's newest state first (rank 0 is the first of them)."""
+        job_id = self.request.job_id
+        holders = sorted(
+            (w for w in self.pool.job_workers(job_id) if w.idle and w.held is not None),
+            key=lambda w: -w.held.step,  # type: ignore[union-attr]
+        )
+        preferred = [w.node_id for w in holders][:n]
+        self.pg = self._reserve(n, preferred)
+        table = ray.util.placement_group_table(self.pg)
+        nodes = [table["bundles_to_node_id"][i] for i in range(n)]
+        chosen: list[PooledWorker] = []
+        with self.pool.lock:
+            for index, node in enumerate(nodes):
+                if self.request.spec.scaling.use_gpu:
+                    # Ray gives a process its GPUs only when it asks for them: a GPU rank is
+                    # a new process inside its bundle, gone with the placement group.
+                    worker = self.pool.start(
+                        node,
+                        num_gpus=float(self.request.spec.scaling.gpus_per_worker),
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, index),
+                    )
+                else:
+                    candidates = [
+                        w
+                        for w in self.pool.workers.values()
+                        if w.node_id == node and w not in chosen
+                    ]
+                    worker = choose_worker(candidates, job_id) or self.pool.start(node)
+                self.pool.take(worker, job_id)
+                chosen.append(worker)
+
+        def order(w: PooledWorker) -> tuple[int, int]:
+            held = w.held
+            return (0, -held.step) if held is not None and held.job_id == job_id else (1, 0)
+
+        return sorted(chosen, key=order)
+
+    def _reserve(self, n: int, preferred: Sequence[str]) -> Any:
+        scaling = self.request.spec.scaling
+        bundle: dict[str, float] = {"CPU": float(scaling.cpus_per_worker)}
+        if scaling.use_gpu:
+            bundle["GPU"] = float(scaling.gpus_per_worker)
+        name = f"elastrain-job{self.request.job_id}-a{self.request.attempt}"
+        if preferred:
+            selectors = [{"ray.io/node-id": node} for node in preferred]
+            selectors += [{}] * (n - len(selectors))
+            pg = placement_group([bundle] * n, strategy="PACK", name=name,
+                                 bundle_label_selector=selectors)  # fmt: skip
+            if self._ready(pg, PREFERRED_PLACEMENT_S):
+                return pg
+            remove_placement_group(pg)
+        pg = placement_group([bundle] * n, strategy="PACK", name=name)
+        if not self._ready(pg, PLACEMENT_TIMEOUT_S):
+            remove_placement_group(pg)
+            raise RuntimeError(f"Ray could not reserve {n} x {bundle} in {PLACEMENT_TIMEOUT_S}s")
+        return pg
+
+    def _ready(self, pg: Any, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._released.is_set():
+            ready, _ = ray.wait([pg.ready()], timeout=0.1)
+            if ready:
+                return True
+        return False
+
+    def _collect(self, refs: list[Any]) -> list[RunOutcome | WorkerError]:
+        """Every rank's outcome; once one ended badly, the others get a grace period."""
+        by_ref = dict(zip(refs, range(len(refs)), strict=True))
+        outcomes: dict[int, RunOutcome | WorkerError] = {}
+        pending = list(refs)
+        deadline: float | None = None
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                break  # grace over: the rest are stuck or their death is not known yet
+            ref = ready[0]
+            rank = by_ref[ref]
+            worker = self.workers[rank]
+            try:
+                outcome: RunOutcome = ray.get(ref)
+                self.pool.give_back(worker, outcome.held, alive=True)
+                outcomes[rank] = outcome
+                bad = outcome.error is not None or outcome.aborted
+            except ray.exceptions.RayActorError as exc:
+                self.pool.give_back(worker, None, alive=False)
+                outcomes[rank] = WorkerError(
+                    type="WorkerDied",
+                    message=f"the process of rank {rank} died: {str(exc).splitlines()[0][:300]}",
+                    rank=rank,
+                    node_id=worker.node_id,
+                    pid=worker.info.pid if worker.info else None,
+                )
+                bad = True
+            if bad and deadline is None:
+                deadline = time.monotonic() + OUTCOME_GRACE_S
+        for ref in pending:  # stuck: told to let go; the pool takes them back when they do
+            rank = by_ref[ref]
+            self.workers[rank].handle.abort.remote()
+            threading.Thread(target=self._late_return, args=(ref, rank), daemon=True).start()
+        return [outcomes.get(r, _stuck(r)) for r in range(len(refs))]
+
+    def _late_return(self, ref: Any, rank: int) -> None:
+        worker = self.workers[rank]
+        try:
+            outcome: RunOutcome = ray.get(ref)
+            self.pool.give_back(worker, outcome.held, alive=True)
+        except Exception:
+            self.pool.give_back(worker, None, alive=False)
+
+    def _verdict(
+        self, outcomes: Sequence[RunOutcome | WorkerError]
+    ) -> tuple[DriverStatus, WorkerError | None]:
+        errors = [o for o in outcomes if isinstance(o, WorkerError)]
+        errors += [o.error for o in outcomes if isinstance(o, RunOutcome) and o.error is not None]
+        if errors:
+            return DriverStatus.FAILED, cause_of(errors)
+        if any(isinstance(o, RunOutcome) and o.aborted for o in outcomes):
+            return DriverStatus.FAILED, WorkerError(type="Aborted", message="attempt released")
+        rank0 = outcomes[0]
+        assert isinstance(rank0, RunOutcome)
+        return (DriverStatus.STOPPED if rank0.stopped_early else DriverStatus.SUCCEEDED), None
+
+    def _describe_workers(self) -> str:
+        warm = sum(1 for w in self.workers if w.info is not None)
+        holders = sum(
+            1 for w in self.workers if w.held is not None and w.held.job_id == self.request.job_id
+        )
+        return f"{len(self.workers)} processes: {warm} warm, {holders} holding the job's state"
+
+    def _remove_placement_group(self) -> None:
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            try:
+                remove_placement_group(pg)
+            except Exception as exc:  # already removed is fine
+                log.info("remove placement group: %s", exc)
 
 
-def _trainer_class():  # type: ignore[no-untyped-def]
-    """TorchTrainer without Ray Train's PlacementGroupCleaner.
+def cause_of(errors: Sequence[WorkerError]) -> WorkerError:
+    """The error that explains the failure: a process that died, else an error that is not
+    merely a survivor's broken collective, else the first."""
+    died = [e for e in errors if e.type == "WorkerDied"]
+    if died:
+        return died[0]
+    own = [e for e in errors if not _is_collective_echo(e)]
+    return (own or list(errors))[0]
 
-    That cleaner is a detached actor per run which polls the State API to notice a dead
-    controller; without the Ray dashboard (ray[train] has none) the API never answers, so
-    after every killed attempt the cleaner spins forever and the worker group's placement
-    group is never freed (the next attempt then waits 60 s for resources). The launcher
-    removes the placement group itself when it kills a driver, so the cleaner is dropped.
-    """
-    from ray.train.torch import TorchTrainer
-    from ray.train.v2._internal.callbacks.placement_group_callback import (
-        PlacementGroupCleanerCallback,
+
+def _is_collective_echo(error: WorkerError) -> bool:
+    text = error.message.lower()
+    return any(
+        marker in text
+        for marker in ("connection closed by peer", "connection reset", "broken pipe", "timed out")
     )
 
-    class ElastrainTorchTrainer(TorchTrainer):
-        def _create_default_callbacks(self):  # type: ignore[no-untyped-def]
-            callbacks = super()._create_default_callbacks()  # type: ignore[misc]
-            return [c for c in callbacks if not isinstance(c, PlacementGroupCleanerCallback)]
 
-    return ElastrainTorchTrainer
-
-
-def _resolve(path: str):  # type: ignore[no-untyped-def]
-    import importlib
-
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
+def _stuck(rank: int) -> WorkerError:
+    return WorkerError(type="WorkerStuck", message=f"rank {rank} did not let go in time", rank=rank)

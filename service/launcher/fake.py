@@ -124,6 +124,7 @@ class FakeLauncher:
         }
         self.drivers: dict[tuple[int, int], FakeDriver] = {}
         self.launches: list[LaunchRequest] = []
+        self.releases: list[tuple[AttemptKey, bool]] = []
         self.launch_calls: list[LaunchRequest] = []  # including refused duplicates
         self._lock = threading.Lock()
 
@@ -170,7 +171,8 @@ class FakeLauncher:
         elif control == Control.STOP:
             d.stop_requested = True
 
-    def release(self, key: AttemptKey) -> None:
+    def release(self, key: AttemptKey, *, final: bool = False) -> None:
+        self.releases.append((key, final))
         d = self.drivers.get((key.job_id, key.attempt))
         if d is not None:
             d.killed = True

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from ray.cluster_utils import Cluster
 
+from contracts.messages import Phase
 from service import jobs
 from tests.e2e.server import serve_argv, start_server
 from tests.integration.cluster_service import multi_node_service
@@ -19,6 +20,7 @@ ELASTIC = {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}
 # Enough steps that the job is still training at world size 2 when the node returns and
 # the relaunch at 3 (tens of seconds: new Ray worker processes) has happened.
 MAX_STEPS = 400
+PHASES = [p.value for p in Phase]
 TRAINING = {"global_batch_size": 24, "micro_batch_size": 4, "max_steps": MAX_STEPS}
 
 
@@ -32,6 +34,18 @@ def transitions(client, job_id: int) -> list[tuple[str, str, str]]:  # type: ign
         for e in client.get(f"/v1/jobs/{job_id}/events").json()
         if e["to_state"] is not None
     ]
+
+
+def assert_timelines(events: list[dict], causes: list[str]) -> None:  # type: ignore[type-arg]
+    """One timeline per attempt, with every phase, in order, in time order."""
+    timelines = [e["details"] for e in events if e["kind"] == "timeline"]
+    assert [t["cause"] for t in timelines] == causes, timelines
+    for t in timelines:
+        phases = [p["phase"] for p in t["phases"]]
+        assert phases == list(PHASES), phases
+        at = [p["at"] for p in t["phases"]]
+        assert at == sorted(at), t
+        assert t["total_s"] == pytest.approx(at[-1] - at[0], abs=1e-3)
 
 
 def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
@@ -82,10 +96,16 @@ def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
         # Every RUNNING after the first one is a resume by a new attempt.
         back_to_running = [r for _, t, r in story if t == "RUNNING"][1:]
         assert len(back_to_running) == 2 and all("resumed from step" in r for r in back_to_running)
-        lost = [
-            e for e in client.get(f"/v1/jobs/{job_id}/events").json() if e["kind"] == "node_lost"
-        ]
+        events = client.get(f"/v1/jobs/{job_id}/events").json()
+        lost = [e for e in events if e["kind"] == "node_lost"]
         assert lost and lost[0]["details"]["ranks"] == [2]
+        # DDP: the two survivors hold full replicas, so attempt 2 took the state from their
+        # memory at the step they stopped on: no step before the loss is computed again.
+        # Growing back takes it from the two that ran attempt 2.
+        resumed = [e["details"] for e in events if e["kind"] == "resumed"]
+        assert [r["source"] for r in resumed] == ["peer", "peer"], resumed
+        assert resumed[0]["step"] >= lost[0]["details"]["step"], (resumed, lost)
+        assert_timelines(events, ["submitted", "node lost", "resize"])
 
         # The same job without interruption, on the same cluster: same samples per step,
         # same losses up to float reduction order (different world sizes sum in a

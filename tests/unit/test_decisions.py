@@ -138,8 +138,8 @@ cancelled = Transition(to=S.CANCELLED, reason="cancelled by user")
 cancel_live = [EndAttempt(outcome=AttemptOutcome.CANCELLED), cancelled]
 node_b_lost = RecordEvent(
     kind=EventKind.NODE_LOST,
-    reason="node b lost (ranks [1])",
-    details={"node_id": "b", "ranks": [1]},
+    reason="node b lost (ranks [1]) after step 30",
+    details={"node_id": "b", "ranks": [1], "step": 30},
 )
 below_min = "waiting below min: 1 workers fit, the job needs 2"
 # Node b died under rank 1: the attempt ends, the job relaunches at 2 on a and c.

@@ -56,15 +56,33 @@ class Strategy(ABC):
     def setup(self, workload: Workload, ctx: TrainContext, spec: JobSpec) -> None:
         """Place and wrap `workload.model`, build the optimizer (AdamW, spec lr)."""
 
-    @abstractmethod
+    #: Every rank holds the whole model and optimizer state (ddp): a new group can take
+    #: the state from any surviving rank's memory instead of from a checkpoint.
+    full_replica: bool = False
+
     def train_step(
         self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
     ) -> StepOutput:
-        """Forward+backward over the micro-batches, gradients synchronised, optimizer step.
+        """One whole optimizer step (`forward_backward` then `optimizer_step`)."""
+        out = self.forward_backward(microbatches, loss_scale)
+        self.optimizer_step()
+        return out
+
+    @abstractmethod
+    def forward_backward(
+        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
+    ) -> StepOutput:
+        """Forward+backward over the micro-batches, gradients synchronised; no update yet.
 
         Every rank of a collective group must get the same number of micro-batches (the
-        loop guarantees it), so collectives stay in lockstep.
+        loop guarantees it), so collectives stay in lockstep. The loop agrees on the step
+        (its loss and control all-reduce) before any rank updates its weights, so a peer
+        lost during the step leaves every survivor at the same step boundary.
         """
+
+    @abstractmethod
+    def optimizer_step(self) -> None:
+        """Clip and apply the synchronised gradients."""
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """Model and optimizer state keyed by FQN, as `torch.distributed.checkpoint` wants

@@ -62,7 +62,7 @@ class DataParallelStrategy(Strategy):
     def grad_sync(self, enabled: bool) -> AbstractContextManager[None]:
         """A context under which backward syncs gradients across replicas or not."""
 
-    def train_step(
+    def forward_backward(
         self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
     ) -> StepOutput:
         self.optimizer.zero_grad(set_to_none=True)
@@ -80,7 +80,6 @@ class DataParallelStrategy(Strategy):
                     loss = self.scaler.scale(loss)
                 loss.backward()
             loss_sum += summed.float()
-        self._clip_and_step()
         return StepOutput(loss_sum=loss_sum.item())
 
     def _autocast(self) -> AbstractContextManager[Any]:
@@ -88,7 +87,7 @@ class DataParallelStrategy(Strategy):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _clip_and_step(self) -> None:
+    def optimizer_step(self) -> None:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
         if self.grad_clip is not None:
@@ -102,6 +101,8 @@ class DataParallelStrategy(Strategy):
 
 class DDPStrategy(DataParallelStrategy):
     """`DistributedDataParallel`: full replica per rank, gradients all-reduced (averaged)."""
+
+    full_replica = True
 
     def wrap(self, model: nn.Module, mixed_precision: torch.dtype | None) -> nn.Module:
         # DDP keeps fp32 parameters; mixed precision is autocast around the forward.

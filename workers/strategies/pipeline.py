@@ -247,7 +247,7 @@ class PipelineStrategy(Strategy):
 
     # -- training ----------------------------------------------------------------------
 
-    def train_step(
+    def forward_backward(
         self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
     ) -> StepOutput:
         if not microbatches:
@@ -276,11 +276,13 @@ class PipelineStrategy(Strategy):
             else:
                 schedule.step(*args, return_outputs=False)
         self._scale_and_sync_grads(loss_scale)
+        # One host sync per step, on the last stage only.
+        return StepOutput(loss_sum=float(loss_sum.item()) if self.is_last else 0.0)
+
+    def optimizer_step(self) -> None:
         if self.grad_clip is not None:
             self._clip_grads(self.grad_clip)
         self.optimizer.step()
-        # One host sync per step, on the last stage only.
-        return StepOutput(loss_sum=float(loss_sum.item()) if self.is_last else 0.0)
 
     def _scale_and_sync_grads(self, loss_scale: float) -> None:
         """grad <- mean over replicas of (loss_scale * grad)."""

@@ -1,0 +1,63 @@
+"""What the runtime (`service.launcher.runtime`) and a worker process (`workers.process`)
+say to each other: the worker processes outlive attempts, so each attempt hands every
+rank an `Assignment`, and every rank answers with a `RunOutcome` when its part ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from contracts.messages import WorkerError
+from contracts.spec import JobSpec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HeldState:
+    """The training state a worker process keeps in memory after an attempt ended."""
+
+    job_id: int
+    step: int
+    """Optimizer steps applied to the state it holds."""
+    world_size: int
+    full_replica: bool
+    """True when this one process holds the whole model and optimizer state (DDP), so a
+    new group can take it from here instead of from a checkpoint."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerInfo:
+    name: str
+    node_id: str
+    pid: int
+    address: str
+    busy: bool
+    held: HeldState | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Assignment:
+    """One rank's part in one attempt."""
+
+    job_id: int
+    attempt: int
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    spec: JobSpec
+    storage_path: str
+    runtime_name: str
+    """The runtime actor that rank 0 reports to (`push`, `get_control`)."""
+    namespace: str
+    collective_timeout_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunOutcome:
+    rank: int
+    final_step: int | None = None
+    stopped_early: bool = False
+    error: WorkerError | None = None
+    aborted: bool = False
+    """Told to let go (the attempt was released) before it ended by itself."""
+    held: HeldState | None = None
+    """What the process keeps in memory now that its part ended."""

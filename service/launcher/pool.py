@@ -1,0 +1,249 @@
+"""Warm worker processes, kept per node, handed to attempts and taken back.
+
+A `WorkerProcess` (`workers.process`) is a detached Ray actor with torch and the training
+loop imported. The pool keeps a few idle ones on every node ahead of need, so a new
+worker group costs no process start and no imports. A process that trained in an
+attempt comes back holding the job's state in memory; the job's next attempt prefers it
+(`choose_worker`), which is how a survivor of a node loss hands its state on.
+
+The processes ask Ray for no CPU themselves (`num_cpus=0`): they are started before any
+job needs them. An attempt reserves its CPUs (and GPUs) with a placement group whose
+bundles sit on the nodes of the processes it runs on, so Ray's resource view stays true.
+
+This lives inside the runtime actor (`service.launcher.runtime`); the worker class is
+named by import path, so the control plane never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from contracts.group import HeldState, WorkerInfo
+
+log = logging.getLogger("elastrain.pool")
+
+WORKER_CLASS = "workers.process:WorkerProcess"
+WORKER_PREFIX = "elastrain-worker-"
+#: How long the pool waits for a new process to answer before it counts as failed.
+_START_TIMEOUT_S = 120.0
+#: A describe() that takes longer marks the process as gone.
+_PING_TIMEOUT_S = 10.0
+
+
+@dataclass
+class PooledWorker:
+    name: str
+    handle: Any
+    node_id: str
+    info: WorkerInfo | None = None
+    """None until the process answered once (it is still starting)."""
+    busy: bool = False
+    """Handed to an attempt, not yet given back."""
+    lent_to: int | None = None
+    """The job whose attempt has it (or had it last)."""
+    returned_at: float = 0.0
+    forget_job: int | None = None
+    """Drop this job's state when the process comes back (the job ended)."""
+    ready_ref: Any = None
+
+    @property
+    def held(self) -> HeldState | None:
+        return self.info.held if self.info is not None else None
+
+    @property
+    def idle(self) -> bool:
+        return self.info is not None and not self.busy
+
+
+def choose_worker(candidates: Sequence[PooledWorker], job_id: int) -> PooledWorker | None:
+    """Among idle processes on one node: the one holding the newest state of `job_id`,
+    else one holding nothing, else any (its other job's state is dropped)."""
+
+    def rank(w: PooledWorker) -> tuple[int, int]:
+        held = w.held
+        if held is not None and held.job_id == job_id:
+            return (2, held.step)
+        return (1 if held is None else 0, 0)
+
+    idle = [w for w in candidates if w.idle]
+    return max(idle, key=rank) if idle else None
+
+
+def warm_target(*, node_cpus: float, busy: int, per_node: int) -> int:
+    """Idle processes to keep on a node: `per_node`, but never more processes than the
+    node has CPUs to run (busy ones count)."""
+    return max(0, min(per_node, math.ceil(node_cpus) - busy))
+
+
+@dataclass
+class WorkerPool:
+    namespace: str
+    warm_per_node: int
+    workers: dict[str, PooledWorker] = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    _cls: Any = None
+    _counter: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    def __post_init__(self) -> None:
+        module, _, attr = WORKER_CLASS.partition(":")
+        self._cls = ray.remote(getattr(importlib.import_module(module), attr))
+        self._adopt()
+
+    # -- processes ---------------------------------------------------------------------------
+    def _adopt(self) -> None:
+        """After a runtime restart: take over the processes the old runtime left."""
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name = entry["name"] if isinstance(entry, dict) else entry
+            ns = entry.get("namespace") if isinstance(entry, dict) else self.namespace
+            if ns != self.namespace or not name.startswith(WORKER_PREFIX):
+                continue
+            try:
+                handle = ray.get_actor(name, namespace=self.namespace)
+                info = cast(WorkerInfo, ray.get(handle.describe.remote(), timeout=_PING_TIMEOUT_S))
+            except Exception:
+                continue
+            if info.busy:  # its attempt's driver died with the old runtime
+                handle.abort.remote()
+            self.workers[name] = PooledWorker(
+                name=name, handle=handle, node_id=info.node_id, info=info, busy=info.busy
+            )
+        if self.workers:
+            log.info("adopted %d worker processes", len(self.workers))
+
+    def start(self, node_id: str, **options: Any) -> PooledWorker:
+        """Start a process on `node_id` (it answers when its imports are done)."""
+        name = f"{WORKER_PREFIX}{node_id[:8]}-{next(self._counter)}-{uuid.uuid4().hex[:4]}"
+        if "scheduling_strategy" not in options:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        handle = self._cls.options(
+            name=name,
+            namespace=self.namespace,
+            lifetime="detached",
+            max_restarts=0,
+            max_concurrency=8,
+            **{"num_cpus": 0, **options},
+        ).remote(name)
+        worker = PooledWorker(name=name, handle=handle, node_id=node_id)
+        worker.ready_ref = handle.describe.remote()
+        with self.lock:
+            self.workers[name] = worker
+        return worker
+
+    def wait_ready(self, workers: Sequence[PooledWorker], timeout: float) -> None:
+        """Block until each of `workers` answered once (raises if one never does)."""
+        for w in workers:
+            if w.info is None:
+                w.info = ray.get(w.ready_ref, timeout=timeout)
+
+    def kill(self, worker: PooledWorker) -> None:
+        with self.lock:
+            self.workers.pop(worker.name, None)
+        try:
+            ray.kill(worker.handle, no_restart=True)
+        except Exception as exc:
+            log.info("kill %s: %s", worker.name, exc)
+
+    # -- lending -----------------------------------------------------------------------------
+    def job_workers(self, job_id: int) -> list[PooledWorker]:
+        """This job's processes that hold its state or still run its last attempt."""
+        with self.lock:
+            return [
+                w
+                for w in self.workers.values()
+                if (w.held is not None and w.held.job_id == job_id)
+                or (w.busy and w.lent_to == job_id)
+            ]
+
+    def take(self, worker: PooledWorker, job_id: int) -> None:
+        with self.lock:
+            worker.busy = True
+            worker.lent_to = job_id
+
+    def give_back(self, worker: PooledWorker, held: HeldState | None, *, alive: bool) -> None:
+        with self.lock:
+            if not alive:
+                self.workers.pop(worker.name, None)
+                return
+            worker.busy = False
+            worker.returned_at = time.time()
+            if held is not None and worker.forget_job == held.job_id:
+                worker.handle.forget.remote()
+                held = None
+            if worker.info is not None:
+                worker.info = replace(worker.info, busy=False, held=held)
+            worker.forget_job = None
+
+    def forget_job(self, job_id: int) -> None:
+        """The job ended: its processes drop its state (now, or when they come back)."""
+        with self.lock:
+            for w in self.workers.values():
+                if w.busy and w.lent_to == job_id:
+                    w.forget_job = job_id
+                elif w.held is not None and w.held.job_id == job_id:
+                    w.handle.forget.remote()
+                    w.info = replace(w.info, held=None) if w.info is not None else None
+
+    # -- upkeep --------------------------------------------------------------------------------
+    def top_up(self, nodes: Sequence[dict[str, Any]]) -> None:
+        """One upkeep pass: forget processes on dead nodes, notice started ones, and keep
+        `warm_per_node` idle processes on every node that has CPUs."""
+        alive = {n["NodeID"]: n for n in nodes if n.get("Alive")}
+        with self.lock:
+            for w in list(self.workers.values()):
+                if w.node_id not in alive:
+                    self.workers.pop(w.name, None)
+                elif w.info is None and w.ready_ref is not None:
+                    ready, _ = ray.wait([w.ready_ref], timeout=0)
+                    if ready:
+                        try:
+                            w.info = ray.get(w.ready_ref)
+                        except Exception as exc:
+                            log.warning("worker %s failed to start: %s", w.name, exc)
+                            self.workers.pop(w.name, None)
+            by_node: dict[str, list[PooledWorker]] = {}
+            for w in self.workers.values():
+                by_node.setdefault(w.node_id, []).append(w)
+        for node_id, node in alive.items():
+            cpus = float(node.get("Resources", {}).get("CPU", 0.0))
+            if cpus <= 0:
+                continue
+            mine = by_node.get(node_id, [])
+            busy = sum(1 for w in mine if w.busy)
+            spare = sum(1 for w in mine if not w.busy)  # idle or still starting
+            for _ in range(
+                warm_target(node_cpus=cpus, busy=busy, per_node=self.warm_per_node) - spare
+            ):
+                self.start(node_id)
+
+    def check_idle(self) -> None:
+        """Ping idle processes; forget those that died (killed, OOM)."""
+        with self.lock:
+            idle = [w for w in self.workers.values() if w.idle]
+        refs = {w.handle.describe.remote(): (w, w.returned_at) for w in idle}
+        if not refs:
+            return
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_PING_TIMEOUT_S)
+        for ref, (w, returned_at) in refs.items():
+            if ref not in ready:
+                continue
+            try:
+                info = ray.get(ref)
+            except Exception:
+                with self.lock:
+                    self.workers.pop(w.name, None)
+                continue
+            with self.lock:
+                if not w.busy and w.returned_at == returned_at:  # not lent out meanwhile
+                    w.info = info

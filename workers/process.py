@@ -1,0 +1,205 @@
+"""A worker process that outlives attempts: a Ray actor per process, warm and reused.
+
+Every attempt used to start new processes that each imported torch (seconds per process
+on a small machine) and threw away the model they had trained. A `WorkerProcess` is
+started once, ahead of need, with torch, the training loop and the workloads imported.
+The runtime (`service.launcher.runtime`) hands it one rank of one attempt at a time
+(`run`): it joins a fresh `torch.distributed` process group for that attempt, trains,
+and leaves the group again when the attempt ends, however it ends. What it trained stays
+in `self.memory`, so the next attempt's group can take the state from here (no step
+lost) rather than from the last checkpoint.
+
+Only glue lives here: process group set-up, hooks that report to the runtime, and error
+records with rank and node. The loop itself (`workers.loop.train`) knows nothing of Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from typing import Any
+
+import ray
+
+from contracts.group import Assignment, RunOutcome, WorkerInfo
+from contracts.messages import Control, Phase, TimelineMark, WorkerError, WorkerMessage
+from contracts.storage import JobStorage
+
+log = logging.getLogger("elastrain.worker")
+
+
+class RuntimeHooks:
+    """`TrainHooks` for rank 0: fire-and-forget calls to the runtime actor, never blocking
+    the training step (control requests are fetched one step late, asynchronously)."""
+
+    def __init__(self, runtime: Any, key: tuple[int, int]) -> None:
+        self.runtime = runtime
+        self.key = key
+        self._control_ref: Any = None
+
+    def send(self, message: WorkerMessage) -> None:
+        self.runtime.push.remote(self.key, message)
+
+    def poll_control(self) -> Control:
+        if self._control_ref is None:
+            self._control_ref = self.runtime.get_control.remote(self.key)
+            return Control.NONE
+        ready, _ = ray.wait([self._control_ref], timeout=0)
+        if not ready:
+            return Control.NONE
+        value = ray.get(self._control_ref)
+        self._control_ref = self.runtime.get_control.remote(self.key)
+        return Control(value)
+
+
+class SilentHooks:
+    """Ranks other than 0 report nothing (rank 0 speaks for the group)."""
+
+    def send(self, message: WorkerMessage) -> None: ...
+
+    def poll_control(self) -> Control:
+        return Control.NONE
+
+
+class WorkerProcess:
+    """Wrapped with `ray.remote` by the runtime (kept a plain class for readability)."""
+
+    def __init__(self, name: str) -> None:
+        # The imports are the point: paid once, when the process starts, not per attempt.
+        import torch
+
+        import checkpoints.dcp  # noqa: F401
+        import workers.loop
+        import workers.workloads  # noqa: F401
+        from workers.memory import ReplicaMemory
+
+        torch.set_num_threads(1)
+        self.name = name
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.address = ray.util.get_node_ip_address()
+        self.memory = ReplicaMemory()
+        self._lock = threading.Lock()
+        self._busy = False
+        self._abort = threading.Event()
+
+    def describe(self) -> WorkerInfo:
+        with self._lock:
+            return WorkerInfo(
+                name=self.name,
+                node_id=self.node_id,
+                pid=os.getpid(),
+                address=self.address,
+                busy=self._busy,
+                held=self.memory.describe(),
+            )
+
+    def free_port(self) -> int:
+        """A port for the next group's TCPStore, which rank 0 will host."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def abort(self) -> None:
+        """Let go of the current attempt at the next step boundary (the others fail their
+        next collective and let go too); no-op when idle."""
+        with self._lock:
+            if self._busy:
+                self._abort.set()
+
+    def forget(self) -> None:
+        """Drop the held state (its job ended); no-op while training."""
+        with self._lock:
+            if not self._busy:
+                self.memory.forget()
+
+    def run(self, assignment: Assignment) -> RunOutcome:
+        with self._lock:
+            if self._busy:
+                return RunOutcome(
+                    rank=assignment.rank,
+                    error=WorkerError(type="WorkerBusy", message=f"{self.name} is busy"),
+                )
+            self._busy = True
+            self._abort.clear()
+        try:
+            outcome = self._run(assignment)
+        finally:
+            with self._lock:
+                self._busy = False
+        return dataclasses.replace(outcome, held=self.memory.describe())
+
+    def _run(self, a: Assignment) -> RunOutcome:
+        import torch
+        import torch.distributed as dist
+
+        from workers.api import AttemptAborted, TrainContext
+        from workers.loop import train
+
+        if self.memory.job_id not in (None, a.job_id):
+            self.memory.forget()  # another job's state: never resumed from here again
+        scaling = a.spec.scaling
+        # Fractional CPUs per worker on small machines: never oversubscribe with threads.
+        torch.set_num_threads(max(1, int(scaling.cpus_per_worker)))
+        device = torch.device("cuda", 0) if scaling.use_gpu else torch.device("cpu")
+        storage = JobStorage.of(a.storage_path, a.job_id)
+        log_path = storage.log_file(attempt=a.attempt, rank=a.rank)
+        ctx = TrainContext(
+            rank=a.rank,
+            world_size=a.world_size,
+            local_rank=0,
+            device=device,
+            job_id=a.job_id,
+            attempt=a.attempt,
+            checkpoint_root=storage.checkpoints,
+            log_path=log_path,
+            abort=self._abort,
+        )
+        try:
+            timeout = datetime.timedelta(seconds=a.collective_timeout_s)
+            store = dist.TCPStore(
+                a.master_addr, a.master_port, a.world_size, is_master=a.rank == 0, timeout=timeout
+            )
+            if scaling.use_gpu:
+                torch.cuda.set_device(device)
+            dist.init_process_group(
+                "nccl" if scaling.use_gpu else "gloo",
+                store=store,
+                rank=a.rank,
+                world_size=a.world_size,
+                timeout=timeout,
+            )
+            hooks: Any = SilentHooks()
+            if a.rank == 0:
+                runtime = ray.get_actor(a.runtime_name, namespace=a.namespace)
+                hooks = RuntimeHooks(runtime, (a.job_id, a.attempt))
+                hooks.send(TimelineMark(phase=Phase.GROUP_FORMED, at=time.time()))
+            result = train(ctx, a.spec, hooks, self.memory)
+            return RunOutcome(
+                rank=a.rank, final_step=result.final_step, stopped_early=result.stopped_early
+            )
+        except AttemptAborted:
+            return RunOutcome(rank=a.rank, final_step=ctx.step, aborted=True)
+        except Exception as exc:
+            error = WorkerError.from_exception(
+                exc,
+                rank=a.rank,
+                node_id=self.node_id,
+                hostname=socket.gethostname(),
+                pid=os.getpid(),
+                step=ctx.step,
+                traceback=traceback.format_exc()[-4000:],
+            )
+            log.error("%s\n%s", error.summary(), error.traceback)
+            return RunOutcome(rank=a.rank, final_step=ctx.step, error=error)
+        finally:
+            # Leave the group whatever happened: the next attempt forms a new one.
+            with contextlib.suppress(Exception):
+                if dist.is_initialized():
+                    dist.destroy_process_group()

@@ -256,6 +256,28 @@ def events(ctx: typer.Context, job_id: int) -> None:
 
 
 @app.command()
+def timeline(ctx: typer.Context, job_id: int) -> None:
+    """Where the seconds of each start, recovery and resize went, phase by phase."""
+    rows = []
+    for event in api(ctx).call("GET", f"/v1/jobs/{job_id}/events"):
+        if event["kind"] != "timeline":
+            continue
+        details = event["details"]
+        for phase in details["phases"]:
+            rows.append(
+                {
+                    "attempt": details["attempt"],
+                    "cause": details["cause"],
+                    "phase": phase["phase"],
+                    "seconds": f"{phase['seconds']:.2f}",
+                    "since_start": f"{phase['since_start_s']:.2f}",
+                    "detail": phase["detail"],
+                }
+            )
+    table(rows, ["attempt", "cause", "phase", "seconds", "since_start", "detail"])
+
+
+@app.command()
 def metrics(
     ctx: typer.Context, job_id: int, since_step: Annotated[int, typer.Option(min=0)] = 0
 ) -> None:

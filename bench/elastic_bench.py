@@ -1,17 +1,26 @@
-"""Node loss and node return: elastrain vs plain Ray Train elastic, same loop, same cluster.
+"""Start, node loss and node return: elastrain vs plain Ray Train elastic vs bare torchrun.
 
 A `ray.cluster_utils.Cluster` with a CPU-less head and 3 worker nodes of 1 CPU each. A
-`gpt` job (min 1, max 3 workers, checkpoint every 5 steps) trains; once it is past step 10
-the node holding rank 2 is removed, and later a node is added back. Measured per trial:
+`gpt` job (min 1, max 3 workers, DDP, checkpoint every 5 steps) is submitted on the idle
+cluster; once it is past step 10 the node holding rank 2 is removed, and later a node is
+added back. Measured per trial (times end at the wall clock of an optimizer step):
 
-- node removed -> end of the first optimizer step after the resume (at world size 2);
-- node added -> end of the first step at world size 3;
-- steps recomputed per failure: last step done before the loss minus the step resumed from.
+- submit -> the first optimizer step (trial 0: the service's first job; later trials: a
+  job submitted right after the previous one ended);
+- node removed -> the first step after the resume (at world size 2);
+- node added -> the first step at world size 3; node joined (its raylet registered) -> the
+  grow decision; and the decision -> the first step at world size 3;
+- steps recomputed per node loss: the last step done before the loss minus the step the
+  resume started from (0 when the state came from the survivors' memory);
+- the timeline of every start (detected, old group stopped, placed, processes up, process
+  group formed, state restored, first step), from the job's events.
 
-The baseline runs the very same training loop (`workers.loop.train`, same checkpoints) under
-`TorchTrainer` with `ScalingConfig(num_workers=(1, 3))` and `FailureConfig(max_failures=-1)`,
-Ray Train's own elastic restarts, with the resize monitor interval at 5 s (default 60 s)
-and every other setting at its default. Times come from each step's wall clock.
+The Ray Train baseline runs the very same training loop (`workers.loop.train`, same
+checkpoints) under `TorchTrainer` with `ScalingConfig(num_workers=(1, 3))` and
+`FailureConfig(max_failures=-1)`, Ray Train's own elastic restarts, with the resize monitor
+interval at 5 s (default 60 s) and every other setting at its default. The torchrun
+baseline starts the same loop with `torchrun --standalone --nproc_per_node 3` on this
+machine (no Ray) and measures launch -> first step.
 
     .venv/bin/python bench/elastic_bench.py [--repeats 5] [--baseline-repeats 5]
 """
@@ -20,11 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +45,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray
 from ray.cluster_utils import Cluster
 
+from contracts.messages import Phase
 from contracts.spec import JobSpec
 from tests.integration.cluster_service import Nodes, multi_node_service
 from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_terminal
 
 GROW_INTERVAL_S = 2.0
+WORKERS = 3
 SPEC = tiny_gpt_spec(
     "elastic-bench",
-    scaling={"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1},
+    scaling={"min_workers": 1, "max_workers": WORKERS, "cpus_per_worker": 1},
     training={"global_batch_size": 24, "micro_batch_size": 8, "max_steps": 100000},
     checkpoint={"every_steps": 5, "keep_last": 2, "async_save": False},
     failure={"max_restarts": 3},
 )
+PHASES = [p.value for p in Phase]
 
 
 # -- elastrain ------------------------------------------------------------------------------
@@ -54,44 +69,81 @@ def _metrics(client: Any, job_id: int) -> list[dict[str, Any]]:
     return client.get(f"/v1/jobs/{job_id}/metrics").json()
 
 
-def elastrain_trial(client: Any, nodes: Nodes) -> dict[str, float]:
+def _events(client: Any, job_id: int) -> list[dict[str, Any]]:
+    return client.get(f"/v1/jobs/{job_id}/events").json()
+
+
+def _epoch(iso: str) -> float:
+    moment = datetime.fromisoformat(iso)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+def _first_point(client: Any, job_id: int, attempt: int) -> dict[str, Any]:
+    return min((p for p in _metrics(client, job_id) if p["attempt"] == attempt),
+               key=lambda p: p["step"])  # fmt: skip
+
+
+def wait_for_warm_pool(minimum: int, timeout: float = 120) -> None:
+    runtime = ray.get_actor("elastrain-runtime")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        idle = [w for w in ray.get(runtime.workers.remote()) if not w.busy]
+        if len(idle) >= minimum:
+            return
+        time.sleep(0.5)
+    raise TimeoutError("warm pool")
+
+
+def elastrain_trial(
+    client: Any, nodes: Nodes
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    t_submit = time.time()
     job_id = submit(client, SPEC)
     wait_for(client, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 10, what="step 10")
+    started = _first_point(client, job_id, 1)
     placement = next(
-        e["details"]["ranks"]
-        for e in client.get(f"/v1/jobs/{job_id}/events").json()
-        if e["kind"] == "placement"
+        e["details"]["ranks"] for e in _events(client, job_id) if e["kind"] == "placement"
     )
     t_remove = time.time()
     nodes.remove(nodes.node_of(placement["2"]))
-    recovering = wait_for(client, job_id, lambda j: j["state"] == "RECOVERING", what="recovering")
-    last_step = recovering["step"]
     wait_for(
         client, job_id, lambda j: j["attempt"] == 2 and j["state"] == "RUNNING", what="resumed"
     )
     time.sleep(1)
-    after = [p for p in _metrics(client, job_id) if p["attempt"] == 2]
-    first = min(after, key=lambda p: p["step"])
+    resumed = _first_point(client, job_id, 2)
     t_add = time.time()
     nodes.add(1)
-    wait_for(
-        client,
-        job_id,
-        lambda j: j["attempt"] == 3 and j["state"] == "RUNNING",
-        what="grown",
-        timeout=300,
-    )
+    t_joined = time.time()  # the new raylet is registered (`Cluster.wait_for_nodes`)
+    wait_for(client, job_id, lambda j: j["attempt"] == 3 and j["state"] == "RUNNING",
+             what="grown", timeout=300)  # fmt: skip
     time.sleep(1)
-    grown = min((p for p in _metrics(client, job_id) if p["attempt"] == 3), key=lambda p: p["step"])
+    grown = _first_point(client, job_id, 3)
     client.post(f"/v1/jobs/{job_id}/cancel")
     wait_terminal(client, job_id, timeout=120)
-    return {
-        "loss_to_step_s": first["wall_time"] - t_remove,
+
+    events = _events(client, job_id)
+    lost_step = next(e["details"]["step"] for e in events if e["kind"] == "node_lost")
+    resumed_step = next(e["details"]["step"] for e in events if e["kind"] == "resumed")
+    t_decision = next(_epoch(e["at"]) for e in events if e["to_state"] == "RESIZING")
+    timelines = {
+        e["details"]["cause"]: {p["phase"]: p["seconds"] for p in e["details"]["phases"]}
+        | {"total": e["details"]["total_s"]}
+        for e in events
+        if e["kind"] == "timeline"
+    }
+    trial = {
+        "submit_to_step_s": started["wall_time"] - t_submit,
+        "loss_to_step_s": resumed["wall_time"] - t_remove,
+        "join_to_decision_s": t_decision - t_joined,
+        "decision_to_step_s": grown["wall_time"] - t_decision,
         "add_to_step_s": grown["wall_time"] - t_add,
-        "recomputed_steps": last_step - (first["step"] - 1),
-        "world_after_loss": first["world_size"],
+        "recomputed_steps": max(0, lost_step - resumed_step),
+        "world_after_loss": resumed["world_size"],
         "world_after_add": grown["world_size"],
     }
+    return trial, timelines
 
 
 def loss_curves(client: Any, nodes: Nodes, steps: int = 40) -> list[tuple[int, float, float, int]]:
@@ -122,37 +174,15 @@ def loss_curves(client: Any, nodes: Nodes, steps: int = 40) -> list[tuple[int, f
 # -- plain Ray Train elastic ------------------------------------------------------------------
 
 
-class _FileHooks:
-    """Rank 0 appends each step to a JSONL file; a `stop` file ends the run."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-
-    def send(self, message: Any) -> None:
-        from contracts.messages import StepMetrics
-
-        if isinstance(message, StepMetrics):
-            point = message.to_point()
-            with (self.folder / "steps.jsonl").open("a") as f:
-                f.write(json.dumps({k: point[k] for k in ("step", "wall_time", "world_size")}))
-                f.write("\n")
-
-    def poll_control(self):  # type: ignore[no-untyped-def]
-        from workers.api import Control
-
-        return Control.STOP if (self.folder / "stop").exists() else Control.NONE
-
-
-class _NoHooks(_FileHooks):
-    def send(self, message: Any) -> None: ...
-
-
 def _baseline_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
     from workers.api import TrainContext
     from workers.loop import train
+
+    sys.path.insert(0, config["bench_dir"])  # this runs in a Ray worker process
+    from step_log import FileHooks, SilentHooks
 
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
@@ -170,7 +200,7 @@ def _baseline_loop(config: dict[str, Any]) -> None:
         attempt=int(time.time() * 10) % (1 << 30),  # increasing across restarts
         checkpoint_root=folder / "checkpoints",
     )
-    hooks = _FileHooks(folder) if ctx.get_world_rank() == 0 else _NoHooks(folder)
+    hooks = FileHooks(folder) if ctx.get_world_rank() == 0 else SilentHooks(folder)
     train(train_ctx, JobSpec.model_validate(config["spec"]), hooks)
 
 
@@ -196,7 +226,11 @@ def baseline_trial(nodes: Nodes, folder: Path) -> dict[str, float]:
     folder.mkdir(parents=True)
     trainer = TorchTrainer(
         train_loop_per_worker=_baseline_loop,
-        train_loop_config={"folder": str(folder), "spec": SPEC},
+        train_loop_config={
+            "folder": str(folder),
+            "spec": SPEC,
+            "bench_dir": str(Path(__file__).resolve().parent),
+        },
         scaling_config=ScalingConfig(
             num_workers=(1, 3), resources_per_worker={"CPU": 1}, elastic_resize_monitor_interval_s=5
         ),
@@ -207,12 +241,14 @@ def baseline_trial(nodes: Nodes, folder: Path) -> dict[str, float]:
         ),
     )
     thread = threading.Thread(target=trainer.fit, daemon=True)
+    t_submit = time.time()
     thread.start()
     _wait(
         lambda: any(s["step"] >= 10 and s["world_size"] == 3 for s in _steps(folder)),
         600,
         "step 10",
     )
+    started = min(_steps(folder), key=lambda s: s["wall_time"])
     placement = json.loads(sorted(folder.glob("placement-*.json"))[-1].read_text())
     last_step = max(s["step"] for s in _steps(folder))
     t_remove = time.time()
@@ -234,6 +270,7 @@ def baseline_trial(nodes: Nodes, folder: Path) -> dict[str, float]:
     (folder / "stop").touch()
     thread.join(timeout=120)
     return {
+        "submit_to_step_s": started["wall_time"] - t_submit,
         "loss_to_step_s": first["wall_time"] - t_remove,
         "add_to_step_s": min(s["wall_time"] for s in grown) - t_add,
         "recomputed_steps": last_step - (first["step"] - 1),
@@ -242,11 +279,44 @@ def baseline_trial(nodes: Nodes, folder: Path) -> dict[str, float]:
     }
 
 
+# -- bare torchrun ----------------------------------------------------------------------------
+
+TORCHRUN_LOOP = Path(__file__).with_name("torchrun_loop.py")
+
+
+def torchrun_trial(folder: Path) -> dict[str, float]:
+    """torchrun's cold start of the same loop: launch -> the first optimizer step."""
+    folder.mkdir(parents=True)
+    spec = {**SPEC, "training": {**SPEC["training"], "max_steps": 3}}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    t_launch = time.time()
+    subprocess.run(
+        [str(torchrun), "--standalone", f"--nproc_per_node={WORKERS}", str(TORCHRUN_LOOP),
+         "--folder", str(folder), "--spec", json.dumps(spec)],
+        check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+    )  # fmt: skip
+    first = min(_steps(folder), key=lambda s: s["step"])
+    return {"submit_to_step_s": first["wall_time"] - t_launch}
+
+
 # -- report -----------------------------------------------------------------------------------
 
 
-def summarize(trials: list[dict[str, float]]) -> dict[str, float]:
-    return {k: statistics.median(t[k] for t in trials) for k in trials[0]}
+def median(trials: list[dict[str, float]], key: str) -> float:
+    return statistics.median(t[key] for t in trials)
+
+
+def timeline_table(timelines: list[dict[str, dict[str, float]]]) -> list[str]:
+    """Median seconds of each phase, per cause (columns), over the trials."""
+    causes = ["submitted", "node lost", "resize"]
+    rows = ["| phase | " + " | ".join(causes) + " |", "| --- |" + " ---: |" * len(causes)]
+    for phase in [*PHASES[1:], "total"]:
+        cells = []
+        for cause in causes:
+            values = [t[cause][phase] for t in timelines if cause in t and phase in t[cause]]
+            cells.append(f"{statistics.median(values):.2f}" if values else "—")
+        rows.append(f"| {phase.replace('_', ' ')} | " + " | ".join(cells) + " |")
+    return rows
 
 
 def main() -> None:
@@ -258,20 +328,25 @@ def main() -> None:
     args = parser.parse_args()
 
     ours: list[dict[str, float]] = []
+    timelines: list[dict[str, dict[str, float]]] = []
     with (
         tempfile.TemporaryDirectory() as tmp,
         multi_node_service(Path(tmp), grow_interval_s=GROW_INTERVAL_S) as (client, nodes),
     ):
+        wait_for_warm_pool(WORKERS)
         for i in range(args.repeats):
-            ours.append(elastrain_trial(client, nodes))
-            print("elastrain", i, ours[-1], flush=True)
+            trial, timeline = elastrain_trial(client, nodes)
+            ours.append(trial)
+            timelines.append(timeline)
+            print("elastrain", i, trial, timeline, flush=True)
+            wait_for_warm_pool(WORKERS)  # the node added back is up before the next submit
         curves = [] if args.no_curves else loss_curves(client, nodes)
 
     theirs: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
         nodes = Nodes(cluster)
-        for _ in range(3):
+        for _ in range(WORKERS):
             nodes.add(1)
         ray.init(address=cluster.address)
         try:
@@ -282,24 +357,59 @@ def main() -> None:
             ray.shutdown()
             cluster.shutdown()
 
-    a, b = summarize(ours), summarize(theirs)
+    bare: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            bare.append(torchrun_trial(Path(tmp) / f"trial{i}"))
+            print("torchrun", i, bare[-1], flush=True)
+
+    def row(label: str, key: str, fmt: str = ".1f", *, ray_train: bool = True,
+            torchrun: bool = False) -> str:  # fmt: skip
+        b = format(median(theirs, key), fmt) if ray_train else "—"
+        c = format(median(bare, key), fmt) if torchrun else "—"
+        return f"| {label} | {format(median(ours, key), fmt)} | {b} | {c} |"
+
+    first_submit = ours[0]["submit_to_step_s"]
+    later_submits = [t["submit_to_step_s"] for t in ours[1:]] or [first_submit]
     lines = [
-        "# Node loss and return: elastrain vs plain Ray Train elastic",
+        "# Start, node loss and return: elastrain vs plain Ray Train elastic vs torchrun",
         "",
-        f"`python bench/elastic_bench.py --repeats {args.repeats} --baseline-repeats {args.baseline_repeats}`",
-        "on a 2-core machine: `ray.cluster_utils.Cluster`, CPU-less head + 3 worker nodes of 1",
-        "logical CPU; gpt (2 layers, 32 wide, seq 32), global batch 24, DDP, checkpoint every 5",
-        f"steps, min 1 / max 3 workers. elastrain grow interval {GROW_INTERVAL_S:g} s; Ray Train",
-        "resize monitor interval 5 s, other settings default. Medians; times end at the wall clock",
-        "of the first optimizer step after the event.",
+        f"`python bench/elastic_bench.py --repeats {args.repeats} --baseline-repeats "
+        f"{args.baseline_repeats}` on a 2-core machine: `ray.cluster_utils.Cluster`, CPU-less",
+        f"head + {WORKERS} worker nodes of 1 logical CPU; gpt (2 layers, 32 wide, seq 32),",
+        "global batch 24, DDP, checkpoint every 5 steps, min 1 / max 3 workers. elastrain grow",
+        f"interval {GROW_INTERVAL_S:g} s, 1 warm process per node; Ray Train resize monitor",
+        "interval 5 s, other settings default; torchrun `--standalone --nproc_per_node 3`, no",
+        "Ray. Medians of the trials, side by side in one run; times end at the wall clock of",
+        "the first optimizer step after the event.",
         "",
-        "| | elastrain | Ray Train elastic |",
-        "| --- | ---: | ---: |",
-        f"| node removed -> first step after resume (s) | {a['loss_to_step_s']:.1f} | {b['loss_to_step_s']:.1f} |",
-        f"| node added -> first step at the bigger size (s) | {a['add_to_step_s']:.1f} | {b['add_to_step_s']:.1f} |",
-        f"| steps recomputed per failure | {a['recomputed_steps']:.0f} | {b['recomputed_steps']:.0f} |",
-        f"| world size after loss / after return | {a['world_after_loss']:.0f} / {a['world_after_add']:.0f} "
-        f"| {b['world_after_loss']:.0f} / {b['world_after_add']:.0f} |",
+        "| | elastrain | Ray Train elastic | torchrun |",
+        "| --- | ---: | ---: | ---: |",
+        row("submit -> first optimizer step (s)", "submit_to_step_s", torchrun=True),
+        row("node removed -> first step after resume (s)", "loss_to_step_s"),
+        row("node added -> first step at the bigger size (s)", "add_to_step_s"),
+        row("node joined -> grow decision (s)", "join_to_decision_s", ray_train=False),
+        row(
+            "grow decision -> first step at the bigger size (s)",
+            "decision_to_step_s",
+            ray_train=False,
+        ),
+        row("steps recomputed per node loss", "recomputed_steps", ".0f"),
+        f"| world size after loss / after return | {median(ours, 'world_after_loss'):.0f} / "
+        f"{median(ours, 'world_after_add'):.0f} | {median(theirs, 'world_after_loss'):.0f} / "
+        f"{median(theirs, 'world_after_add'):.0f} | — |",
+        "",
+        f"elastrain's submit -> first step: {first_submit:.1f} s for the service's first job, "
+        f"{statistics.median(later_submits):.1f} s (median) for a job submitted after the "
+        "previous one ended.",
+        "",
+        "## Where the seconds go (elastrain timelines, median seconds per phase)",
+        "",
+        "Each phase's seconds since the previous one, from the `timeline` event every attempt",
+        "records (`elastrain events JOB`). A start's clock starts at submission, a recovery's",
+        "when the scheduler saw the node gone, a resize's when the old attempt stopped.",
+        "",
+        *timeline_table(timelines),
         "",
         "Every trial (elastrain):",
         "",
@@ -309,12 +419,19 @@ def main() -> None:
         "",
         *[f"- {t}" for t in theirs],
         "",
-        "## Loss curve: node lost at step ~12, node back later, vs an uninterrupted run",
+        "Every trial (torchrun):",
         "",
-        "| step | interrupted | uninterrupted | world size (interrupted) |",
-        "| ---: | ---: | ---: | ---: |",
-        *[f"| {s} | {x:.5f} | {y:.5f} | {w} |" for s, x, y, w in curves],
+        *[f"- {t}" for t in bare],
+        "",
     ]
+    if curves:
+        lines += [
+            "## Loss curve: node lost at step ~12, node back later, vs an uninterrupted run",
+            "",
+            "| step | interrupted | uninterrupted | world size (interrupted) |",
+            "| ---: | ---: | ---: | ---: |",
+            *[f"| {s} | {x:.5f} | {y:.5f} | {w} |" for s, x, y, w in curves],
+        ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -216,7 +216,9 @@ def set_job_state(
     job.state = to_state
     job.state_reason = reason
     job.world_size = after
-    if to_state == JobState.RUNNING and job.started_at is None:
+    # A job short enough to finish between two scheduler passes goes from STARTING straight
+    # to SUCCEEDED: it trained all the same.
+    if to_state in (JobState.RUNNING, JobState.SUCCEEDED) and job.started_at is None:
         job.started_at = now
     if to_state.is_terminal:
         job.finished_at = now

@@ -52,7 +52,15 @@ from checkpoints.catalog import find_latest_good
 from checkpoints.integrity import describe_files
 from checkpoints.layout import DCP_METADATA_NAME, step_dir
 from checkpoints.manifest import Manifest, read_manifest, write_manifest
-from contracts.messages import DriverStatus, WorkerError
+from contracts.messages import (
+    DriverStatus,
+    EventKind,
+    Phase,
+    StepMetrics,
+    Timeline,
+    TimelineMark,
+    WorkerError,
+)
 from contracts.spec import JobSpec, StrategyKind
 from contracts.storage import JobStorage
 from service import observe
@@ -80,6 +88,14 @@ END_MARGIN_S = 8.0
 QUEUE_S = 3.0
 LAUNCH_S = 6.0
 FIRST_STEP_S = 2.5
+#: Where the launch's seconds go (`LAUNCH_S`): each phase of an attempt's start, reached
+#: this many seconds after the worker group began to come up (its timeline).
+LAUNCH_PHASES = (
+    (Phase.OLD_GROUP_STOPPED, 0.1),
+    (Phase.PLACED, 0.4),
+    (Phase.PROCESSES_UP, 3.9),
+    (Phase.GROUP_FORMED, 5.6),
+)
 
 #: The elastic story: the node holding ranks 2 and 3 dies after this step...
 LOST_AT = 137
@@ -366,6 +382,7 @@ class _Run:
                 job.below_min_since = moved_opt(job.below_min_since)
             for ev in s.scalars(select(Event).where(Event.job_id.in_(ids))):
                 ev.at = moved(ev.at)
+                _shift_timeline(ev, offset)  # its marks were taken in simulated seconds
             for att in s.scalars(select(Attempt).where(Attempt.job_id.in_(ids))):
                 att.started_at = moved(att.started_at)
                 att.ended_at = moved_opt(att.ended_at)
@@ -405,6 +422,13 @@ def _at(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, timezone.utc)
 
 
+def _shift_timeline(ev: Event, seconds: float) -> None:
+    """Move the phase times (epoch seconds) of a timeline event by `seconds`."""
+    if ev.kind == EventKind.TIMELINE and ev.details:
+        phases = [{**p, "at": p["at"] + seconds} for p in ev.details["phases"]]
+        ev.details = {**ev.details, "phases": phases}
+
+
 # ---------------------------------------------------------------------------------------
 # One job: the driver's and workers' side of its attempts
 # ---------------------------------------------------------------------------------------
@@ -424,6 +448,10 @@ class _Play:
         self.first_step = 1
         self.nodes: list[str] = []
         """The node of each rank of the current attempt, once placed."""
+        self._held: list[str] = []
+        """The nodes of the previous attempt's ranks (processes holding the job's state)."""
+        self._marks: list[TimelineMark] = []
+        """The current attempt's timeline so far (sent with its first step)."""
         self._run: _Run | None = None
         self._last_pass = 0.0
 
@@ -450,7 +478,9 @@ class _Play:
             self.attempt = job.attempt
             self.world_size = self.driver.request.world_size
             self.step = 0
-            self.nodes = []
+            self._held, self.nodes = self.nodes, []
+            self._marks = []
+            self._mark(Phase.DETECTED, detail=self.driver.request.cause)
 
     def _pass(self) -> Job:
         self.sim.run_pass(self.run)
@@ -491,6 +521,13 @@ class _Play:
         dp, pp = self._layout()
         training = self.spec.training
         accum = max(1, training.global_batch_size // (dp * training.micro_batch_size))
+        start = self.run.now()
+        held = sum(min(ranks.count(n), self._held.count(n)) for n in set(ranks))
+        for phase, after in LAUNCH_PHASES:
+            detail = ""
+            if phase == Phase.PLACED:
+                detail = f"{len(ranks)} processes: {held} warm, {held} holding the job's state"
+            self._mark(phase, at=start + after, detail=detail)
         self.run.advance(LAUNCH_S)
         self._log(
             f"job {self.job_id} attempt {self.attempt}: {self.spec.strategy.kind.value} "
@@ -503,6 +540,8 @@ class _Play:
             driver.resume(info.step, path=str(info.path), saved_world_size=info.world_size)
             self.step = info.step
             self._log(f"resumed from {info.path} at step {info.step}")
+        restored = f"checkpoint step {info.step}" if info is not None else "fresh start"
+        self._mark(Phase.STATE_RESTORED, detail=restored)
         self.first_step = self.step + 1
         self._pass()
         self.run.advance(FIRST_STEP_S)
@@ -569,6 +608,22 @@ class _Play:
     def _log(self, message: str) -> None:
         self.run.log(self.job_id, self.attempt, message)
 
+    def _mark(self, phase: Phase, *, at: float | None = None, detail: str = "") -> None:
+        """A phase of the attempt's start reached (at the run's time: simulated seconds,
+        moved with the other timestamps afterwards)."""
+        at = self.run.now() if at is None else at
+        self._marks.append(TimelineMark(phase=phase, at=at, detail=detail))
+
+    def _send_timeline(self) -> None:
+        """The first step is done: the driver sends the attempt's timeline, right after
+        rank 0's point of that step (as `service.launcher.driver` orders them)."""
+        driver = self.driver
+        self._mark(Phase.FIRST_STEP)
+        for point in driver.metrics:
+            driver._send(StepMetrics.from_point(point))
+        driver.metrics = []
+        driver._send(Timeline(cause=driver.request.cause, marks=tuple(self._marks)))
+
     def _do_step(self, *, reason: str = "scheduled") -> None:
         step = self.step + 1
         training = self.spec.training
@@ -593,6 +648,8 @@ class _Play:
             }
         )
         self.step = step
+        if step == self.first_step:
+            self._send_timeline()
         if step % LOG_EVERY_STEPS == 0 or step == self.first_step:
             self._log(f"step {step} loss {loss:.4f} ({dt:.3f}s)")
         every = self.spec.checkpoint.every_steps
@@ -770,6 +827,7 @@ def backdate(srv: ServerHandle, job_id: int, seconds: float) -> None:
                 setattr(job, attr, getattr(job, attr) - delta)
         for ev in s.scalars(select(Event).where(Event.job_id == job_id)):
             ev.at = ev.at - delta
+            _shift_timeline(ev, -seconds)
         for att in s.scalars(select(Attempt).where(Attempt.job_id == job_id)):
             att.started_at = att.started_at - delta
             if att.ended_at is not None:

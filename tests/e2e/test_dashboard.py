@@ -152,6 +152,69 @@ def test_job_page_draws_real_metrics(page: Any, server: ServerHandle, story: see
     assert requests and all(u.startswith(server.url) or u.startswith("data:") for u in requests)
 
 
+def test_job_page_shows_starts_and_recoveries(
+    page: Any, server: ServerHandle, story: seed.Story
+) -> None:
+    with server.http() as client:
+        events = client.get(f"/v1/jobs/{story.job_id}/events").json()
+    timelines = [e for e in events if e["kind"] == "timeline"]
+    # The story's three attempts: submitted, relaunched after the node loss, grown back.
+    assert [t["details"]["cause"] for t in timelines] == ["submitted", "node lost", "resize"]
+    open_dashboard(page, server, f"/jobs/{story.job_id}")
+    rows = page.locator("#starts-table tbody tr[data-attempt]")
+    page.wait_for_function(
+        "() => document.querySelectorAll('#starts-table tbody tr[data-attempt]').length === 3"
+    )
+    assert [r.get_attribute("data-attempt") for r in rows.all()] == ["3", "2", "1"]  # newest first
+    heading = page.locator("#starts-table").evaluate(
+        "t => document.getElementById(t.closest('section').getAttribute('aria-labelledby'))"
+        ".textContent"
+    )
+    assert heading == "Starts and recoveries"
+
+    recovery = page.locator("#starts-table tr[data-attempt='2']")
+    details = timelines[1]["details"]
+    assert recovery.locator("td.cause").inner_text() == "node lost"
+    assert recovery.locator("td.total").inner_text() == f"{details['total_s']:.2f} s"
+    # Where the state came from: the checkpoint the relaunched group resumed from.
+    assert recovery.locator("td.restored").inner_text() == "checkpoint step 125"
+    assert page.locator("#starts-table tr[data-attempt='1'] td.restored").inner_text() == (
+        "fresh start"
+    )
+    assert page.locator("#starts-table tr[data-attempt='3'] td.cause").inner_text() == "resize"
+
+    # A segment per phase after detection, titled, as wide as its seconds.
+    segs = recovery.locator(".phase-bar .seg").evaluate_all(
+        "els => els.map(e => [e.title, e.getBoundingClientRect().width])"
+    )
+    phases = [p for p in details["phases"] if p["phase"] != "detected"]
+    assert [t.split(":")[0] for t, _ in segs] == [p["phase"].replace("_", " ") for p in phases]
+    placed = next(p for p in phases if p["phase"] == "placed")
+    assert f"placed: {placed['seconds']:.2f} s — {placed['detail']}" in [t for t, _ in segs]
+    widths = {t.split(":")[0]: w for t, w in segs}
+    seconds = {p["phase"].replace("_", " "): p["seconds"] for p in phases}
+    assert widths["processes up"] / widths["group formed"] == pytest.approx(
+        seconds["processes up"] / seconds["group formed"], rel=0.05
+    )
+    assert "state restored: " in recovery.locator(".phase-bar").get_attribute("aria-label")
+
+    # The world-size chart marks each attempt's first step, where its start ended.
+    world = page.evaluate("() => window.__elastrain.charts.world.data")
+    labels = page.evaluate("() => window.__elastrain.charts.world.plot.series.map(s => s.label)")
+    marks = world[labels.index("first step (timeline)")]
+    at = [world[0][i] for i, v in enumerate(marks) if v is not None]
+    assert at == pytest.approx([t["details"]["phases"][-1]["at"] for t in timelines])
+    assert [v for v in marks if v is not None] == [4, 2, 4]
+    assert page.locator("#events-table tr[data-kind='first_step']").count() == 3
+
+    # A job that has not started yet says so.
+    pending = server.submit(seed.spec("no-starts-yet"))["id"]
+    open_dashboard(page, server, f"/jobs/{pending}")
+    wait_text(page, "#starts-table tbody", "No starts recorded yet")
+    with server.http() as client:
+        client.post(f"/v1/jobs/{pending}/cancel").raise_for_status()
+
+
 def test_job_page_appends_new_points(page: Any, server: ServerHandle) -> None:
     job_id = seed.running_job(server, name="append", step=30, max_steps=100)
     open_dashboard(page, server, f"/jobs/{job_id}")

@@ -156,3 +156,34 @@ def test_url_from_environment(server, monkeypatch: pytest.MonkeyPatch) -> None: 
     url, _ = server
     result = CliRunner().invoke(app, ["list"], env={"ELASTRAIN_URL": url})
     assert result.exit_code == 0, result.output
+
+
+def test_timeline_shows_each_phase_of_each_attempt(cli, tmp_path: Path, server) -> None:  # type: ignore[no-untyped-def]
+    from contracts.messages import DriverReport, DriverStatus, Phase, Timeline, TimelineMark
+    from service import jobs, reports
+    from service.db import make_engine, make_session_factory, session_scope
+
+    job_id = _submit(cli, tmp_path, name="timeline")
+    marks = tuple(
+        TimelineMark(phase=phase, at=1000.0 + i * 0.25, detail="peer memory at step 7" * (i == 5))
+        for i, phase in enumerate(Phase)
+    )
+    _, settings = server
+    sessions = make_session_factory(make_engine(settings.database_url))
+    with session_scope(sessions) as session:
+        job = jobs.get_job(session, job_id, for_update=True)
+        jobs.start_attempt(session, job, world_size=2, driver_name="d")
+        report = DriverReport(
+            status=DriverStatus.RUNNING, messages=(Timeline(cause="node lost", marks=marks),), seq=1
+        )
+        reports.persist_report(session, job, report)
+
+    events = cli("events", str(job_id))
+    assert "node lost -> first step in 1.50s" in events.stdout, events.stdout
+    result = cli("timeline", str(job_id))
+    assert result.exit_code == 0, result.output
+    header, *rows = result.stdout.strip().splitlines()
+    assert header.split() == ["ATTEMPT", "CAUSE", "PHASE", "SECONDS", "SINCE_START", "DETAIL"]
+    assert [r.split()[3] for r in rows] == [p.value for p in Phase]
+    assert rows[-1].split()[-2:] == ["0.25", "1.50"]
+    assert "peer memory at step 7" in rows[5]

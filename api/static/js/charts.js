@@ -9,6 +9,8 @@ export function classifyEvent(ev) {
   const kind = String(ev.kind || "transition").toLowerCase();
   const reason = String(ev.reason || "").toLowerCase();
   const nodeLoss = /node[\s_-]*(lost|loss|died|dead|down|removed|failure|failed)|lost (a )?node/;
+  // Before the reason tests: a timeline's reason names its cause ("node lost -> ...").
+  if (kind === "timeline") return "first_step";
   if (kind !== "transition") {
     if (nodeLoss.test(kind) || nodeLoss.test(reason)) return "node_lost";
     if (/resiz|scale|grow|shrink/.test(kind)) return "resize";
@@ -28,7 +30,18 @@ export const MARKERS = {
   resize: { label: "resize", cssVar: "--c-warn" },
   resume: { label: "resume", cssVar: "--c-good" },
   checkpoint: { label: "checkpoint", cssVar: "--c-info" },
+  first_step: {
+    label: "first step (timeline)", cssVar: "--accent-2", ring: true,
+    hint: "Where a start or recovery ended: the attempt's first step (see Starts and recoveries)",
+  },
 };
+
+/** When a timeline event's attempt made its first step (epoch seconds), else null. */
+export function firstStepAt(ev) {
+  const phases = (ev.details && ev.details.phases) || [];
+  const last = phases[phases.length - 1];
+  return last && last.phase === "first_step" && Number.isFinite(last.at) ? last.at : null;
+}
 
 function cssVar(name) {
   return getComputedStyle(document.documentElement).getPropertyValue(name).trim() || "#888";
@@ -192,7 +205,8 @@ function num(v) {
 
 /**
  * World size over wall-clock time, stepped, with a points-only series per marker type
- * (node lost, failure, resize, resume, checkpoint) so each has a legend entry and hover value.
+ * (node lost, failure, resize, resume, checkpoint, first step) so each has a legend entry
+ * and hover value.
  */
 export class WorldSizeChart {
   constructor(box, { id = "world" } = {}) {
@@ -236,7 +250,10 @@ export class WorldSizeChart {
           fill: cssVar(MARKERS[t].cssVar),
           width: 0,
           paths: () => null,
-          points: { show: true, size: 9, width: 1, fill: cssVar(MARKERS[t].cssVar) },
+          // A ring (around the resume dot that a first step usually shares its time with).
+          points: MARKERS[t].ring
+            ? { show: true, size: 14, width: 2, fill: "transparent" }
+            : { show: true, size: 9, width: 1, fill: cssVar(MARKERS[t].cssVar) },
           value: (u, v) => (v == null ? "" : "●"),
         })),
       ],
@@ -250,14 +267,18 @@ export class WorldSizeChart {
 
   /**
    * events: API events; checkpoints: API checkpoints; job: the job (for "now").
-   * Points are (time, world size in effect); markers sit on the line at their time.
+   * Points are (time, world size in effect); markers sit on the line at their time. A
+   * timeline's marker sits at its first step (where the start or recovery ended), not at
+   * when it was stored, and leaves the line to the transitions.
    */
   update(events, checkpoints, job, toSec) {
     const rows = [];
     for (const ev of events) {
-      const t = toSec(ev.at);
+      const type = classifyEvent(ev);
+      const first = type === "first_step" ? firstStepAt(ev) : null;
+      const t = toSec(first ?? ev.at);
       if (t === null) continue;
-      rows.push({ t, ws: ev.world_size_after ?? null, type: classifyEvent(ev) });
+      rows.push({ t, ws: first === null ? ev.world_size_after ?? null : null, type });
     }
     for (const c of checkpoints) {
       const t = toSec(c.committed_at);
@@ -304,5 +325,6 @@ function clock(t) {
 /** The marker colour key shown under the charts. */
 export function markerKey(types = Object.keys(MARKERS)) {
   return h("ul", { class: "marker-key", "aria-label": "Marker colours" },
-    ...types.map((t) => h("li", {}, h("span", { class: `swatch swatch-${t}`, "aria-hidden": "true" }), MARKERS[t].label)));
+    ...types.map((t) => h("li", { title: MARKERS[t].hint },
+      h("span", { class: `swatch swatch-${t}`, "aria-hidden": "true" }), MARKERS[t].label)));
 }

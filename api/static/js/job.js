@@ -1,5 +1,5 @@
-// The job page (#/jobs/ID): live curves, world size with markers, the event timeline,
-// checkpoints, a log tail and the spec; Cancel and "Checkpoint now". Metrics are fetched
+// The job page (#/jobs/ID): live curves, world size with markers, where each start or
+// recovery spent its seconds, the event timeline, checkpoints, a log tail and the spec; Cancel and "Checkpoint now". Metrics are fetched
 // incrementally (since_step) and appended to the charts; the rest is re-read each poll.
 
 import { api } from "./api.js";
@@ -12,6 +12,8 @@ import {
 const POLL_MS = 2000;
 const POLL_DONE_MS = 10000;
 const LOG_KEEP_CHARS = 256 * 1024;
+// The phases of a start after its detection (contracts.messages.Phase), in order.
+const PHASES = ["old_group_stopped", "placed", "processes_up", "group_formed", "state_restored", "first_step"];
 
 export function mount(main, { match }) {
   const id = Number(match[1]);
@@ -61,6 +63,7 @@ class JobView {
     this.chartBoxes = { lossBox, tputBox, worldBox };
 
     this.eventsBody = h("tbody");
+    this.startsBody = h("tbody");
     this.ckptBody = h("tbody");
     this.logPre = h("pre", { class: "log", id: "job-log", tabindex: "0", "aria-label": "Log tail" });
     this.logFollow = h("input", { type: "checkbox", id: "log-follow", checked: true });
@@ -87,6 +90,14 @@ class JobView {
       h("section", { class: "panel", "aria-labelledby": "h-world" },
         h("div", { class: "panel-head" }, h("h2", { id: "h-world" }, "World size over time"), markerKey()),
         worldBox),
+      h("section", { class: "panel", "aria-labelledby": "h-starts" },
+        h("div", { class: "panel-head" }, h("h2", { id: "h-starts" }, "Starts and recoveries"),
+          h("ul", { class: "marker-key", "aria-label": "Phase colours" }, ...PHASES.map((p) => h("li", {},
+            h("span", { class: `swatch seg-${p}`, "aria-hidden": "true" }), phaseName(p))))),
+        h("div", { class: "table-wrap" }, h("table", { class: "starts", id: "starts-table" },
+          h("thead", {}, h("tr", {}, ...["Attempt", "Cause", "Took", "Phases", "State from"]
+            .map((c) => h("th", { scope: "col", class: c === "Phases" ? "col-phases" : null }, c)))),
+          this.startsBody))),
       h("section", { class: "panel", "aria-labelledby": "h-events" },
         h("div", { class: "panel-head" }, h("h2", { id: "h-events" }, "Events")),
         h("div", { class: "table-wrap" }, h("table", { class: "events", id: "events-table" },
@@ -277,6 +288,7 @@ class JobView {
     this.stepMarks = [...byStep].map(([x, type]) => ({ x, type }));
     this.lossChart.redraw();
     this.tputChart.redraw();
+    this.renderStarts(events.filter((e) => e.kind === "timeline"));
     if (!events.length) { this.eventsBody.replaceChildren(emptyRow(6, "No events yet.")); return; }
     // Newest first: the timeline is read from what just happened.
     this.eventsBody.replaceChildren(...[...events].reverse().map((e) => {
@@ -298,6 +310,27 @@ class JobView {
         h("td", { class: "num" }, ws),
         h("td", { class: "num" }, e.attempt),
         h("td", { class: "num" }, e.step ?? "—"));
+    }));
+  }
+
+  /** One row per attempt's timeline, newest first; bars share one scale (the slowest). */
+  renderStarts(timelines) {
+    if (!timelines.length) { this.startsBody.replaceChildren(emptyRow(5, "No starts recorded yet")); return; }
+    const scale = Math.max(...timelines.map((e) => Number(e.details?.total_s) || 0)) || 1;
+    this.startsBody.replaceChildren(...[...timelines].reverse().map((e) => {
+      const d = e.details || {};
+      const phases = (d.phases || []).filter((p) => p.phase !== "detected");
+      const said = (p) => `${phaseName(p.phase)}: ${Number(p.seconds).toFixed(2)} s${p.detail ? ` — ${p.detail}` : ""}`;
+      const restored = phases.find((p) => p.phase === "state_restored");
+      return h("tr", { "data-attempt": d.attempt ?? e.attempt },
+        h("td", { class: "num" }, d.attempt ?? e.attempt),
+        h("td", { class: "cause" }, d.cause ?? "—"),
+        h("td", { class: "num total", title: e.reason }, `${Number(d.total_s ?? 0).toFixed(2)} s`),
+        h("td", {}, h("div", { class: "phase-bar", role: "img", "aria-label": phases.map(said).join("; ") },
+          ...phases.filter((p) => p.seconds > 0).map((p) => h("span", {
+            class: `seg seg-${p.phase}`, title: said(p), style: `width:${((100 * p.seconds) / scale).toFixed(2)}%`,
+          })))),
+        h("td", { class: "restored" }, restored?.detail || "—"));
     }));
   }
 
@@ -395,6 +428,10 @@ class JobView {
     this.tputChart.destroy();
     this.worldChart.destroy();
   }
+}
+
+function phaseName(phase) {
+  return String(phase).replaceAll("_", " ");
 }
 
 function strategyText(spec) {

@@ -187,11 +187,15 @@ _CAUSES = {
 
 def _start_cause(session: Session, job: Job) -> tuple[str, float]:
     """Why the job's next attempt starts, and since when (its timeline's first mark): the
-    end of the previous attempt, or the submission."""
+    submission, the end of the previous attempt (node lost, failed), or the grow decision."""
     previous = jobs.current_attempt(session, job)
     if previous is None or previous.ended_at is None:
         return "submitted", _timestamp(job.created_at)
-    return _CAUSES.get(previous.outcome or "", "restart"), _timestamp(previous.ended_at)
+    cause = _CAUSES.get(previous.outcome or "", "restart")
+    # A resize starts when it was decided: the old attempt's checkpoint-and-stop is part
+    # of what it costs.
+    decided = jobs.last_entered(session, job, JobState.RESIZING) if cause == "resize" else None
+    return cause, _timestamp(decided or previous.ended_at)
 
 
 def _timestamp(moment: datetime) -> float:

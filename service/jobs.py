@@ -361,6 +361,16 @@ def request_stop(session: Session, job: Job) -> None:
         row.stop_requested = True
 
 
+def last_entered(session: Session, job: Job, state: JobState) -> datetime | None:
+    """When the job last moved to `state` (None: never)."""
+    return session.scalars(
+        select(Event.at)
+        .where(Event.job_id == job.id, Event.to_state == state.value)
+        .order_by(Event.id.desc())
+        .limit(1)
+    ).first()
+
+
 def current_attempt(session: Session, job: Job) -> Attempt | None:
     return session.scalars(
         select(Attempt).where(Attempt.job_id == job.id, Attempt.number == job.attempt)

@@ -73,12 +73,20 @@ class WorkerProcess:
 
     def __init__(self, name: str) -> None:
         # The imports are the point: paid once, when the process starts, not per attempt.
+        # torch._dynamo alone is 1.7 s here: DistributedDataParallel imports it lazily, on
+        # its first construction, which would otherwise land in the first attempt.
         import torch
+        import torch._dynamo
+        import torch.distributed.fsdp
+        import torch.distributed.pipelining
 
         import checkpoints.dcp  # noqa: F401
         import workers.loop
         import workers.workloads  # noqa: F401
         from workers.memory import ReplicaMemory
+        from workers.workloads.gpt import load_corpus
+
+        load_corpus()  # the built-in corpus, parsed once per process
 
         torch.set_num_threads(1)
         self.name = name

@@ -9,12 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from contracts.messages import DriverStatus
 from contracts.spec import JobSpec
 from service import jobs, reports
 from service.db import make_engine, make_session_factory, migrate, session_scope
 from service.launcher.fake import FakeLauncher
+from service.models import Attempt
 from service.scheduler import Scheduler
 from service.settings import Settings
 from service.states import JobState
@@ -162,6 +164,25 @@ def test_node_loss_recovers_smaller_then_grows_back(env) -> None:
     sched.run_pass()
     j = job(factory, jid)
     assert (j.state, j.world_size, j.restarts) == (JobState.RUNNING, 3, 0)
+    # Each launch says why it starts and since when (its timeline's first mark): the
+    # submission, the end of the attempt that lost its node, the grow decision (before the
+    # old attempt had checkpointed and stopped). Released attempts keep their processes'
+    # state for the next one: the job goes on.
+    causes = [(r.cause, r.detected_at) for r in launcher.launches]
+    assert [c for c, _ in causes] == ["submitted", "node lost", "resize"]
+    with session_scope(factory) as s:
+        rows = s.scalars(select(Attempt).where(Attempt.job_id == jid)).all()
+        ended = {a.number: a.ended_at for a in rows}
+        resizing = jobs.last_entered(s, jobs.get_job(s, jid), JobState.RESIZING)
+    assert resizing is not None and causes[2][1] == _epoch(resizing) < _epoch(ended[2])
+    assert causes[1][1] == _epoch(ended[1])
+    assert [final for _, final in launcher.releases] == [False, False]
+
+
+def _epoch(moment) -> float:  # type: ignore[no-untyped-def]
+    from datetime import timezone
+
+    return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
 
 
 def test_below_min_waits_then_fails_after_timeout(env) -> None:
@@ -244,6 +265,7 @@ def test_cancel_running_job_kills_driver_and_frees_capacity(env) -> None:
     sched.run_pass()
     assert job(factory, a).state == JobState.CANCELLED
     assert launcher.driver(a).killed
+    assert launcher.releases == [((a, 1), True)]  # the job ended: nothing worth keeping
     assert job(factory, b).state == JobState.STARTING
 
 

@@ -1,0 +1,88 @@
+"""The runtime's pure choices: which process takes a rank, how many to keep warm, which
+error explains a failed attempt."""
+
+from __future__ import annotations
+
+import pytest
+
+from contracts.group import HeldState, WorkerInfo
+from contracts.messages import WorkerError
+from service.launcher.driver import cause_of
+from service.launcher.pool import PooledWorker, choose_worker, warm_target
+
+
+def worker(name: str, *, held: tuple[int, int] | None = None, busy: bool = False,
+           started: bool = True) -> PooledWorker:  # fmt: skip
+    state = None
+    if held is not None:
+        state = HeldState(job_id=held[0], step=held[1], world_size=2, full_replica=True)
+    info = WorkerInfo(name=name, node_id="n", pid=1, address="a", busy=busy, held=state)
+    return PooledWorker(name=name, handle=None, node_id="n", info=info if started else None,
+                        busy=busy)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("candidates", "expected"),
+    [
+        pytest.param([], None, id="none"),
+        pytest.param(
+            [worker("a", busy=True), worker("b", started=False)],
+            None,
+            id="busy-and-starting-are-not-candidates",
+        ),
+        pytest.param(
+            [worker("other", held=(9, 50)), worker("empty")],
+            "empty",
+            id="an-empty-process-before-another-jobs-state",
+        ),
+        pytest.param(
+            [worker("empty"), worker("old", held=(7, 10)), worker("new", held=(7, 20))],
+            "new",
+            id="the-newest-state-of-this-job-first",
+        ),
+        pytest.param(
+            [worker("other", held=(9, 50))], "other", id="another-jobs-process-when-nothing-else"
+        ),
+        pytest.param(
+            [worker("new", held=(7, 20), busy=True), worker("old", held=(7, 10))],
+            "old",
+            id="a-busy-holder-is-not-taken",
+        ),
+    ],
+)
+def test_choose_worker(candidates: list[PooledWorker], expected: str | None) -> None:
+    chosen = choose_worker(candidates, job_id=7)
+    assert (chosen.name if chosen else None) == expected
+
+
+@pytest.mark.parametrize(
+    ("node_cpus", "busy", "per_node", "expected"),
+    [
+        (1, 0, 2, 1),  # never more processes than CPUs
+        (1, 1, 2, 0),  # the one CPU is busy
+        (4, 1, 2, 2),
+        (4, 3, 2, 1),
+        (0.5, 0, 2, 1),  # a fractional CPU still runs one
+        (8, 0, 0, 0),  # warm pool off
+    ],
+)
+def test_warm_target(node_cpus: float, busy: int, per_node: int, expected: int) -> None:
+    assert warm_target(node_cpus=node_cpus, busy=busy, per_node=per_node) == expected
+
+
+ECHO = WorkerError(type="RuntimeError", message="Connection closed by peer [10.0.0.2]:1234", rank=0)
+OWN = WorkerError(type="ValueError", message="bad batch", rank=1)
+DIED = WorkerError(type="WorkerDied", message="the process of rank 2 died", rank=2)
+
+
+@pytest.mark.parametrize(
+    ("errors", "expected"),
+    [
+        ([ECHO, DIED], DIED),  # a dead process explains its peers' broken collectives
+        ([ECHO, OWN], OWN),  # a real error before an echo of it
+        ([ECHO], ECHO),  # nothing better
+        ([OWN, DIED], DIED),
+    ],
+)
+def test_cause_of(errors: list[WorkerError], expected: WorkerError) -> None:
+    assert cause_of(errors) == expected

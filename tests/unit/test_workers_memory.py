@@ -1,0 +1,94 @@
+"""A group that lost a rank resumes from the survivors' memory: no checkpoint read, no step
+lost, the same curve. Real processes and gloo groups: three ranks train, the group breaks
+up, two of the same processes form a new group and go on (as the runtime does after a
+node loss), with the checkpoint folder deleted so that memory is the only source."""
+
+from __future__ import annotations
+
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from contracts.messages import RestoreSource
+from tests.unit.dist_utils import free_port, run_distributed
+from tests.unit.test_workers_train import STEPS, make_spec
+from workers.api import Control, NullHooks, TrainContext
+
+
+def _regroup(rank: int, world_size: int, port: int) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                          timeout=timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+
+
+def survive(rank: int, world_size: int, root: str, ports: list[int]) -> Any:
+    from workers.loop import train
+    from workers.memory import ReplicaMemory
+
+    spec = make_spec("ddp", every=100)
+
+    def ctx(job_id: int, attempt: int, ws: int) -> TrainContext:
+        return TrainContext(rank=rank, world_size=ws, local_rank=rank, device=torch.device("cpu"),
+                            job_id=job_id, attempt=attempt,
+                            checkpoint_root=Path(root) / f"job{job_id}")  # fmt: skip
+
+    steady = NullHooks()
+    train(ctx(2, 1, world_size), spec, steady)  # the reference: never interrupted
+
+    memory = ReplicaMemory()
+    first = NullHooks(controls=[Control.NONE, Control.NONE, Control.STOP])
+    train(ctx(1, 1, world_size), spec, first, memory)  # stops after step 3
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(Path(root) / "job1")  # no checkpoint left: only memory can resume it
+    held = memory.describe()
+    dist.barrier()
+    after = None
+    if rank < 2:  # rank 2's node is "lost"; 0 and 1 go on in a new group, same processes
+        _regroup(rank, 2, ports[0])
+        after = NullHooks()
+        train(ctx(1, 2, 2), spec, after, memory)
+    _regroup(rank, world_size, ports[1])  # dist_utils ends with a barrier of all three
+    return {"held": held, "steady": steady, "first": first, "after": after}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("memory")
+    results = run_distributed(survive, 3, str(root), [free_port(), free_port()], timeout_s=600)
+    return {"rank0": results[0], "rank1": results[1], "root": root}
+
+
+def test_survivors_hold_the_step_they_stopped_at(run: dict[str, Any]) -> None:
+    for rank in ("rank0", "rank1"):
+        held = run[rank]["held"]
+        assert (held.job_id, held.step, held.world_size, held.full_replica) == (1, 3, 3, True)
+
+
+def test_the_new_group_resumes_from_memory_without_a_checkpoint(run: dict[str, Any]) -> None:
+    after = run["rank0"]["after"]
+    resumed = after.resumed
+    assert resumed is not None
+    assert (resumed.source, resumed.step, resumed.path) == (RestoreSource.PEER, 3, "")
+    assert (resumed.saved_world_size, resumed.world_size) == (3, 2)
+    # Rank 0's metric points travel with the state, like those saved with a checkpoint.
+    assert [m.step for m in resumed.metrics] == [1, 2, 3]
+    assert not any(e.event.value == "checkpoint_fallback" for e in after.events)
+
+
+def test_no_step_is_lost_and_the_curve_is_the_same(run: dict[str, Any]) -> None:
+    steady = {m.step: m.values for m in run["rank0"]["steady"].metrics}
+    first = {m.step: m.values for m in run["rank0"]["first"].metrics}
+    after = {m.step: m.values for m in run["rank0"]["after"].metrics}
+    assert sorted(first) == [1, 2, 3] and sorted(after) == list(range(4, STEPS + 1))
+    for step, values in {**first, **after}.items():
+        assert values["batch_crc"] == steady[step]["batch_crc"]
+        assert values["loss"] == pytest.approx(steady[step]["loss"], rel=2e-4)
+    assert {v["world_size"] for v in after.values()} == {2}

@@ -219,7 +219,33 @@ def _wait(predicate, timeout: float, what: str) -> Any:  # type: ignore[no-untyp
     raise TimeoutError(what)
 
 
-def baseline_trial(nodes: Nodes, folder: Path) -> dict[str, float]:
+#: A baseline phase that takes longer counts as "did not finish" (inf), and the trial ends.
+BASELINE_TIMEOUT_S = 300.0
+NOT_MEASURED = {"world_after_loss": 0.0, "world_after_add": 0.0}
+
+
+def baseline_trial(folder: Path) -> dict[str, float]:
+    """One Ray Train trial on a fresh cluster (a trainer stuck in an earlier trial must not
+    hold the next one's resources)."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = Nodes(cluster)
+    for _ in range(WORKERS):
+        nodes.add(1)
+    ray.init(address=cluster.address)
+    result = {k: float("inf") for k in ("submit_to_step_s", "loss_to_step_s", "add_to_step_s",
+                                         "recomputed_steps")} | NOT_MEASURED  # fmt: skip
+    try:
+        _baseline_run(nodes, folder, result)
+    except TimeoutError as exc:
+        print("ray-train: no", exc, f"within {BASELINE_TIMEOUT_S:g} s", flush=True)
+    finally:
+        (folder / "stop").touch()
+        ray.shutdown()
+        cluster.shutdown()
+    return result
+
+
+def _baseline_run(nodes: Nodes, folder: Path, result: dict[str, float]) -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -245,38 +271,35 @@ def baseline_trial(nodes: Nodes, folder: Path) -> dict[str, float]:
     thread.start()
     _wait(
         lambda: any(s["step"] >= 10 and s["world_size"] == 3 for s in _steps(folder)),
-        600,
+        BASELINE_TIMEOUT_S,
         "step 10",
     )
     started = min(_steps(folder), key=lambda s: s["wall_time"])
+    result["submit_to_step_s"] = started["wall_time"] - t_submit
     placement = json.loads(sorted(folder.glob("placement-*.json"))[-1].read_text())
-    last_step = max(s["step"] for s in _steps(folder))
     t_remove = time.time()
     nodes.remove(nodes.node_of(placement[2]))
     after = _wait(
         lambda: [s for s in _steps(folder) if s["wall_time"] > t_remove and s["world_size"] < 3],
-        600,
+        BASELINE_TIMEOUT_S,
         "resume after node loss",
     )
     last_step = max(s["step"] for s in _steps(folder) if s["wall_time"] <= t_remove + 0.5)
     first = min(after, key=lambda s: s["wall_time"])
+    result["loss_to_step_s"] = first["wall_time"] - t_remove
+    result["recomputed_steps"] = last_step - (first["step"] - 1)
+    result["world_after_loss"] = first["world_size"]
     t_add = time.time()
     nodes.add(1)
     grown = _wait(
         lambda: [s for s in _steps(folder) if s["wall_time"] > t_add and s["world_size"] == 3],
-        600,
+        BASELINE_TIMEOUT_S,
         "grow back",
     )
+    result["add_to_step_s"] = min(s["wall_time"] for s in grown) - t_add
+    result["world_after_add"] = 3
     (folder / "stop").touch()
     thread.join(timeout=120)
-    return {
-        "submit_to_step_s": started["wall_time"] - t_submit,
-        "loss_to_step_s": first["wall_time"] - t_remove,
-        "add_to_step_s": min(s["wall_time"] for s in grown) - t_add,
-        "recomputed_steps": last_step - (first["step"] - 1),
-        "world_after_loss": first["world_size"],
-        "world_after_add": 3,
-    }
 
 
 # -- bare torchrun ----------------------------------------------------------------------------
@@ -304,6 +327,10 @@ def torchrun_trial(folder: Path) -> dict[str, float]:
 
 def median(trials: list[dict[str, float]], key: str) -> float:
     return statistics.median(t[key] for t in trials)
+
+
+def shown(value: float, fmt: str) -> str:
+    return f"> {BASELINE_TIMEOUT_S:g}" if value == float("inf") else format(value, fmt)
 
 
 def timeline_table(timelines: list[dict[str, dict[str, float]]]) -> list[str]:
@@ -344,18 +371,9 @@ def main() -> None:
 
     theirs: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-        nodes = Nodes(cluster)
-        for _ in range(WORKERS):
-            nodes.add(1)
-        ray.init(address=cluster.address)
-        try:
-            for i in range(args.baseline_repeats):
-                theirs.append(baseline_trial(nodes, Path(tmp) / f"trial{i}"))
-                print("ray-train", i, theirs[-1], flush=True)
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+        for i in range(args.baseline_repeats):
+            theirs.append(baseline_trial(Path(tmp) / f"trial{i}"))
+            print("ray-train", i, theirs[-1], flush=True)
 
     bare: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -365,9 +383,9 @@ def main() -> None:
 
     def row(label: str, key: str, fmt: str = ".1f", *, ray_train: bool = True,
             torchrun: bool = False) -> str:  # fmt: skip
-        b = format(median(theirs, key), fmt) if ray_train else "—"
-        c = format(median(bare, key), fmt) if torchrun else "—"
-        return f"| {label} | {format(median(ours, key), fmt)} | {b} | {c} |"
+        b = shown(median(theirs, key), fmt) if ray_train else "—"
+        c = shown(median(bare, key), fmt) if torchrun else "—"
+        return f"| {label} | {shown(median(ours, key), fmt)} | {b} | {c} |"
 
     first_submit = ours[0]["submit_to_step_s"]
     later_submits = [t["submit_to_step_s"] for t in ours[1:]] or [first_submit]
@@ -398,6 +416,10 @@ def main() -> None:
         f"| world size after loss / after return | {median(ours, 'world_after_loss'):.0f} / "
         f"{median(ours, 'world_after_add'):.0f} | {median(theirs, 'world_after_loss'):.0f} / "
         f"{median(theirs, 'world_after_add'):.0f} | — |",
+        "",
+        f"Ray Train trials with a phase that did not finish within {BASELINE_TIMEOUT_S:g} s "
+        f"(counted as > {BASELINE_TIMEOUT_S:g} s): "
+        f"{sum(1 for t in theirs if float('inf') in t.values())} of {len(theirs)}.",
         "",
         f"elastrain's submit -> first step: {first_submit:.1f} s for the service's first job, "
         f"{statistics.median(later_submits):.1f} s (median) for a job submitted after the "

@@ -169,8 +169,14 @@ class AttemptDriver:
             outcomes = self._run_group()
             status, error = self._verdict(outcomes)
         except Exception as exc:
-            log.exception("attempt %s", self.key)
+            if not self._released.is_set():
+                log.exception("attempt %s", self.key)
             status, error = DriverStatus.FAILED, WorkerError.from_exception(exc)
+            for w in self.workers:  # taken but never handed a rank: back to the pool
+                if w.busy and w.lent_to == self.request.job_id:
+                    self.pool.give_back(w, w.held, alive=True)
+        if self._released.is_set():  # released while placing: what was reserved since
+            self._remove_placement_group()
         with self._lock:
             if error is not None:
                 self._append(WorkerFailed(error=error))

@@ -160,7 +160,11 @@ def loss_curves(client: Any, nodes: Nodes, steps: int = 40) -> list[tuple[int, f
     )
     nodes.remove(nodes.node_of(placement["2"]))
     wait_for(
-        client, interrupted, lambda j: j["attempt"] == 2 and j["state"] == "RUNNING", what="resumed"
+        # Resumed, or already done: 40 steps take a few seconds once it resumed.
+        client,
+        interrupted,
+        lambda j: j["attempt"] >= 2,
+        what="resumed",
     )
     nodes.add(1)
     assert wait_terminal(client, interrupted, timeout=600)["state"] == "SUCCEEDED"
@@ -448,7 +452,7 @@ def main() -> None:
     ]
     if curves:
         lines += [
-            "## Loss curve: node lost at step ~12, node back later, vs an uninterrupted run",
+            "## Loss curve: a node lost mid-run (the world size column), vs an uninterrupted run",
             "",
             "| step | interrupted | uninterrupted | world size (interrupted) |",
             "| ---: | ---: | ---: | ---: |",

@@ -186,8 +186,9 @@ class AttemptDriver:
     def _run_group(self) -> list[RunOutcome | WorkerError]:
         request = self.request
         spec = request.spec
-        stopped_at = self._wait_for_old_group()
-        self._mark(Phase.OLD_GROUP_STOPPED, at=max(stopped_at, self._marks[Phase.DETECTED].at))
+        stopped_at, detail = self._wait_for_old_group()
+        detected = self._marks[Phase.DETECTED].at
+        self._mark(Phase.OLD_GROUP_STOPPED, at=max(stopped_at, detected), detail=detail)
         self.workers = self._place(request.world_size)
         if self._released.is_set():
             raise RuntimeError("released before it started")
@@ -224,17 +225,22 @@ class AttemptDriver:
         )
         return self._collect(refs)
 
-    def _wait_for_old_group(self) -> float:
+    def _wait_for_old_group(self) -> tuple[float, str]:
         """Wait (a little) for this job's processes still running an older attempt: they
-        hold its newest state. Returns when the last of them let go."""
+        hold its newest state. Returns when the last of them let go, or when the wait
+        was given up (a survivor blocked in a collective on a peer that vanished without
+        closing its sockets returns only when the collective times out)."""
         deadline = time.monotonic() + OLD_GROUP_GRACE_S
         while time.monotonic() < deadline:
             busy = [w for w in self.pool.job_workers(self.request.job_id) if w.busy]
             if not busy:
-                break
+                returned = [w.returned_at for w in self.pool.job_workers(self.request.job_id)]
+                return max(returned, default=0.0), ""
             time.sleep(0.02)
-        returned = [w.returned_at for w in self.pool.job_workers(self.request.job_id)]
-        return max(returned, default=0.0)
+        return time.time(), (
+            f"{len(busy)} process(es) still in the old group after {OLD_GROUP_GRACE_S:g}s: "
+            "not waited for"
+        )
 
     def _place(self, n: int) -> list[PooledWorker]:
         """Reserve `n` bundles and pick a process on each bundle's node, holders of the

@@ -82,9 +82,13 @@ def choose_worker(candidates: Sequence[PooledWorker], job_id: int) -> PooledWork
 
 
 def warm_target(*, node_cpus: float, busy: int, per_node: int) -> int:
-    """Idle processes to keep on a node: `per_node`, but never more processes than the
-    node has CPUs to run (busy ones count)."""
-    return max(0, min(per_node, math.ceil(node_cpus) - busy))
+    """Idle processes to keep on a node: `per_node`, but no more than the node has CPUs
+    left to run (busy ones count), except one spare: when a job's processes are stuck (a
+    collective waiting on a peer that is gone without closing its sockets), its next
+    attempt takes the spare instead of starting a process."""
+    if per_node <= 0:
+        return 0
+    return min(per_node, max(1, math.ceil(node_cpus) - busy))
 
 
 @dataclass

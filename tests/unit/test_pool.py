@@ -58,10 +58,11 @@ def test_choose_worker(candidates: list[PooledWorker], expected: str | None) -> 
 @pytest.mark.parametrize(
     ("node_cpus", "busy", "per_node", "expected"),
     [
-        (1, 0, 2, 1),  # never more processes than CPUs
-        (1, 1, 2, 0),  # the one CPU is busy
+        (1, 0, 2, 1),  # no more idle processes than CPUs
+        (1, 1, 2, 1),  # the one CPU is busy: one spare all the same
         (4, 1, 2, 2),
         (4, 3, 2, 1),
+        (4, 4, 2, 1),
         (0.5, 0, 2, 1),  # a fractional CPU still runs one
         (8, 0, 0, 0),  # warm pool off
     ],

@@ -125,7 +125,8 @@ def elastrain_trial(
 
     events = _events(client, job_id)
     lost_step = next(e["details"]["step"] for e in events if e["kind"] == "node_lost")
-    resumed_step = next(e["details"]["step"] for e in events if e["kind"] == "resumed")
+    resumed_event = next(e["details"] for e in events if e["kind"] == "resumed")
+    resumed_step = resumed_event["step"]
     t_decision = next(_epoch(e["at"]) for e in events if e["to_state"] == "RESIZING")
     timelines = {
         e["details"]["cause"]: {p["phase"]: p["seconds"] for p in e["details"]["phases"]}
@@ -140,6 +141,7 @@ def elastrain_trial(
         "decision_to_step_s": grown["wall_time"] - t_decision,
         "add_to_step_s": grown["wall_time"] - t_add,
         "recomputed_steps": max(0, lost_step - resumed_step),
+        "restored_from_peer": float(resumed_event["source"] == "peer"),
         "world_after_loss": resumed["world_size"],
         "world_after_add": grown["world_size"],
     }
@@ -417,6 +419,8 @@ def main() -> None:
             ray_train=False,
         ),
         row("steps recomputed per node loss", "recomputed_steps", ".0f"),
+        f"| node losses resumed from the survivors' memory | "
+        f"{sum(t['restored_from_peer'] for t in ours):.0f} of {len(ours)} | — | — |",
         f"| world size after loss / after return | {median(ours, 'world_after_loss'):.0f} / "
         f"{median(ours, 'world_after_add'):.0f} | {median(theirs, 'world_after_loss'):.0f} / "
         f"{median(theirs, 'world_after_add'):.0f} | — |",

@@ -114,7 +114,8 @@ def _train(
     # loss times dp/G makes that average the gradient of the global-batch mean loss.
     loss_scale = layout.dp / global_batch
     done = start_step  # optimizer steps completed
-    # Rank 0: the newest points, saved with each checkpoint (continued across resumes).
+    # The newest points, saved with each checkpoint and kept in memory (continued across
+    # resumes).
     recent: deque[StepMetrics] = deque(
         restored.metrics if restored is not None else (), maxlen=METRICS_KEPT_WITH_CHECKPOINT
     )
@@ -142,13 +143,16 @@ def _train(
         step_time = time.perf_counter() - t0
         loss = loss_sum / global_batch
 
+        # Every rank keeps the point (the loss is global), rank 0 sends it: whichever rank
+        # survives a loss hands the newest points on with the state, so the reports that
+        # died with the attempt (sent after the scheduler's last poll) are filled in.
+        point = step_metrics(
+            done, loss, step_time, strategy, workload.tokens_per_sample, global_batch,
+            ctx.world_size, batch_crc(sampler.global_batch(step)),
+        )  # fmt: skip
+        recent.append(point)
         if is_rank0:
-            point = step_metrics(
-                done, loss, step_time, strategy, workload.tokens_per_sample, global_batch,
-                ctx.world_size, batch_crc(sampler.global_batch(step)),
-            )  # fmt: skip
             hooks.send(point)
-            recent.append(point)
             if done == start_step + 1:
                 hooks.send(TimelineMark(phase=Phase.FIRST_STEP, at=point.values["wall_time"]))
             if done % LOG_EVERY_STEPS == 0 or done == start_step + 1:

@@ -33,7 +33,7 @@ class ReplicaMemory:
     attempt: int = 0
     strategy: Strategy | None = None
     recent: Iterable[StepMetrics] = field(default_factory=tuple)
-    """Rank 0's newest metric points (handed on like those saved with a checkpoint)."""
+    """The newest metric points (handed on like those saved with a checkpoint)."""
 
     def hold(
         self,

@@ -55,8 +55,10 @@ OLD_GROUP_GRACE_S = 5.0
 #: (survivors fail their next collective within milliseconds; a dead process is known to
 #: Ray within a second or two).
 OUTCOME_GRACE_S = 15.0
-#: How long to try a placement on the preferred nodes before placing anywhere.
-PREFERRED_PLACEMENT_S = 1.0
+#: How long to try a placement on the preferred nodes before placing anywhere, asking
+#: again every PLACEMENT_RETRY_S.
+PREFERRED_PLACEMENT_S = 1.5
+PLACEMENT_RETRY_S = 0.15
 #: How long to wait for Ray to reserve the attempt's resources at all.
 PLACEMENT_TIMEOUT_S = 120.0
 #: How long a process may take to start when no warm one is left on a node.
@@ -282,29 +284,45 @@ class AttemptDriver:
         return sorted(chosen, key=order)
 
     def _reserve(self, n: int, preferred: Sequence[str]) -> Any:
+        """A placement group of `n` bundles: on the `preferred` nodes (holders of the job's
+        state) if they have room within PREFERRED_PLACEMENT_S, else anywhere."""
         scaling = self.request.spec.scaling
         bundle: dict[str, float] = {"CPU": float(scaling.cpus_per_worker)}
         if scaling.use_gpu:
             bundle["GPU"] = float(scaling.gpus_per_worker)
-        name = f"elastrain-job{self.request.job_id}-a{self.request.attempt}"
         if preferred:
             selectors = [{"ray.io/node-id": node} for node in preferred]
             selectors += [{}] * (n - len(selectors))
-            pg = placement_group([bundle] * n, strategy="PACK", name=name,
-                                 bundle_label_selector=selectors)  # fmt: skip
-            if self._ready(pg, PREFERRED_PLACEMENT_S):
+            pg = self._ask([bundle] * n, selectors, PREFERRED_PLACEMENT_S)
+            if pg is not None:
                 return pg
-            remove_placement_group(pg)
-        pg = placement_group([bundle] * n, strategy="PACK", name=name)
-        if not self._ready(pg, PLACEMENT_TIMEOUT_S):
-            remove_placement_group(pg)
+        pg = self._ask([bundle] * n, None, PLACEMENT_TIMEOUT_S)
+        if pg is None:
             raise RuntimeError(f"Ray could not reserve {n} x {bundle} in {PLACEMENT_TIMEOUT_S}s")
         return pg
 
+    def _ask(self, bundles: list[dict[str, float]], selectors: Any, timeout: float) -> Any:
+        """Ask Ray for the placement group until it is placed or `timeout` passes. The
+        resources are often being freed right now (the old attempt's bundles); Ray retries a
+        pending placement group only about every second, while a new request is placed at
+        once, so this asks again, soon at first and then less and less often."""
+        name = f"elastrain-job{self.request.job_id}-a{self.request.attempt}"
+        deadline = time.monotonic() + timeout
+        wait = PLACEMENT_RETRY_S
+        while time.monotonic() < deadline and not self._released.is_set():
+            pg = placement_group(bundles, strategy="PACK", name=name,
+                                 bundle_label_selector=selectors)  # fmt: skip
+            if self._ready(pg, min(wait, max(0.0, deadline - time.monotonic()))):
+                return pg
+            remove_placement_group(pg)
+            wait = min(wait * 2, 2.0)
+        return None
+
     def _ready(self, pg: Any, timeout: float) -> bool:
+        ref = pg.ready()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self._released.is_set():
-            ready, _ = ray.wait([pg.ready()], timeout=0.1)
+            ready, _ = ray.wait([ref], timeout=0.05)
             if ready:
                 return True
         return False

@@ -1,7 +1,7 @@
 """What crosses process boundaries at run time: worker -> driver -> scheduler.
 
-Rank 0 of a worker group sends one `WorkerMessage` at a time to its attempt's driver actor
-(fire and forget). The driver numbers them and hands them to the scheduler in a
+Rank 0 of a worker group sends one `WorkerMessage` at a time to its attempt's driver (a
+thread of the runtime actor; fire and forget). The driver numbers them and hands them to the scheduler in a
 `DriverReport`; the scheduler persists them and acknowledges the highest number it has
 committed, so a message is stored exactly once even when a pass rolls back or the control
 plane restarts (the driver re-sends what was not acknowledged). Ray pickles these classes
@@ -42,7 +42,7 @@ class DriverStatus(str, Enum):
     SUCCEEDED = "succeeded"  # reached max_steps
     STOPPED = "stopped"  # stopped on request after a checkpoint (resize)
     FAILED = "failed"  # the worker group raised
-    LOST = "lost"  # the driver actor is gone (its node died, or it was killed)
+    LOST = "lost"  # the runtime no longer knows the attempt (it died and was restarted)
 
     @property
     def is_final(self) -> bool:

@@ -126,7 +126,7 @@ class JobLabel(Base):
 
 
 class Attempt(Base):
-    """One launch of a job: a driver actor and its worker group at one world size.
+    """One launch of a job: a driver (in the runtime actor) and its worker group at one world size.
 
     Its number fences everything it reports: what an older attempt sends is refused."""
 

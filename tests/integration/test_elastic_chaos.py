@@ -100,11 +100,14 @@ def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
         lost = [e for e in events if e["kind"] == "node_lost"]
         assert lost and lost[0]["details"]["ranks"] == [2]
         # DDP: the two survivors hold full replicas, so attempt 2 took the state from their
-        # memory at the step they stopped on: no step before the loss is computed again.
-        # Growing back takes it from the two that ran attempt 2.
+        # memory, not from the checkpoint (every 10 steps): the steps since the checkpoint
+        # are not computed again. Growing back takes it from the two that ran attempt 2.
+        # At most one step is: survivors can stop one step apart (one finished the step's
+        # agreement, the other failed in it), and a survivor still blocked on the dying
+        # node's process after 5 s is not waited for (seen under CI load: 33 vs 34).
         resumed = [e["details"] for e in events if e["kind"] == "resumed"]
         assert [r["source"] for r in resumed] == ["peer", "peer"], resumed
-        assert resumed[0]["step"] >= lost[0]["details"]["step"], (resumed, lost)
+        assert resumed[0]["step"] >= lost[0]["details"]["step"] - 1, (resumed, lost)
         assert_timelines(events, ["submitted", "node lost", "resize"])
 
         # The same job without interruption, on the same cluster: same samples per step,

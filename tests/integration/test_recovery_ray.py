@@ -22,11 +22,15 @@ from tests.integration.ray_service import (
 
 pytestmark = pytest.mark.ray
 
+STEPS = 400
+
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    # A relaunch after a crash waits 3 s: the corruption test damages the newest checkpoint
+    # in that window (warm workers would otherwise relaunch within a second).
     with ray_service(
-        tmp_path_factory.mktemp("recovery"), num_cpus=4, restart_backoff_s=0.5
+        tmp_path_factory.mktemp("recovery"), num_cpus=4, restart_backoff_s=3.0
     ) as client:
         yield client
 
@@ -36,9 +40,11 @@ def events(client: TestClient, job_id: int) -> list[dict]:  # type: ignore[type-
 
 
 def test_kill_9_of_a_worker_restarts_from_checkpoint_and_succeeds(service: TestClient) -> None:
+    # Long enough that the job is still training when the kill lands (warm workers take
+    # ~20 steps/s here: 40 steps could be over before the test reads the placement).
     spec = tiny_gpt_spec(
         "kill9",
-        training={"max_steps": 40},
+        training={"max_steps": STEPS},
         checkpoint={"every_steps": 5},
         failure={"max_restarts": 2},
     )
@@ -58,7 +64,7 @@ def test_kill_9_of_a_worker_restarts_from_checkpoint_and_succeeds(service: TestC
     assert resumed["details"]["source"] == "peer", resumed
     assert resumed["details"]["step"] >= 12
     steps = [m["step"] for m in service.get(f"/v1/jobs/{job_id}/metrics").json()]
-    assert steps == list(range(1, 41))
+    assert steps == list(range(1, STEPS + 1))
     timelines = [e for e in events(service, job_id) if e["kind"] == "timeline"]
     assert [t["details"]["cause"] for t in timelines] == ["submitted", "failed"], timelines
 
@@ -87,7 +93,7 @@ def test_checkpoint_now_saves_off_schedule(service: TestClient) -> None:
 def test_corrupt_latest_checkpoint_falls_back_and_says_so(service: TestClient) -> None:
     spec = tiny_gpt_spec(
         "corrupt",
-        training={"max_steps": 30},
+        training={"max_steps": STEPS},
         checkpoint={"every_steps": 5, "keep_last": 3},
         failure={"max_restarts": 2},
     )

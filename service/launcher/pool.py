@@ -36,8 +36,6 @@ log = logging.getLogger("elastrain.pool")
 
 WORKER_CLASS = "workers.process:WorkerProcess"
 WORKER_PREFIX = "elastrain-worker-"
-#: How long the pool waits for a new process to answer before it counts as failed.
-_START_TIMEOUT_S = 120.0
 #: A describe() that takes longer marks the process as gone.
 _PING_TIMEOUT_S = 10.0
 
@@ -109,9 +107,8 @@ class WorkerPool:
     def _adopt(self) -> None:
         """After a runtime restart: take over the processes the old runtime left."""
         for entry in ray.util.list_named_actors(all_namespaces=True):
-            name = entry["name"] if isinstance(entry, dict) else entry
-            ns = entry.get("namespace") if isinstance(entry, dict) else self.namespace
-            if ns != self.namespace or not name.startswith(WORKER_PREFIX):
+            name = entry["name"]
+            if entry["namespace"] != self.namespace or not name.startswith(WORKER_PREFIX):
                 continue
             try:
                 handle = ray.get_actor(name, namespace=self.namespace)
@@ -150,14 +147,6 @@ class WorkerPool:
         for w in workers:
             if w.info is None:
                 w.info = ray.get(w.ready_ref, timeout=timeout)
-
-    def kill(self, worker: PooledWorker) -> None:
-        with self.lock:
-            self.workers.pop(worker.name, None)
-        try:
-            ray.kill(worker.handle, no_restart=True)
-        except Exception as exc:
-            log.info("kill %s: %s", worker.name, exc)
 
     # -- lending -----------------------------------------------------------------------------
     def job_workers(self, job_id: int) -> list[PooledWorker]:

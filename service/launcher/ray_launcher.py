@@ -10,7 +10,6 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from contracts.group import WorkerInfo
 from contracts.messages import Control, DriverReport, DriverStatus, WorkerError
 from service.capacity import ClusterCapacity, NodeCapacity
 from service.launcher.base import AttemptKey, LaunchRequest
@@ -131,11 +130,6 @@ class RayLauncher:
         # into the resources it held.
         ray.get(self.runtime.release.remote(tuple(key), final), timeout=_CALL_TIMEOUT_S)
         self._last_status.pop(key, None)
-
-    def workers(self) -> list[WorkerInfo]:
-        """The runtime's worker processes (tests and benches look at them)."""
-        infos: list[WorkerInfo] = ray.get(self.runtime.workers.remote(), timeout=_CALL_TIMEOUT_S)
-        return infos
 
 
 def _lost(key: AttemptKey, why: str) -> DriverReport:

@@ -5,9 +5,11 @@ Kept light: importing it loads neither the service nor FastAPI; `serve` imports 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import sys
 import time
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -63,8 +65,17 @@ def _error_message(response: httpx.Response) -> str:
 
 
 def fail(message: str, *, code: int = 1) -> NoReturn:
-    typer.echo(f"elastrain: {message}", err=True)
+    typer.echo(f"elastrain: {printable(message)}", err=True)
     raise typer.Exit(code)
+
+
+def printable(text: str) -> str:
+    """`text` with control characters (terminal escapes, NUL, bidi overrides) shown as
+    escapes: what the service stores is never allowed to drive the user's terminal."""
+    return "".join(
+        repr(ch)[1:-1] if ch not in "\n\t" and unicodedata.category(ch) in ("Cc", "Cf") else ch
+        for ch in text
+    )
 
 
 def api(ctx: typer.Context) -> Api:
@@ -95,8 +106,8 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, dict):
-        return ",".join(f"{k}={v}" for k, v in value.items()) or "-"
-    text = str(value)
+        return printable(",".join(f"{k}={v}" for k, v in value.items())) or "-"
+    text = printable(str(value)).replace("\n", " ")
     # ISO timestamps: seconds are plenty in a table.
     if len(text) >= 19 and text[4] == "-" and text[10] == "T":
         return text[:19].replace("T", " ")
@@ -138,16 +149,47 @@ def serve(
     demo: Annotated[
         bool, typer.Option("--demo", help="Once up, submit a small real GPT job to watch.")
     ] = False,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Serve off loopback WITHOUT authentication: anyone who reaches the port "
+            "can run code on the cluster. Only behind something that authenticates.",
+        ),
+    ] = False,
 ) -> None:
     """Run the API (and the scheduler); applies database migrations first."""
+    import logging
+
     import uvicorn
+    from pydantic import ValidationError
 
     from api.main import create_app
+    from service.logs import configure_logging
     from service.settings import Settings
 
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        fail(f"configuration: {'; '.join(str(e['msg']) for e in exc.errors())}", code=2)
+    configure_logging(settings.log_format)
     host = host or settings.host
     port = port or settings.port
+    if not settings.auth_enabled and not is_loopback(host):
+        if not insecure:
+            fail(
+                f"refusing to serve on {host} without authentication: anyone who reaches "
+                "the port could run code on the cluster. Set ELASTRAIN_API_TOKEN (see README "
+                "'Security'), bind 127.0.0.1, or pass --insecure if something in front "
+                "authenticates.",
+                code=2,
+            )
+        logging.getLogger("elastrain").warning(
+            "INSECURE: serving on %s:%s WITHOUT authentication (--insecure); anyone who "
+            "reaches this port can run code on the cluster",
+            host,
+            port,
+        )
     if demo:
         _submit_demo_when_up(f"http://{host}:{port}")
     uvicorn.run(
@@ -156,7 +198,17 @@ def serve(
         port=port,
         log_level="info",
         access_log=False,
+        log_config=None,  # our handlers (text or JSON), not uvicorn's
     )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
 
 
 def _submit_demo_when_up(url: str) -> None:
@@ -349,6 +401,110 @@ def logs(
             sys.stdout.write(tail["text"])
             return
         time.sleep(interval)
+
+
+# --- access: tokens and tenants -------------------------------------------------------
+
+token_app = typer.Typer(help="API tokens: a token is the right to run code on the cluster.")
+tenant_app = typer.Typer(help="Tenants and their quotas of running workers (admin).")
+app.add_typer(token_app, name="token")
+app.add_typer(tenant_app, name="tenant")
+
+_TOKEN_COLUMNS = ["id", "tenant", "admin", "name", "prefix", "created_at", "revoked_at"]
+
+
+@app.command()
+def whoami(ctx: typer.Context) -> None:
+    """The tenant (and admin or not) your token acts for."""
+    me = api(ctx).call("GET", "/v1/me")
+    auth = "" if me["auth"] else " (authentication is off on this service)"
+    typer.echo(f"{printable(me['tenant'])}{' (admin)' if me['admin'] else ''}{auth}")
+
+
+@token_app.command("create")
+def token_create(
+    ctx: typer.Context,
+    tenant: Annotated[str, typer.Option(help="Whose token: its jobs are the tenant's.")],
+    admin: Annotated[bool, typer.Option("--admin", help="Sees and acts on all jobs.")] = False,
+    name: Annotated[str, typer.Option(help="What it is for.")] = "",
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Write it straight into this database instead of asking the API: how the "
+            "first admin token is made when no ELASTRAIN_API_TOKEN is set."
+        ),
+    ] = None,
+) -> None:
+    """Create a token. It is printed once (stdout); the service keeps only its hash."""
+    if database_url is not None:
+        made = _create_token_in_db(database_url, tenant=tenant, admin=admin, name=name)
+    else:
+        body = {"tenant": tenant, "admin": admin, "name": name}
+        made = api(ctx).call("POST", "/v1/tokens", json=body)
+    typer.echo(
+        f"token {made['id']} for tenant {printable(made['tenant'])}"
+        f"{' (admin)' if made['admin'] else ''}: keep it secret, it is not shown again",
+        err=True,
+    )
+    typer.echo(made["token"])
+
+
+def _create_token_in_db(url: str, *, tenant: str, admin: bool, name: str) -> dict[str, Any]:
+    from pydantic import ValidationError
+
+    from api.schemas import TokenCreate
+    from service import auth
+    from service.db import make_engine, make_session_factory, migrate, session_scope
+
+    try:
+        TokenCreate(tenant=tenant, admin=admin, name=name)
+    except ValidationError as exc:
+        fail("; ".join(f"{e['loc'][0]}: {e['msg']}" for e in exc.errors()), code=2)
+    engine = make_engine(url)
+    try:
+        migrate(engine)
+        with session_scope(make_session_factory(engine)) as session:
+            row, token = auth.create_token(session, tenant=tenant, admin=admin, name=name)
+            return {"id": row.id, "tenant": row.tenant, "admin": row.admin, "token": token}
+    finally:
+        engine.dispose()
+
+
+@token_app.command("list")
+def token_list(ctx: typer.Context) -> None:
+    """Tokens (an admin sees every tenant's; others their own tenant's)."""
+    table(api(ctx).call("GET", "/v1/tokens"), _TOKEN_COLUMNS)
+
+
+@token_app.command("revoke")
+def token_revoke(ctx: typer.Context, token_id: int) -> None:
+    """Revoke a token; it stops working within seconds."""
+    row = api(ctx).call("DELETE", f"/v1/tokens/{token_id}")
+    typer.echo(f"{row['id']}\trevoked {_cell(row['revoked_at'])}")
+
+
+@tenant_app.command("list")
+def tenant_list(ctx: typer.Context) -> None:
+    """Tenants, their quotas and the workers their jobs hold now."""
+    table(api(ctx).call("GET", "/v1/tenants"), ["name", "max_workers", "quota", "workers_in_use"])
+
+
+@tenant_app.command("set")
+def tenant_set(
+    ctx: typer.Context,
+    name: str,
+    max_workers: Annotated[
+        int | None, typer.Option(min=1, help="Most workers its jobs may hold at once.")
+    ] = None,
+    no_quota: Annotated[
+        bool, typer.Option("--no-quota", help="Remove its own quota (the default applies).")
+    ] = False,
+) -> None:
+    """Set a tenant's quota of running workers (creates the tenant if new)."""
+    if (max_workers is None) == (not no_quota):
+        fail("give exactly one of --max-workers N or --no-quota", code=2)
+    row = api(ctx).call("PUT", f"/v1/tenants/{name}", json={"max_workers": max_workers})
+    table([row], ["name", "max_workers", "quota", "workers_in_use"])
 
 
 if __name__ == "__main__":

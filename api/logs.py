@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +24,8 @@ from contracts.storage import attempt_of_log
 
 #: The most bytes one call returns; a follower gets the rest on its next call.
 MAX_CHUNK = 1 << 20
+#: Positions in a cursor beyond this are nonsense (and would overflow a seek).
+MAX_POSITION = 2**62
 
 
 class BadCursor(ValueError):
@@ -40,13 +45,15 @@ def _decode_cursor(offset: str, names: list[str]) -> dict[str, int]:
     offset = offset.strip()
     if offset in ("", "0"):
         return {}
-    if offset.isdigit():
+    if offset.isascii() and offset.isdigit():  # "²".isdigit() is True, and int() refuses it
         # A plain byte offset: the first (usually only) file.
-        return {names[0]: int(offset)} if names else {}
+        return {names[0]: min(int(offset), MAX_POSITION)} if names else {}
     try:
-        raw = json.loads(base64.urlsafe_b64decode(offset + "=" * (-len(offset) % 4)))
+        raw = json.loads(
+            base64.urlsafe_b64decode(offset.encode("ascii") + b"=" * (-len(offset) % 4))
+        )
         if not isinstance(raw, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in raw.items()
+            isinstance(k, str) and type(v) is int and 0 <= v <= MAX_POSITION for k, v in raw.items()
         ):
             raise ValueError
     except ValueError as exc:  # binascii.Error and JSONDecodeError are ValueErrors
@@ -63,8 +70,25 @@ def _encode_cursor(positions: dict[str, int]) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
+def _log_files(directory: Path) -> Iterator[str]:
+    """`*.log` regular files under `directory`, relative to it. Symbolic links are never
+    followed, to a file or a folder: a job's code writes this folder, and a link in it to
+    the API's database or another job's files must not make the API serve them."""
+    if not directory.is_dir() or directory.resolve() != directory.absolute():
+        return  # missing, or a link somewhere on the way (the storage root is resolved)
+    for root, dirs, files in os.walk(directory, followlinks=False):
+        base = Path(root)
+        dirs[:] = [d for d in dirs if not (base / d).is_symlink()]
+        for name in files:
+            path = base / name
+            if name.endswith(".log") and stat.S_ISREG(path.lstat().st_mode):
+                yield path.relative_to(directory).as_posix()
+
+
 def _read_from(path: Path, start: int, budget: int) -> bytes:
-    with path.open("rb") as fh:
+    # O_NOFOLLOW: a file swapped for a link between the listing and here is refused too.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as fh:
         fh.seek(start)
         data = fh.read(budget)
     if len(data) == budget:
@@ -81,11 +105,8 @@ def read_logs(
 ) -> Chunk:
     """New text of one attempt's logs since `offset` (the newest attempt by default)."""
     by_attempt: dict[int, list[str]] = {}
-    if directory.is_dir():
-        for path in directory.rglob("*.log"):
-            if path.is_file():
-                rel = path.relative_to(directory).as_posix()
-                by_attempt.setdefault(attempt_of_log(rel), []).append(rel)
+    for rel in _log_files(directory):
+        by_attempt.setdefault(attempt_of_log(rel), []).append(rel)
     latest = max(by_attempt) if by_attempt else None
     if attempt is None:
         attempt = latest
@@ -97,10 +118,13 @@ def read_logs(
     for name in names:
         path = directory / name
         start = positions.get(name, 0)
-        size = path.stat().st_size
-        if start > size:  # the file was truncated or replaced: read it again from the top
-            start = 0
-        data = _read_from(path, start, budget) if budget > 0 and size > start else b""
+        try:
+            size = path.lstat().st_size
+            if start > size:  # the file was truncated or replaced: read it again from the top
+                start = 0
+            data = _read_from(path, start, budget) if budget > 0 and size > start else b""
+        except OSError:  # removed, or swapped for a link, since the listing
+            data = b""
         positions[name] = start + len(data)
         budget -= len(data)
         if not data:

@@ -15,39 +15,18 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api import errors
-from api.routes import cluster, health, jobs
+from api.deps import TokenCache
+from api.routes import cluster, health, jobs, tenants
+from api.security import RequestGuard
 from service.db import make_engine, make_session_factory, migrate
 from service.settings import Settings
 
 log = logging.getLogger("elastrain.api")
 
-#: Requests larger than this are refused before their body is read (a spec is a few KiB).
+#: Request bodies larger than this are refused as they stream in (a spec is a few KiB).
 MAX_BODY_BYTES = 1 << 20
-
-
-class _BodyLimit:
-    """413 for a declared Content-Length over the limit (pure ASGI: no per-request cost)."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            for name, value in scope["headers"]:
-                if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                    from starlette.responses import JSONResponse
-
-                    response = JSONResponse(
-                        {"detail": f"request body too large (limit {self.limit} bytes)"},
-                        status_code=413,
-                    )
-                    await response(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
 
 
 def _start_scheduler(app: FastAPI, settings: Settings) -> Any:
@@ -96,6 +75,10 @@ def create_app(settings: Settings | None = None, *, start_scheduler: bool = Fals
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(cluster.router)
+    app.include_router(tenants.router)
     _include_dashboard(app)
-    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    app.state.token_cache = TokenCache()
+    app.add_middleware(
+        RequestGuard, allowed_hosts=settings.allowed_hosts, max_body_bytes=MAX_BODY_BYTES
+    )
     return app

@@ -7,10 +7,19 @@ models with `from_attributes` and serialise them once, straight into their JSON 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import AliasChoices, AliasPath, BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    AliasPath,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+)
 
+from contracts.bounds import no_control_characters
 from service.states import JobState
 
 
@@ -102,3 +111,56 @@ class Health(BaseModel):
     status: str
     database: str
     scheduler: bool
+
+
+# --- tenants and tokens -----------------------------------------------------------------
+
+TenantName = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"),
+]
+
+
+class Me(BaseModel):
+    tenant: str
+    admin: bool
+    auth: bool = Field(description="Whether this service requires tokens at all.")
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: TenantName = Field(description="Whose token: its jobs are the tenant's.")
+    admin: bool = Field(default=False, description="Sees and acts on every tenant's jobs.")
+    name: Annotated[
+        str, StringConstraints(max_length=100), AfterValidator(no_control_characters)
+    ] = Field(default="", description="What it is for (shown by `token list`).")
+
+
+class TokenOut(_FromRow):
+    id: int
+    tenant: str
+    admin: bool
+    name: str
+    prefix: str = Field(description="The token's first characters, to recognise it.")
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class TokenCreated(TokenOut):
+    token: str = Field(description="The token. Shown once: the service keeps only its hash.")
+
+
+class TenantQuota(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_workers: int | None = Field(
+        ge=1, le=1_000_000, description="Most workers its jobs may hold at once (null: default)."
+    )
+
+
+class TenantOut(BaseModel):
+    name: str
+    max_workers: int | None = Field(description="Its own quota (null: the default applies).")
+    quota: int | None = Field(description="The quota in force (null: none).")
+    workers_in_use: int

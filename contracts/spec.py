@@ -12,7 +12,22 @@ import re
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+
+from contracts.bounds import (
+    MAX_PARAMS_BYTES,
+    MAX_PARAMS_DEPTH,
+    check_json_document,
+    no_control_characters,
+)
 
 #: Built-in workloads shipped with the package: name -> the factory's entrypoint in
 #: `workers/workloads/`. Strings only, so the API validates without importing torch; the
@@ -27,11 +42,17 @@ _ENTRYPOINT_RE = re.compile(
     r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 )
 
-ShortStr = Annotated[str, StringConstraints(min_length=1, max_length=100)]
+# Names and label values are printed by the CLI and the dashboard: no control characters
+# (NUL, terminal escapes, bidi overrides), so what a user sees is what is stored.
+ShortStr = Annotated[
+    str, StringConstraints(min_length=1, max_length=100), AfterValidator(no_control_characters)
+]
 LabelKey = Annotated[
     str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9_.\-/]+$")
 ]
-LabelValue = Annotated[str, StringConstraints(max_length=100)]
+LabelValue = Annotated[
+    str, StringConstraints(max_length=100), AfterValidator(no_control_characters)
+]
 
 
 class _Strict(BaseModel):
@@ -63,8 +84,16 @@ class WorkloadSpec(_Strict):
         description='A custom workload factory, "package.module:factory" (exactly one of name/entrypoint).',
     )
     params: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments passed to the workload factory."
+        default_factory=dict,
+        description="Keyword arguments passed to the workload factory: JSON data, at most "
+        f"{MAX_PARAMS_DEPTH} levels deep and {MAX_PARAMS_BYTES // 1024} KiB.",
     )
+
+    @field_validator("params")
+    @classmethod
+    def _bounded_params(cls, value: dict[str, Any]) -> dict[str, Any]:
+        check_json_document(value, max_depth=MAX_PARAMS_DEPTH, max_bytes=MAX_PARAMS_BYTES)
+        return value
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> WorkloadSpec:

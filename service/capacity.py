@@ -90,10 +90,12 @@ def free_capacity(cluster: ClusterCapacity, allocations: Iterable[Allocation]) -
     return replace(cluster, nodes=tuple(free.values()))
 
 
-def target_world_size(spec: JobSpec, free: ClusterCapacity) -> int:
-    """The largest world size the job can run at on `free` capacity (0: below its min)."""
+def target_world_size(spec: JobSpec, free: ClusterCapacity, *, limit: int | None = None) -> int:
+    """The largest world size the job can run at on `free` capacity and within `limit`
+    workers (its tenant's quota), or 0 when that is below its min."""
     shape = WorkerShape.of(spec)
-    return spec.usable_world_size(free.workers_that_fit(shape.cpus, shape.gpus))
+    fit = free.workers_that_fit(shape.cpus, shape.gpus)
+    return spec.usable_world_size(fit if limit is None else min(fit, limit))
 
 
 class CapacityLedger:
@@ -110,6 +112,10 @@ class CapacityLedger:
     def free_for(self, job_id: int) -> ClusterCapacity:
         """Free for `job_id` if it gave back what it holds (its relaunch or growth)."""
         return free_capacity(self.cluster, (a for jid, a in self._held.items() if jid != job_id))
+
+    def workers_held(self, job_ids: Iterable[int]) -> int:
+        """Workers the given jobs hold (a tenant's, for its quota)."""
+        return sum(a.count for jid in job_ids if (a := self._held.get(jid)) is not None)
 
     def hold(self, job_id: int, allocation: Allocation | None) -> None:
         if allocation is None:

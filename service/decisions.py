@@ -30,7 +30,7 @@ these rows produce.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -86,6 +86,7 @@ class JobView:
     id: int
     state: JobState
     spec: JobSpec
+    owner: str = "default"
     step: int = 0
     world_size: int | None = None
     restarts: int = 0
@@ -135,6 +136,12 @@ class Facts:
     """PENDING only: the world size the admission plan gives the job (None: it waits)."""
     waiting_reason: str | None = None
     """PENDING only: why it waits."""
+    worker_limit: int | None = None
+    """The most workers the job may hold under its tenant's quota (None: no quota)."""
+
+    def target(self, spec: JobSpec) -> int:
+        """The world size the job could run at now (0: below its min)."""
+        return target_world_size(spec, self.free, limit=self.worker_limit)
 
 
 # ---------------------------------------------------------------------------------------
@@ -368,7 +375,7 @@ def _on_running(
 
 def _consider_growth(job: JobView, attempt: AttemptView, facts: Facts) -> list[Action]:
     current = attempt.world_size
-    possible = target_world_size(job.spec, facts.free)
+    possible = facts.target(job.spec)
     if possible <= current:
         return [MarkSpare(since=None)] if facts.spare_since is not None else []
     if facts.spare_since is None:
@@ -432,7 +439,7 @@ def _enter_recovery(job: JobView, facts: Facts, *, reason: str) -> list[Action]:
     if job.state == JobState.RECOVERING:  # a relaunched attempt failed in turn
         first: Action = SetReason(reason=reason)
     else:
-        target = target_world_size(job.spec, facts.free)
+        target = facts.target(job.spec)
         first = Transition(to=JobState.RECOVERING, reason=reason, world_size=target or None)
     return [first, *_relaunch(replace(job, state=JobState.RECOVERING), facts)]
 
@@ -441,7 +448,7 @@ def _relaunch(job: JobView, facts: Facts) -> list[Action]:
     """Start the next attempt at the largest size that fits, or wait below min."""
     if facts.now < facts.relaunch_not_before:
         return []
-    size = target_world_size(job.spec, facts.free)
+    size = facts.target(job.spec)
     if size == 0:
         return _wait_below_min(job, facts)
     actions: list[Action] = []
@@ -456,7 +463,14 @@ def _relaunch(job: JobView, facts: Facts) -> list[Action]:
 def _wait_below_min(job: JobView, facts: Facts) -> list[Action]:
     shape = WorkerShape.of(job.spec)
     fit = facts.free.workers_that_fit(shape.cpus, shape.gpus)
-    reason = f"waiting below min: {fit} workers fit, the job needs {job.spec.min_world_size}"
+    need = job.spec.min_world_size
+    if facts.worker_limit is not None and facts.worker_limit < need <= fit:
+        reason = (
+            f"waiting below min: tenant {job.owner}'s quota leaves {facts.worker_limit} "
+            f"workers, the job needs {need}"
+        )
+    else:
+        reason = f"waiting below min: {fit} workers fit, the job needs {need}"
     if job.below_min_since is None:
         return [StartWaiting(reason=reason, at=facts.now)]
     waited = facts.now - job.below_min_since
@@ -532,22 +546,38 @@ class Waiting:
 
 
 def plan_admissions(
-    pending: Sequence[JobView], free: ClusterCapacity, total: ClusterCapacity
+    pending: Sequence[JobView],
+    free: ClusterCapacity,
+    total: ClusterCapacity,
+    quota_left: Mapping[str, int | None] | None = None,
 ) -> tuple[list[Admission], list[Waiting]]:
     """Gang admission by priority, then age (`pending` is oldest first).
 
     A job starts only when `min_workers` fit, at the largest world size that fits (up to
-    max). No backfill: when the first job in line does not fit, the ones behind it wait
-    too, so a large high-priority job is never starved by a stream of small ones. A job
-    that could not fit even on the whole (empty) cluster does not block the line.
+    max, and within what its tenant's quota has left: `quota_left`, tenant -> workers, a
+    tenant not in it has no quota). No backfill: when the first job in line does not fit,
+    the ones behind it wait too, so a large high-priority job is never starved by a stream
+    of small ones. A job that could not fit even on the whole (empty) cluster, or that its
+    tenant's quota holds back, does not block the line.
     """
     order = sorted(pending, key=lambda j: -j.spec.priority)  # stable: oldest first
+    left = dict(quota_left or {})
     admissions: list[Admission] = []
     waiting: list[Waiting] = []
     blocked_by: int | None = None
     for job in order:
         shape = WorkerShape.of(job.spec)
         need = job.spec.min_world_size
+        limit = left.get(job.owner)
+        if limit is not None and limit < need:
+            waiting.append(
+                Waiting(
+                    job_id=job.id,
+                    reason=f"tenant {job.owner}'s quota: {limit} more workers allowed, "
+                    f"the job needs {need}",
+                )
+            )
+            continue
         if target_world_size(job.spec, total) == 0:
             whole = total.workers_that_fit(shape.cpus, shape.gpus)
             waiting.append(
@@ -561,12 +591,14 @@ def plan_admissions(
         if blocked_by is not None:
             waiting.append(Waiting(job_id=job.id, reason=f"queued behind job {blocked_by}"))
             continue
-        size = target_world_size(job.spec, free)
+        size = target_world_size(job.spec, free, limit=limit)
         if size == 0:
             blocked_by = job.id
             waiting.append(Waiting(job_id=job.id, reason=f"waiting for {need} free workers"))
             continue
         admissions.append(Admission(job_id=job.id, world_size=size))
+        if limit is not None:
+            left[job.owner] = limit - size
         free = free_capacity(free, [Allocation(shape=shape, count=size)])
     return admissions, waiting
 

@@ -224,3 +224,33 @@ class SchedulerLease(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     holder: Mapped[str] = mapped_column(String(200))
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class Tenant(Base):
+    """Whoever owns jobs: a team or a user. Jobs name theirs in `jobs.owner`."""
+
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(String(100), primary_key=True)
+    # The most workers the tenant's jobs may hold at once (None: the settings' default).
+    max_workers: Mapped[int | None] = mapped_column(Integer, default=None)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class ApiToken(Base):
+    """A bearer token, stored as its SHA-256: the database never holds one that works.
+
+    Tokens are 256 random bits, so a fast hash is enough (GitHub and PyPI do the same); a
+    slow password hash would only cost every request."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(ForeignKey("tenants.name"), index=True)
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    name: Mapped[str] = mapped_column(String(100), default="")
+    # The first characters, to tell tokens apart in `token list` without revealing them.
+    prefix: Mapped[str] = mapped_column(String(16))
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)

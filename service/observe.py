@@ -30,6 +30,7 @@ def job_view(job: Job, attempt: Attempt | None, failures: Sequence[PastFailure] 
         id=job.id,
         state=job.state,
         spec=JobSpec.model_validate(job.spec),
+        owner=job.owner,
         step=job.step,
         world_size=job.world_size,
         restarts=job.restarts,

@@ -17,17 +17,19 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.messages import DriverReport, DriverStatus
-from service import cluster, decisions, lease, observe
+from service import auth, cluster, decisions, lease, observe
 from service.capacity import Allocation, CapacityLedger, ClusterCapacity, WorkerShape
 from service.db import session_scope
 from service.decisions import Facts, JobView, Policy
 from service.executor import Executor, Timers
 from service.launcher.base import AttemptKey, Launcher
+from service.logs import job_context
 from service.settings import Settings
 
 log = logging.getLogger("elastrain.scheduler")
@@ -73,19 +75,26 @@ class Scheduler:
         with session_scope(self.sessions) as s:
             active = observe.active_jobs(s)
             pending = observe.pending_jobs(s)
+            quotas = Quotas(auth.quotas(s), self.settings.default_max_workers_per_tenant, active)
         reports = self._poll(active)
         ledger = CapacityLedger(capacity, _held(active))
         for job in active:
-            self._step(job, ledger, reports.get(job.id), others_waiting=bool(pending))
-        admissions, waiting = decisions.plan_admissions(pending, ledger.free(), capacity)
+            with _about(job):
+                self._step(
+                    job, ledger, reports.get(job.id), others_waiting=bool(pending), quotas=quotas
+                )
+        admissions, waiting = decisions.plan_admissions(
+            pending, ledger.free(), capacity, quotas.left(ledger, {j.owner for j in pending})
+        )
         sizes = {a.job_id: a.world_size for a in admissions}
         reasons = {w.job_id: w.reason for w in waiting}
         for job in pending:
             facts = self._facts(job, ledger, admission=sizes.get(job.id))
             facts = replace(facts, waiting_reason=reasons.get(job.id))
             actions = decisions.decide(job, facts)
-            if self.executor.execute(job, actions):
-                ledger.hold(job.id, decisions.allocation_after(job, actions))
+            with _about(job):
+                if self.executor.execute(job, actions):
+                    ledger.hold(job.id, decisions.allocation_after(job, actions))
         self._publish(capacity, ledger)
         return True
 
@@ -96,11 +105,13 @@ class Scheduler:
         report: DriverReport | None,
         *,
         others_waiting: bool,
+        quotas: Quotas,
     ) -> None:
         if report is not None and report.status in (DriverStatus.FAILED, DriverStatus.LOST):
             with session_scope(self.sessions) as s:  # read only when a failure needs it
                 job = replace(job, failures=observe.failure_history(s, job.id))
         facts = self._facts(job, ledger, report=report, others_waiting=others_waiting)
+        facts = replace(facts, worker_limit=quotas.limit_for(job, ledger))
         actions = decisions.decide(job, facts)
         if self.executor.execute(job, actions):
             ledger.hold(job.id, decisions.allocation_after(job, actions))
@@ -146,6 +157,45 @@ class Scheduler:
                 return
             cluster.publish(s, view)
         self._published, self._published_at = replace(view, updated_at=None), self.clock()
+
+
+def _about(job: JobView) -> AbstractContextManager[None]:
+    """Log lines written while handling `job` carry its id, attempt and tenant."""
+    attempt = job.attempt.number if job.attempt is not None else None
+    return job_context(job_id=job.id, attempt=attempt, tenant=job.owner)
+
+
+class Quotas:
+    """Tenants' worker quotas during one pass: what each may still take, given what the
+    ledger says their jobs hold."""
+
+    def __init__(
+        self, own: dict[str, int | None], default: int | None, active: list[JobView]
+    ) -> None:
+        self.own = own
+        self.default = default
+        self.jobs_of: dict[str, list[int]] = {}
+        for job in active:
+            self.jobs_of.setdefault(job.owner, []).append(job.id)
+
+    def quota(self, tenant: str) -> int | None:
+        own = self.own.get(tenant)
+        return own if own is not None else self.default
+
+    def limit_for(self, job: JobView, ledger: CapacityLedger) -> int | None:
+        """The most workers `job` may hold: its tenant's quota less its other jobs'."""
+        quota = self.quota(job.owner)
+        if quota is None:
+            return None
+        others = [j for j in self.jobs_of.get(job.owner, []) if j != job.id]
+        return max(0, quota - ledger.workers_held(others))
+
+    def left(self, ledger: CapacityLedger, tenants: set[str]) -> dict[str, int | None]:
+        return {
+            t: None if (q := self.quota(t)) is None
+            else max(0, q - ledger.workers_held(self.jobs_of.get(t, [])))
+            for t in tenants
+        }  # fmt: skip
 
 
 def _held(active: list[JobView]) -> dict[int, Allocation]:

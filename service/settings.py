@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from contracts.bounds import in_standard_library
 
 _HOME = Path(".elastrain")
+#: Shorter tokens are guessable; the ones `elastrain token create` makes are 43 characters.
+MIN_TOKEN_LENGTH = 16
 
 
 class Settings(BaseSettings):
@@ -53,10 +58,71 @@ class Settings(BaseSettings):
         "before it gives up; a dead peer is noticed at once, a partitioned one after this.",
     )
 
-    api_token: str | None = Field(
+    # --- trust (README "Security") ---------------------------------------------------
+    api_token: SecretStr | None = Field(
         default=None,
-        description="When set, every /v1 request needs 'Authorization: Bearer <token>'.",
+        description="The operator's admin token. Setting it turns authentication on: every "
+        "request but /healthz and the dashboard's static shell then needs "
+        "'Authorization: Bearer <token>' (this one, or one made with `elastrain token create`).",
     )
+    auth: bool = Field(
+        default=False,
+        description="Require tokens even without ELASTRAIN_API_TOKEN (tokens from the database "
+        "only; bootstrap the first with `elastrain token create --database-url ...`).",
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default=["localhost", "127.0.0.1", "::1"],
+        description="Host headers the API answers (comma-separated; '*' for any). Refusing "
+        "others stops DNS rebinding from reaching a loopback-bound service from a browser.",
+    )
+    allowed_entrypoints: Annotated[list[str], NoDecode] = Field(
+        default=[],
+        description="Module prefixes custom `workload.entrypoint`s may come from "
+        "(comma-separated). The standard library is never allowed.",
+    )
+    default_max_workers_per_tenant: int | None = Field(
+        default=None,
+        ge=1,
+        description="A tenant's quota of running workers unless `elastrain tenant set` gives "
+        "it its own (unset: no quota).",
+    )
+    log_format: str = Field(
+        default="text", pattern="^(text|json)$", description="text | json (one object a line)."
+    )
+
+    @field_validator("api_token")
+    @classmethod
+    def _token_not_empty(cls, value: SecretStr | None) -> SecretStr | None:
+        # An empty ELASTRAIN_API_TOKEN used to mean "auth off": a typo in a secret's name
+        # then opened the cluster. Now it is an error; unset the variable to turn auth off.
+        if value is not None and len(value.get_secret_value().strip()) < MIN_TOKEN_LENGTH:
+            raise ValueError(
+                f"ELASTRAIN_API_TOKEN must be at least {MIN_TOKEN_LENGTH} characters "
+                "(unset it to run without authentication, on loopback only)"
+            )
+        return value
+
+    @field_validator("allowed_hosts", "allowed_entrypoints", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("allowed_entrypoints")
+    @classmethod
+    def _no_stdlib(cls, value: list[str]) -> list[str]:
+        for prefix in value:
+            if in_standard_library(prefix):
+                raise ValueError(
+                    f"ELASTRAIN_ALLOWED_ENTRYPOINTS: {prefix!r} is in the standard library; "
+                    "its functions run commands, never allow them as workloads"
+                )
+        return value
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.auth or self.api_token is not None
 
     @field_validator("storage_path")
     @classmethod

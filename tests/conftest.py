@@ -22,6 +22,10 @@ from api.main import create_app
 from service.db import make_engine, make_session_factory, migrate
 from service.settings import Settings
 
+# Starlette's TestClient sends `Host: testserver`; every app the tests build must answer it
+# (tests of the host check pass their own `allowed_hosts`).
+os.environ.setdefault("ELASTRAIN_ALLOWED_HOSTS", "localhost,127.0.0.1,::1,testserver")
+
 PG_ADMIN_URL = os.environ.get(
     "ELASTRAIN_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test"
 )

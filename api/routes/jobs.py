@@ -16,13 +16,15 @@ from pydantic import BeforeValidator, TypeAdapter
 from sqlalchemy import Row
 from sqlalchemy.orm import Session
 
-from api.deps import CurrentTenant, SessionDep, SettingsDep
+from api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from api.errors import Conflict
 from api.logs import read_logs
 from api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, MetricOut
+from contracts.bounds import entrypoint_refusal
 from contracts.spec import JobSpec
 from contracts.storage import JobStorage
 from service import executor
+from service.auth import Principal
 from service.jobs import (
     JobNotFound,
     get_job,
@@ -39,6 +41,11 @@ from service.states import ACTIVE, JobState
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 JobId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The job's id.")]
+#: Steps, attempts and offsets are 32-bit columns (or compared with them): larger numbers
+#: are a 422, not a database error.
+MAX_INT32 = 2**31 - 1
+#: As many label filters as a job can have labels.
+MAX_LABEL_FILTERS = 32
 # Accept `?state=running` as well as `?state=RUNNING`.
 StateParam = Annotated[JobState, BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
 
@@ -74,28 +81,36 @@ def _job(
     return _json(JobOut.model_validate(job).model_dump_json(), status_code, headers)
 
 
-def _owned_job(session: Session, job_id: int, tenant: str, *, for_update: bool = False) -> Job:
-    """The job, if the caller's tenant owns it; someone else's job is as good as absent."""
+def _owned_job(session: Session, job_id: int, who: Principal, *, for_update: bool = False) -> Job:
+    """The job, if the caller may see it; another tenant's job is as good as absent (404,
+    not 403: a 403 would confirm that the id exists)."""
     job = get_job(session, job_id, for_update=for_update)
-    if job.owner != tenant:
+    if not who.sees(job.owner):
         raise JobNotFound(job_id)
     return job
 
 
+def _invalid(loc: tuple[str | int, ...], msg: str) -> RequestValidationError:
+    """A 422 in the project's shape, for a check the models cannot make themselves."""
+    return RequestValidationError([{"loc": loc, "msg": msg, "type": "value_error"}])
+
+
+def check_entrypoint(spec: JobSpec, allowed_prefixes: list[str]) -> None:
+    entrypoint = spec.workload.entrypoint
+    if entrypoint is not None and (why := entrypoint_refusal(entrypoint, allowed_prefixes)):
+        raise _invalid(("body", "workload", "entrypoint"), f"workload.entrypoint: {why}")
+
+
 def _parse_labels(raw: list[str] | None) -> dict[str, str]:
     labels: dict[str, str] = {}
+    if raw and len(raw) > MAX_LABEL_FILTERS:
+        raise _invalid(
+            ("query", "label"), f"label: at most {MAX_LABEL_FILTERS} filters, got {len(raw)}"
+        )
     for i, item in enumerate(raw or []):
         key, sep, value = item.partition(":")
         if not sep or not key:
-            raise RequestValidationError(
-                [
-                    {
-                        "loc": ("query", "label", i),
-                        "msg": f"label: expected 'key:value', got {item!r}",
-                        "type": "value_error",
-                    }
-                ]
-            )
+            raise _invalid(("query", "label", i), f"label: expected 'key:value', got {item!r}")
         labels[key] = value
     return labels
 
@@ -107,8 +122,11 @@ def _parse_labels(raw: list[str] | None) -> dict[str, str]:
     summary="Submit a job",
     responses={422: {"description": "The spec is invalid; `message` says which field and why"}},
 )
-def submit_job(spec: JobSpec, session: SessionDep, tenant: CurrentTenant) -> Response:
-    job = insert_job(session, spec=spec, owner=tenant)
+def submit_job(
+    spec: JobSpec, session: SessionDep, who: CurrentPrincipal, settings: SettingsDep
+) -> Response:
+    check_entrypoint(spec, settings.allowed_entrypoints)
+    job = insert_job(session, spec=spec, owner=who.tenant)
     session.commit()
     return _job(job, status.HTTP_201_CREATED, {"Location": f"/v1/jobs/{job.id}"})
 
@@ -116,7 +134,7 @@ def submit_job(spec: JobSpec, session: SessionDep, tenant: CurrentTenant) -> Res
 @router.get("", response_model=JobList, summary="List jobs, newest first")
 def list_jobs_route(
     session: SessionDep,
-    tenant: CurrentTenant,
+    who: CurrentPrincipal,
     state: Annotated[
         list[StateParam] | None, Query(description="Only jobs in any of these states.")
     ] = None,
@@ -124,13 +142,13 @@ def list_jobs_route(
         list[str] | None, Query(description="Only jobs with all of these `key:value` labels.")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_INT32)] = 0,
 ) -> Response:
     page = list_jobs(
         session,
-        states=state or (),
+        states=sorted(set(state or ())),  # a repeated state is one filter
         labels=_parse_labels(label),
-        owner=tenant,
+        owner=who.owner_filter,
         limit=limit,
         offset=offset,
     )
@@ -141,9 +159,9 @@ def list_jobs_route(
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=_NOT_FOUND)
-def get_job_route(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Response:
+def get_job_route(job_id: JobId, session: SessionDep, who: CurrentPrincipal) -> Response:
     job = get_job_row(session, job_id)  # a Core row: nothing here changes the job
-    if job.owner != tenant:
+    if not who.sees(job.owner):
         raise JobNotFound(job_id)
     return _job(job)
 
@@ -164,10 +182,10 @@ def get_job_route(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> 
     },
 )
 def cancel_job(
-    job_id: JobId, session: SessionDep, tenant: CurrentTenant, settings: SettingsDep
+    job_id: JobId, session: SessionDep, who: CurrentPrincipal, settings: SettingsDep
 ) -> Response:
     # FOR UPDATE (PostgreSQL): the scheduler cannot admit it between our read and write.
-    job = _owned_job(session, job_id, tenant, for_update=True)
+    job = _owned_job(session, job_id, who, for_update=True)
     if job.state == JobState.CANCELLED:
         # Idempotent: a retried cancel gets the same answer, not an error.
         return _job(job)
@@ -185,8 +203,8 @@ def cancel_job(
     summary="Ask a running job to save a checkpoint now",
     responses={**_NOT_FOUND, **_CONFLICT},
 )
-def checkpoint_now(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Response:
-    job = _owned_job(session, job_id, tenant, for_update=True)
+def checkpoint_now(job_id: JobId, session: SessionDep, who: CurrentPrincipal) -> Response:
+    job = _owned_job(session, job_id, who, for_update=True)
     if not job.state.is_active:
         raise Conflict(
             f"job {job_id} is {job.state.value}; a checkpoint can be requested only while "
@@ -198,8 +216,8 @@ def checkpoint_now(job_id: JobId, session: SessionDep, tenant: CurrentTenant) ->
 
 
 @router.get("/{job_id}/events", response_model=list[EventOut], responses=_NOT_FOUND)
-def job_events(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Response:
-    _owned_job(session, job_id, tenant)
+def job_events(job_id: JobId, session: SessionDep, who: CurrentPrincipal) -> Response:
+    _owned_job(session, job_id, who)
     return _json(
         _EVENTS.dump_json(
             _EVENTS.validate_python(list_events(session, job_id), from_attributes=True)
@@ -211,11 +229,13 @@ def job_events(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Res
 def job_metrics(
     job_id: JobId,
     session: SessionDep,
-    tenant: CurrentTenant,
-    since_step: Annotated[int, Query(ge=0, description="Only steps >= this one.")] = 0,
+    who: CurrentPrincipal,
+    since_step: Annotated[
+        int, Query(ge=0, le=MAX_INT32, description="Only steps >= this one.")
+    ] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
 ) -> Response:
-    _owned_job(session, job_id, tenant)
+    _owned_job(session, job_id, who)
     # The reported values sit beside step/attempt/at (which win over a value of that name).
     rows: list[dict[str, Any]] = [
         {**m.values, "step": m.step, "attempt": m.attempt, "at": m.at}
@@ -225,8 +245,8 @@ def job_metrics(
 
 
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut], responses=_NOT_FOUND)
-def job_checkpoints(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -> Response:
-    _owned_job(session, job_id, tenant)
+def job_checkpoints(job_id: JobId, session: SessionDep, who: CurrentPrincipal) -> Response:
+    _owned_job(session, job_id, who)
     rows = list_checkpoints(session, job_id)
     return _json(_CHECKPOINTS.dump_json(_CHECKPOINTS.validate_python(rows, from_attributes=True)))
 
@@ -235,16 +255,16 @@ def job_checkpoints(job_id: JobId, session: SessionDep, tenant: CurrentTenant) -
 def job_logs(
     job_id: JobId,
     session: SessionDep,
-    tenant: CurrentTenant,
+    who: CurrentPrincipal,
     settings: SettingsDep,
     offset: Annotated[
         str, Query(max_length=4096, description="0, a byte offset, or an earlier next_offset.")
     ] = "0",
     attempt: Annotated[
-        int | None, Query(ge=0, description="Which attempt (default: the newest).")
+        int | None, Query(ge=0, le=MAX_INT32, description="Which attempt (default: the newest).")
     ] = None,
 ) -> LogChunk:
-    _owned_job(session, job_id, tenant)
+    _owned_job(session, job_id, who)
     session.close()  # reading files needs no DB connection
     chunk = read_logs(
         JobStorage.of(settings.storage_path, job_id).logs, offset=offset, attempt=attempt

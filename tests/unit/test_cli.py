@@ -187,3 +187,56 @@ def test_timeline_shows_each_phase_of_each_attempt(cli, tmp_path: Path, server) 
     assert [r.split()[3] for r in rows] == [p.value for p in Phase]
     assert rows[-1].split()[-2:] == ["0.25", "1.50"]
     assert "peer memory at step 7" in rows[5]
+
+
+def test_serve_refuses_a_public_address_without_auth(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ELASTRAIN_API_TOKEN", raising=False)
+    result = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0", "--port", "1"])
+    assert result.exit_code == 2
+    assert "refusing to serve on 0.0.0.0 without authentication" in result.stderr
+    assert "ELASTRAIN_API_TOKEN" in result.stderr
+
+
+@pytest.mark.parametrize("value", ["", "short"])
+def test_serve_refuses_an_empty_or_short_token(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("ELASTRAIN_API_TOKEN", value)
+    result = CliRunner().invoke(app, ["serve", "--port", "1"])
+    assert result.exit_code == 2
+    assert "at least 16 characters" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("[::1]", True),
+     ("localhost", True), ("0.0.0.0", False), ("::", False), ("10.1.2.3", False),
+     ("myhost", False)],
+)  # fmt: skip
+def test_which_addresses_count_as_loopback(host: str, loopback: bool) -> None:
+    from api.cli import is_loopback
+
+    assert is_loopback(host) is loopback
+
+
+def test_stored_text_cannot_drive_the_terminal() -> None:
+    from api.cli import _cell, printable
+
+    assert printable("a\x1b[2Jb\x00c\u202ed") == "a\\x1b[2Jb\\x00c\\u202ed"
+    assert _cell("line\nbreak") == "line break"
+    assert _cell({"k": "\x1b]0;x\x07"}) == "k=\\x1b]0;x\\x07"
+
+
+def test_tokens_and_tenants_from_the_cli(cli) -> None:  # type: ignore[no-untyped-def]
+    made = cli("token", "create", "--tenant", "nlp", "--name", "ci bot")
+    assert made.exit_code == 0, made.output
+    token = made.stdout.strip()
+    assert token.startswith("elt_") and "not shown again" in made.stderr
+    listing = cli("token", "list")
+    assert "nlp" in listing.stdout and "ci bot" in listing.stdout and token not in listing.stdout
+    token_id = listing.stdout.strip().splitlines()[-1].split()[0]
+    assert "revoked" in cli("token", "revoke", token_id).stdout
+    assert cli("token", "revoke", "999999").exit_code == 1
+    quota = cli("tenant", "set", "nlp", "--max-workers", "4")
+    assert quota.exit_code == 0 and "nlp" in quota.stdout and "4" in quota.stdout
+    assert cli("tenant", "set", "nlp").exit_code == 2  # neither --max-workers nor --no-quota
+    assert "nlp" in cli("tenant", "list").stdout
+    assert "authentication is off" in cli("whoami").stdout

@@ -647,6 +647,38 @@ def test_plan_admissions_shares_what_is_free() -> None:
     assert [(a.job_id, a.world_size) for a in admitted] == [(1, 2), (2, 1)]
 
 
+@pytest.mark.parametrize(
+    ("quota_left", "expected", "why"),
+    [
+        # (tenant -> workers its quota has left) -> (job, size) admitted, reason of job 1
+        ({}, [(1, 3), (2, 0)], None),
+        ({"a": 2}, [(1, 2), (2, 1)], None),  # capped by the quota, not by the cluster
+        ({"a": 1}, [(2, 3)], "tenant a's quota: 1 more workers allowed, the job needs 2"),
+        ({"a": 0, "b": 1}, [(2, 1)], "tenant a's quota: 0 more workers allowed, the job needs 2"),
+    ],
+)
+def test_plan_admissions_within_tenant_quotas(
+    quota_left: dict[str, int], expected: list[tuple[int, int]], why: str | None
+) -> None:
+    cluster = nodes("a", "b", "c")
+    queue = [
+        replace(_pending(1, min_workers=2, max_workers=3), owner="a"),
+        replace(_pending(2, min_workers=1, max_workers=3), owner="b"),
+    ]
+    admitted, waiting = plan_admissions(queue, cluster, cluster, quota_left)
+    assert [(a.job_id, a.world_size) for a in admitted] == [e for e in expected if e[1]]
+    reasons = {w.job_id: w.reason for w in waiting}
+    assert reasons.get(1) == why
+
+
+def test_relaunch_and_growth_respect_the_quota() -> None:
+    view = job(S.RECOVERING, attempt=None)
+    limited = facts(nodes("a", "b", "c"), alive=("a", "b", "c"))
+    assert StartAttempt(world_size=1) in decide(view, replace(limited, worker_limit=1))
+    waits = decide(replace(view, spec=MIN2), replace(limited, worker_limit=1))
+    assert isinstance(waits[0], StartWaiting) and "quota leaves 1" in waits[0].reason
+
+
 def test_placement_message_gives_rank_order() -> None:
     placement = Placement(nodes={1: "b", 0: "a"})
     assert placement.node_list() == ("a", "b")

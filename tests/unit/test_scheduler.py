@@ -473,3 +473,63 @@ def test_a_stop_lost_on_its_way_to_the_driver_is_sent_again(env, monkeypatch) ->
     monkeypatch.setattr(launcher, "send_control", send)
     sched.run_pass()  # the report says the driver is not stopping: asked again
     assert d.stop_requested
+
+
+def submit_as(factory, owner: str, **overrides) -> int:  # type: ignore[no-untyped-def]
+    body = {"name": "j", "workload": {"name": "synthetic"}, **overrides}
+    with session_scope(factory) as s:
+        return jobs.create_job(s, spec=JobSpec.model_validate(body), owner=owner).id
+
+
+def test_tenant_quota_caps_admission_growth_and_recovery(env) -> None:
+    from service import auth
+
+    factory, launcher, sched, clock = env
+    with session_scope(factory) as s:
+        auth.set_quota(s, "team-a", 2)
+    scaling = {"min_workers": 1, "max_workers": 3}
+    first = submit_as(factory, "team-a", scaling=scaling)
+    second = submit_as(factory, "team-a", scaling=scaling)
+    other = submit_as(factory, "team-b", scaling={"min_workers": 1, "max_workers": 1})
+    sched.run_pass()
+    # team-a's first job gets its whole quota (not the 3 workers that fit); its second
+    # waits for the quota and does not hold up team-b's job behind it.
+    assert [(launch.job_id, launch.world_size) for launch in launcher.launches] == [
+        (first, 2),
+        (other, 1),
+    ]
+    assert job(factory, second).state == JobState.PENDING
+    assert "team-a's quota" in (job(factory, second).state_reason or "")
+    d = launcher.driver(first)
+    d.status = DriverStatus.RUNNING
+    d.placement = {0: "n1", 1: "n2"}
+    d.metrics = [{"step": 1, "loss": 1.0, "world_size": 2}]
+    launcher.driver(other).status = DriverStatus.RUNNING
+    launcher.driver(other).placement = {0: "n3"}
+    sched.run_pass()
+    launcher.driver(other).status = DriverStatus.SUCCEEDED
+    for _ in range(3):  # a free node for longer than grow_interval_s: the quota says no
+        clock.t += 10
+        sched.run_pass()
+    assert job(factory, first).state == JobState.RUNNING
+    assert job(factory, first).world_size == 2
+    assert job(factory, second).state == JobState.PENDING
+    d.status = DriverStatus.SUCCEEDED
+    sched.run_pass()  # the quota frees up: the second job starts at 2, not 3
+    assert job(factory, second).state == JobState.STARTING
+    assert launcher.launches[-1].world_size == 2
+
+
+def test_default_quota_applies_to_tenants_without_their_own(env, tmp_path: Path) -> None:
+    factory, launcher, _, clock = env
+    settings = Settings(
+        database_url="sqlite://",
+        storage_path=tmp_path / "storage",
+        default_max_workers_per_tenant=1,
+    )
+    sched = Scheduler(session_factory=factory, launcher=launcher, settings=settings, clock=clock)
+    jid = submit_as(factory, "anyone", scaling={"min_workers": 1, "max_workers": 3})
+    too_big = submit_as(factory, "anyone", scaling={"min_workers": 2, "max_workers": 2})
+    sched.run_pass()
+    assert launcher.launches[0].job_id == jid and launcher.launches[0].world_size == 1
+    assert "quota" in (job(factory, too_big).state_reason or "")

@@ -18,7 +18,11 @@ from tests.factories import spec_dict
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     # Validation never reaches the database, so one SQLite-backed app serves the module.
     root: Path = tmp_path_factory.mktemp("validation")
-    settings = Settings(database_url=f"sqlite:///{root / 'db.sqlite'}", storage_path=root / "st")
+    settings = Settings(
+        database_url=f"sqlite:///{root / 'db.sqlite'}",
+        storage_path=root / "st",
+        allowed_entrypoints=["my_pkg"],
+    )
     with TestClient(create_app(settings)) as client:
         yield client
 
@@ -107,6 +111,38 @@ def test_malformed_entrypoint(api: TestClient, entrypoint: str) -> None:
 def test_well_formed_entrypoint_is_accepted(api: TestClient) -> None:
     body = spec_dict(workload={"entrypoint": "my_pkg.models:make_workload", "params": {"n": 1}})
     assert api.post("/v1/jobs", json=body).status_code == 201
+
+
+@pytest.mark.parametrize(
+    ("entrypoint", "why"),
+    [
+        # `os:system` with params {command: ...} would run any command on a worker.
+        ("os:system", "standard library"),
+        ("subprocess:run", "standard library"),
+        ("importlib.util:spec_from_file_location", "standard library"),
+        ("builtins:exec", "standard library"),
+        # Not listed by the operator (ELASTRAIN_ALLOWED_ENTRYPOINTS=my_pkg).
+        ("other_pkg.models:make", "not allowed on this service"),
+        ("my_pkgx.models:make", "not allowed on this service"),  # a prefix is a module path
+    ],
+)
+def test_refused_entrypoints(api: TestClient, entrypoint: str, why: str) -> None:
+    body = spec_dict(workload={"entrypoint": entrypoint, "params": {"command": "touch /tmp/x"}})
+    msg = rejected(api, body)
+    assert msg.startswith("workload.entrypoint:") and why in msg, msg
+    assert "ELASTRAIN_ALLOWED_ENTRYPOINTS" in msg or "standard library" in msg
+
+
+def test_built_in_workload_modules_are_always_allowed(api: TestClient) -> None:
+    body = spec_dict(workload={"entrypoint": "workers.workloads.synthetic:build"})
+    assert api.post("/v1/jobs", json=body).status_code == 201
+
+
+def test_the_operator_cannot_allow_the_standard_library() -> None:
+    with pytest.raises(ValueError, match="standard library"):
+        Settings(allowed_entrypoints=["os"])
+    with pytest.raises(ValueError, match="standard library"):
+        Settings(allowed_entrypoints="my_pkg, subprocess")
 
 
 @pytest.mark.parametrize(

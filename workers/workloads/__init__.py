@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
+from contracts.bounds import in_standard_library
 from contracts.spec import BUILTIN_WORKLOADS, WorkloadSpec
 from workers.api import Workload, WorkloadFactory
 
@@ -46,6 +47,11 @@ def resolve_entrypoint(entrypoint: str) -> WorkloadFactory:
     module_name, sep, attr = entrypoint.partition(":")
     if not sep or not module_name or not attr:
         raise WorkloadError(f"workload.entrypoint: {entrypoint!r} is not 'package.module:factory'")
+    if in_standard_library(module_name):
+        # The API refuses these at submit; a job stored before that rule must not run one.
+        raise WorkloadError(
+            f"workload.entrypoint: {module_name!r} is in the standard library; refused"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -1,0 +1,108 @@
+"""Bounds on what clients send: pure checks, shared by the spec models and the API.
+
+Every value a request stores must also be readable back, by every database we support and
+by every client: no NUL (PostgreSQL's JSONB and text refuse it), no terminal escapes in
+what a CLI prints, no nesting deep enough to exhaust a parser's recursion, no number a
+64-bit column or a JSON reader cannot hold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import unicodedata
+from collections.abc import Iterable
+from typing import Any
+
+#: How deep `workload.params` may nest (a dict in a list in a dict... counts 3).
+MAX_PARAMS_DEPTH = 16
+#: Their size once serialised: parameters, not data (data lives on shared storage).
+MAX_PARAMS_BYTES = 64 * 1024
+#: Integers anywhere in a stored document: what a signed 64-bit column or a JSON reader
+#: that parses into int64/double still holds exactly.
+MAX_INT = 2**63 - 1
+#: Module prefixes always allowed as entrypoints: the package's own workloads.
+BUILTIN_ENTRYPOINT_PREFIXES = ("workers.workloads",)
+
+
+def control_characters(text: str) -> list[str]:
+    """The control characters (Unicode category Cc/Cf, e.g. NUL, ESC, bidi overrides) in
+    `text`, as escapes for an error message."""
+    found = []
+    for ch in text:
+        if unicodedata.category(ch) in ("Cc", "Cf") and repr(ch)[1:-1] not in found:
+            found.append(repr(ch)[1:-1])
+    return found
+
+
+def no_control_characters(text: str) -> str:
+    """A validator: refuse `text` if it holds control characters."""
+    bad = control_characters(text)
+    if bad:
+        raise ValueError(f"must not contain control characters (found {', '.join(bad[:5])})")
+    return text
+
+
+def check_json_document(value: Any, *, max_depth: int, max_bytes: int) -> None:
+    """Raise ValueError (saying what is wrong and where) unless `value` is plain JSON data
+    within the bounds: depth, serialised size, finite numbers, 64-bit integers, no NUL."""
+    _walk(value, path="", depth=0, max_depth=max_depth)
+    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+    if size > max_bytes:
+        raise ValueError(f"is {size} bytes as JSON; the limit is {max_bytes}")
+
+
+def _walk(value: Any, *, path: str, depth: int, max_depth: int) -> None:
+    where = f" at {path}" if path else ""
+    if depth > max_depth:
+        raise ValueError(f"nests deeper than {max_depth} levels{where}")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"keys must be strings{where}")
+            if "\x00" in key:
+                raise ValueError(f"a key{where} contains NUL")
+            inner = f"{path}.{key}" if path else key
+            _walk(item, path=inner[:200], depth=depth + 1, max_depth=max_depth)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _walk(item, path=f"{path}[{i}]"[:200], depth=depth + 1, max_depth=max_depth)
+    elif isinstance(value, bool) or value is None:
+        return
+    elif isinstance(value, int):
+        if not -MAX_INT - 1 <= value <= MAX_INT:
+            raise ValueError(f"integer{where} does not fit in 64 bits")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"number{where} must be finite (no NaN or Infinity)")
+    elif isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError(f"string{where} contains NUL")
+    else:
+        raise ValueError(f"{type(value).__name__}{where} is not JSON data")
+
+
+def in_standard_library(module: str) -> bool:
+    top = module.split(".")[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names
+
+
+def entrypoint_refusal(entrypoint: str, allowed_prefixes: Iterable[str]) -> str | None:
+    """Why a custom entrypoint may not run here, or None when it may.
+
+    A workload is code that runs on the cluster: an entrypoint such as `os:system` with
+    `params: {command: ...}` would run any command. Only the package's own workloads and
+    the module prefixes the operator lists are allowed, and never the standard library.
+    """
+    module = entrypoint.partition(":")[0]
+    if in_standard_library(module):
+        return f"module {module!r} is in the Python standard library; workloads cannot come from it"
+    prefixes = (*BUILTIN_ENTRYPOINT_PREFIXES, *allowed_prefixes)
+    if any(module == p or module.startswith(p + ".") for p in prefixes):
+        return None
+    listed = ", ".join(repr(p) for p in allowed_prefixes) or "none besides the built-ins"
+    return (
+        f"module {module!r} is not allowed on this service (allowed module prefixes: "
+        f"{listed}); the operator lists them in ELASTRAIN_ALLOWED_ENTRYPOINTS"
+    )

@@ -287,12 +287,40 @@ def status(ctx: typer.Context, job_id: int) -> None:
         "created_at", "started_at", "finished_at", "last_error",
     ]:  # fmt: skip
         typer.echo(f"{key + ':':<18}{_cell(job.get(key))}")
+    typer.echo(f"{'goodput:':<18}{_goodput_line(job.get('goodput'))}")
     spec = job["spec"]
     typer.echo(
         f"{'spec:':<18}{spec['strategy']['kind']}, workers "
         f"{spec['scaling']['min_workers']}..{spec['scaling']['max_workers']}, "
         f"global batch {spec['training']['global_batch_size']}"
     )
+
+
+_GOODPUT_PARTS = [
+    ("training_s", "training"), ("recomputed_s", "recomputed"), ("queued_s", "queued"),
+    ("starting_s", "starting"), ("recovering_s", "recovering"), ("resizing_s", "resizing"),
+    ("checkpoint_stall_s", "checkpoint stalls"), ("other_s", "other"),
+]  # fmt: skip
+
+
+def _goodput_line(split: dict[str, Any] | None) -> str:
+    """`62% of 5m10s: training 3m12s, recovering 40s, ...` (the non-zero parts)."""
+    if not split or split.get("goodput") is None:
+        return "-"
+    parts = [
+        f"{label} {_duration(split[key])}"
+        for key, label in _GOODPUT_PARTS
+        if split.get(key, 0) >= 0.05
+    ]
+    return f"{split['goodput']:.0%} of {_duration(split['wall_s'])}: {', '.join(parts)}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 @app.command()

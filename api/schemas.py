@@ -17,9 +17,12 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    computed_field,
 )
 
 from contracts.bounds import no_control_characters
+from service import goodput
+from service.models import utcnow
 from service.states import JobState
 
 
@@ -57,6 +60,43 @@ class JobOut(_FromRow):
     started_at: datetime | None
     finished_at: datetime | None
     last_error: str | None
+    # The goodput inputs, kept on the row; shown as `goodput`, not themselves.
+    seconds_in: dict[str, float] | None = Field(default=None, exclude=True)
+    state_since: datetime | None = Field(default=None, exclude=True)
+    compute_s: float | None = Field(default=None, exclude=True)
+    kept_s: float | None = Field(default=None, exclude=True)
+    stall_s: float | None = Field(default=None, exclude=True)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def goodput(self) -> GoodputOut:
+        split = goodput.split(
+            created_at=self.created_at,
+            end=self.finished_at or utcnow(),
+            state=self.state,
+            state_since=self.state_since,
+            seconds_in=self.seconds_in or {},
+            compute_s=self.compute_s or 0.0,
+            kept_s=self.kept_s or 0.0,
+            stall_s=self.stall_s or 0.0,
+        )
+        return GoodputOut.model_validate(split.to_dict())
+
+
+class GoodputOut(BaseModel):
+    """Where the job's wall time went (seconds), and `goodput`: the share spent on training
+    steps the job kept. See `service/goodput.py` for what each bucket holds."""
+
+    wall_s: float
+    queued_s: float
+    starting_s: float
+    training_s: float = Field(description="Steps whose results the job kept.")
+    recomputed_s: float = Field(description="Steps lost to a failure and computed again.")
+    recovering_s: float
+    resizing_s: float
+    checkpoint_stall_s: float
+    other_s: float
+    goodput: float | None = Field(description="training_s / wall_s (null at wall_s 0).")
 
 
 class JobList(BaseModel):

@@ -24,7 +24,7 @@ from checkpoints.retention import delete_checkpoints, retention_plan
 from contracts.messages import Control, EventKind
 from contracts.spec import JobSpec
 from contracts.storage import JobStorage
-from service import jobs, observe, reports
+from service import jobs, observe, reports, telemetry
 from service.db import session_scope
 from service.decisions import (
     Action,
@@ -46,7 +46,7 @@ from service.decisions import (
     decide,
 )
 from service.launcher.base import AttemptKey, Launcher, LaunchRequest, driver_name
-from service.models import Job
+from service.models import Job, utcnow
 from service.states import JobState
 
 log = logging.getLogger("elastrain.executor")
@@ -230,10 +230,12 @@ class Executor:
                 if (job.state, job.attempt) != seen:
                     log.info("job %s moved since it was observed; deciding again", view.id)
                     return False
+                samples = telemetry.samples_for(job, actions, now=utcnow())
                 effects = apply_to_db(session, job, actions, storage_path=self.storage_path)
         except Exception:
             log.exception("job %s: applying %s failed; retrying next pass", view.id, actions)
             return False
+        telemetry.record(samples)  # counted once committed, like the effects
         for effect in effects:
             self._carry_out(effect)
         return True

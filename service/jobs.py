@@ -25,7 +25,7 @@ from contracts.messages import (
     WorkerError,
 )
 from contracts.spec import JobSpec
-from service.models import Attempt, Event, Job, JobLabel, utcnow
+from service.models import Attempt, Event, Job, JobLabel, as_utc, utcnow
 from service.states import IllegalTransition, JobState, can_transition
 
 
@@ -213,6 +213,13 @@ def set_job_state(
     before = job.world_size
     after = before if world_size is None else world_size
     now = utcnow()
+    # Goodput: the state being left gets its seconds (service.goodput).
+    since = job.state_since or job.created_at
+    spent = max(0.0, (now - as_utc(since)).total_seconds())
+    seconds_in = dict(job.seconds_in or {})
+    seconds_in[from_state.value] = round(seconds_in.get(from_state.value, 0.0) + spent, 3)
+    job.seconds_in = seconds_in
+    job.state_since = now
     job.state = to_state
     job.state_reason = reason
     job.world_size = after

@@ -100,6 +100,16 @@ class Job(Base):
     # When the job first found fewer than min_workers available (None when it is not waiting).
     below_min_since: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
 
+    # Goodput accounting (`service.goodput`), kept up to date as things happen so that
+    # reading a job never scans its events or metrics: seconds spent in each state left
+    # so far, when the current state began, and the step seconds reported (all of them,
+    # those of steps still kept, and the checkpoint saves that blocked training).
+    seconds_in: Mapped[dict[str, float]] = mapped_column(JSONType, default=dict)
+    state_since: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+    compute_s: Mapped[float] = mapped_column(Float, default=0.0)
+    kept_s: Mapped[float] = mapped_column(Float, default=0.0)
+    stall_s: Mapped[float] = mapped_column(Float, default=0.0)
+
     # Loaded on access only: the labels are also in `spec["labels"]`, which is what the API
     # shows, so reading a job costs one query, not two. The table is for filtering.
     labels: Mapped[list[JobLabel]] = relationship(

@@ -24,6 +24,7 @@ from contracts.messages import (
     WorkerEvent,
     WorkerFailed,
 )
+from service.goodput import step_seconds
 from service.jobs import check_attempt, current_attempt, record_event
 from service.models import CheckpointRecord, Job, Metric, utcnow
 
@@ -121,14 +122,22 @@ def record_metrics(
     check_attempt(job, attempt)
     typed = [p if isinstance(p, StepMetrics) else StepMetrics.from_point(p) for p in points]
     steps = [p.step for p in typed]
-    # A recomputed step (after a resume) replaces what an earlier attempt reported.
-    session.execute(delete(Metric).where(Metric.job_id == job.id, Metric.step.in_(steps)))
+    # A recomputed step (after a resume) replaces what an earlier attempt reported: its
+    # seconds stop counting as kept training (goodput).
+    where = (Metric.job_id == job.id, Metric.step.in_(steps))
+    replaced = session.scalars(select(Metric.values).where(*where)).all()
+    if replaced:
+        session.execute(delete(Metric).where(*where))
+        job.kept_s = (job.kept_s or 0.0) - sum(step_seconds(v)[0] for v in replaced)
     seen: set[int] = set()
+    stored: list[StepMetrics] = []
     for point in reversed(typed):  # the last report of a step wins
         if point.step in seen:
             continue
         seen.add(point.step)
+        stored.append(point)
         session.add(Metric(job_id=job.id, step=point.step, attempt=attempt, values=point.values))
+    _account(job, stored)
     last = max(typed, key=lambda p: p.step)
     job.step = max(job.step, last.step)
     if last.loss is not None:
@@ -151,9 +160,19 @@ def backfill_metrics(
     missing = [p for p in points if p.step not in stored]
     for point in missing:
         session.add(Metric(job_id=job.id, step=point.step, attempt=attempt, values=point.values))
+    _account(job, missing)
     if missing:
         job.step = max(job.step, max(p.step for p in missing))
     return len(missing)
+
+
+def _account(job: Job, points: Sequence[StepMetrics]) -> None:
+    """Add newly stored points' seconds to the job's goodput sums."""
+    for point in points:
+        step_s, stall_s = step_seconds(point.values)
+        job.compute_s = (job.compute_s or 0.0) + step_s
+        job.kept_s = (job.kept_s or 0.0) + step_s
+        job.stall_s = (job.stall_s or 0.0) + stall_s
 
 
 def list_metrics(

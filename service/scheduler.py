@@ -23,7 +23,7 @@ from dataclasses import replace
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.messages import DriverReport, DriverStatus
-from service import auth, cluster, decisions, lease, observe
+from service import auth, cluster, decisions, lease, observe, telemetry
 from service.capacity import Allocation, CapacityLedger, ClusterCapacity, WorkerShape
 from service.db import session_scope
 from service.decisions import Facts, JobView, Policy
@@ -71,6 +71,11 @@ class Scheduler:
         """One pass. Returns False when another scheduler holds the lease."""
         if not lease.try_acquire(self.sessions, holder=self.holder, ttl_s=LEASE_TTL_S):
             return False
+        with telemetry.SCHEDULER_PASS.time():
+            self._pass()
+        return True
+
+    def _pass(self) -> None:
         capacity = self.launcher.capacity()
         with session_scope(self.sessions) as s:
             active = observe.active_jobs(s)
@@ -96,7 +101,6 @@ class Scheduler:
                 if self.executor.execute(job, actions):
                     ledger.hold(job.id, decisions.allocation_after(job, actions))
         self._publish(capacity, ledger)
-        return True
 
     def _step(
         self,

@@ -128,6 +128,7 @@ def _train(
         hooks.send(TimelineMark(phase=Phase.STATE_RESTORED, at=time.time(),
                                 detail=describe_restore(restored)))  # fmt: skip
     control = Control.NONE
+    stalled = 0.0  # seconds the last checkpoint save blocked training (goodput)
     for step in range(start_step, max_steps):
         if ctx.abort is not None and ctx.abort.is_set():
             raise AttemptAborted(f"attempt {ctx.attempt} released at step {step}")
@@ -148,8 +149,9 @@ def _train(
         # died with the attempt (sent after the scheduler's last poll) are filled in.
         point = step_metrics(
             done, loss, step_time, strategy, workload.tokens_per_sample, global_batch,
-            ctx.world_size, batch_crc(sampler.global_batch(step)),
+            ctx.world_size, batch_crc(sampler.global_batch(step)), checkpoint_stall_s=stalled,
         )  # fmt: skip
+        stalled = 0.0
         recent.append(point)
         if is_rank0:
             hooks.send(point)
@@ -160,8 +162,8 @@ def _train(
 
         if done % spec.checkpoint.every_steps == 0 or done == max_steps or control != Control.NONE:
             reason = control.value if control != Control.NONE else "scheduled"
-            save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
-                            metrics=recent)  # fmt: skip
+            stalled = save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
+                                      metrics=recent)  # fmt: skip
         # Every rank polls: a failed background save then raises on every rank alike.
         commits = checkpointer.poll_commits()
         if is_rank0:
@@ -325,7 +327,8 @@ def save_checkpoint(
     *,
     reason: str,
     metrics: Iterable[StepMetrics] = (),
-) -> None:
+) -> float:
+    """Save a checkpoint of step `done`; returns the seconds training was blocked."""
     training = spec.training
     layout = strategy.layout
     blocked = checkpointer.save(
@@ -344,12 +347,15 @@ def save_checkpoint(
                 "global_batch_size": training.global_batch_size,
                 "micro_batch_size": training.micro_batch_size,
                 "metrics": [m.to_point() for m in metrics],
+                # With the manifest's commit time: the save's seconds (Prometheus).
+                "save_started_at": time.time(),
             },
         },
         rank_extra=get_rng_states(ctx.world_size),
     )
     if ctx.rank == 0:
         log.info("checkpoint at step %d (%s): blocked %.3fs", done, reason, blocked)
+    return float(blocked)
 
 
 def saved_metrics(extra: dict[str, Any]) -> tuple[StepMetrics, ...]:
@@ -372,6 +378,8 @@ def step_metrics(
     global_batch: int,
     world_size: int,
     crc: int,
+    *,
+    checkpoint_stall_s: float = 0.0,
 ) -> StepMetrics:
     samples_per_s = global_batch / step_time
     layout = strategy.layout
@@ -379,6 +387,8 @@ def step_metrics(
         "loss": loss,
         "lr": strategy.optimizer.param_groups[0]["lr"],
         "step_time_s": step_time,
+        # The checkpoint save that blocked training just before this step (0: none).
+        "checkpoint_stall_s": checkpoint_stall_s,
         "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * tokens_per_sample if tokens_per_sample else None,
         "world_size": world_size,

@@ -29,6 +29,7 @@ ADMIN_TOKEN = "operator-admin-token-0123456789"
 # job's tenant or an admin; others get 404), "token" (a token's tenant or an admin), "admin".
 ACCESS: dict[tuple[str, str], str] = {
     ("get", "/healthz"): "open",
+    ("get", "/metrics"): "admin",
     ("get", "/v1/me"): "tenant",
     ("get", "/v1/cluster"): "tenant",
     ("get", "/v1/jobs"): "tenant",

@@ -240,3 +240,13 @@ def test_tokens_and_tenants_from_the_cli(cli) -> None:  # type: ignore[no-untype
     assert cli("tenant", "set", "nlp").exit_code == 2  # neither --max-workers nor --no-quota
     assert "nlp" in cli("tenant", "list").stdout
     assert "authentication is off" in cli("whoami").stdout
+
+
+def test_goodput_line() -> None:
+    from api.cli import _goodput_line
+
+    split = {"wall_s": 200.0, "training_s": 150.0, "queued_s": 10.0, "recovering_s": 40.0,
+             "recomputed_s": 0.0, "starting_s": 0.0, "resizing_s": 0.0,
+             "checkpoint_stall_s": 0.02, "other_s": 0.0, "goodput": 0.75}  # fmt: skip
+    assert _goodput_line(split) == "75% of 3m20s: training 2m30s, queued 10.0s, recovering 40.0s"
+    assert _goodput_line(None) == "-"

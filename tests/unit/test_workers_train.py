@@ -168,6 +168,7 @@ def test_stop_saves_and_returns(runs: dict) -> None:
     assert manifest["layout"] == {"dp": 2, "pp": 1} and manifest["strategy"] == "fsdp"
     extra = dict(manifest["extra"])
     saved = extra.pop("metrics")
+    assert extra.pop("save_started_at") <= manifest["created_at"]
     assert extra == {"seed": 5, "global_batch_size": 32, "micro_batch_size": 8}
     # The steps since the previous checkpoint travel with it (see the resume test).
     assert saved == [m.to_point() for m in run["metrics"]]

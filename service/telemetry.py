@@ -1,0 +1,261 @@
+"""Prometheus metrics: what the control plane counts as it works, and what the database
+says at scrape time.
+
+Two sources, one `/metrics` page:
+
+- **Counters and histograms of events** (starts and recoveries and their seconds, node
+  losses, restarts, checkpoints, scheduler passes) live in this process's registry. The
+  executor derives `Sample`s from the actions it applied (`samples_for`, pure) and records
+  them once the transaction has committed. They restart from zero with the process, as
+  Prometheus counters may: `rate()` and `increase()` handle resets.
+- **Gauges of state** (jobs by state and tenant, the queue and its oldest wait, each active
+  job's steps/s, tokens/s, world size and goodput) are read from the database on every
+  scrape (`DatabaseCollector`), so every API replica serves the same numbers, with or
+  without a scheduler in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import and_, func, select
+from sqlalchemy.orm import Session
+
+from contracts.messages import CheckpointCommitted, Phase, StepMetrics, Timeline
+from service import goodput
+from service.decisions import Action, AttemptOutcome, EndAttempt, PersistReport, Transition
+from service.models import Job, as_utc, utcnow
+from service.models import Metric as MetricRow
+from service.states import ACTIVE, JobState
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+_SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+_QUEUE = (1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
+_PASS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+SCHEDULER_PASS = Histogram(
+    "elastrain_scheduler_pass_seconds", "Duration of one scheduler pass.", buckets=_PASS,
+    registry=REGISTRY,
+)  # fmt: skip
+QUEUE_WAIT = Histogram(
+    "elastrain_queue_wait_seconds", "Submission to admission, per admitted job.",
+    ["tenant"], buckets=_QUEUE, registry=REGISTRY,
+)  # fmt: skip
+STARTS = Histogram(
+    "elastrain_start_seconds",
+    "From what started an attempt (submission, node lost, failure, grow decision) to its "
+    "first step: the recovery time when cause is 'node lost' or 'failed'.",
+    ["cause"], buckets=_SECONDS, registry=REGISTRY,
+)  # fmt: skip
+RESTORES = Histogram(
+    "elastrain_state_restore_seconds",
+    "Restoring training state at an attempt's start, by source (checkpoint load, peer memory).",
+    ["source"], buckets=_SECONDS, registry=REGISTRY,
+)  # fmt: skip
+NODE_LOSSES = Counter(
+    "elastrain_node_losses_total", "Attempts ended because a node holding a rank was lost.",
+    ["tenant"], registry=REGISTRY,
+)  # fmt: skip
+RESTARTS = Counter(
+    "elastrain_restarts_total", "Attempts that failed and counted against max_restarts.",
+    ["tenant"], registry=REGISTRY,
+)  # fmt: skip
+FINISHED = Counter(
+    "elastrain_jobs_finished_total", "Jobs that reached a final state.", ["state", "tenant"],
+    registry=REGISTRY,
+)  # fmt: skip
+CHECKPOINTS = Counter(
+    "elastrain_checkpoints_total", "Checkpoints committed.", ["tenant"], registry=REGISTRY
+)
+CHECKPOINT_BYTES = Counter(
+    "elastrain_checkpoint_bytes_total", "Bytes of committed checkpoints.", ["tenant"],
+    registry=REGISTRY,
+)  # fmt: skip
+CHECKPOINT_SAVE = Histogram(
+    "elastrain_checkpoint_save_seconds",
+    "A checkpoint save from its start to its commit (async saves overlap training).",
+    buckets=_SECONDS, registry=REGISTRY,
+)  # fmt: skip
+CHECKPOINT_STALL = Histogram(
+    "elastrain_checkpoint_stall_seconds", "Training blocked by a checkpoint save.",
+    buckets=_SECONDS, registry=REGISTRY,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One observation: a histogram `observe` or a counter `inc`, with its labels."""
+
+    metric: Histogram | Counter
+    labels: tuple[str, ...]
+    value: float
+
+
+def samples_for(job: Job, actions: Sequence[Action], *, now: datetime) -> list[Sample]:
+    """What applying `actions` to `job` (as it was before) counts. Pure but for `job`'s
+    attribute reads."""
+    tenant = job.owner
+    out: list[Sample] = []
+    for action in actions:
+        if isinstance(action, Transition):
+            if job.state == JobState.PENDING and action.to == JobState.STARTING:
+                waited = (now - as_utc(job.created_at)).total_seconds()
+                out.append(Sample(QUEUE_WAIT, (tenant,), max(0.0, waited)))
+            if action.to.is_terminal:
+                out.append(Sample(FINISHED, (action.to.value, tenant), 1))
+        elif isinstance(action, EndAttempt):
+            if action.outcome == AttemptOutcome.NODE_LOST:
+                out.append(Sample(NODE_LOSSES, (tenant,), 1))
+            elif action.count_restart:
+                out.append(Sample(RESTARTS, (tenant,), 1))
+        elif isinstance(action, PersistReport):
+            out.extend(_report_samples(action.report.messages, tenant))
+    return out
+
+
+def _report_samples(messages: Iterable[object], tenant: str) -> Iterator[Sample]:
+    for message in messages:
+        if isinstance(message, CheckpointCommitted):
+            yield Sample(CHECKPOINTS, (tenant,), 1)
+            yield Sample(CHECKPOINT_BYTES, (tenant,), float(message.bytes))
+            seconds = _save_seconds(message.manifest)
+            if seconds is not None:
+                yield Sample(CHECKPOINT_SAVE, (), seconds)
+        elif isinstance(message, Timeline):
+            yield Sample(STARTS, (message.cause,), message.total_s)
+            for phase in message.phases():
+                if phase["phase"] == Phase.STATE_RESTORED.value:
+                    source = "peer" if "peer" in str(phase["detail"]) else "checkpoint"
+                    yield Sample(RESTORES, (source,), float(phase["seconds"]))
+        elif isinstance(message, StepMetrics):
+            stall = goodput.step_seconds(message.values)[1]
+            if stall > 0:
+                yield Sample(CHECKPOINT_STALL, (), stall)
+
+
+def _save_seconds(manifest: dict[str, Any] | None) -> float | None:
+    if not manifest:
+        return None
+    started = (manifest.get("extra") or {}).get("save_started_at")
+    committed = manifest.get("created_at")
+    if isinstance(started, int | float) and isinstance(committed, int | float):
+        return max(0.0, float(committed) - float(started))
+    return None
+
+
+def record(samples: Iterable[Sample]) -> None:
+    for sample in samples:
+        metric = sample.metric.labels(*sample.labels) if sample.labels else sample.metric
+        if isinstance(metric, Histogram):
+            metric.observe(sample.value)
+        else:
+            metric.inc(sample.value)
+
+
+# ---------------------------------------------------------------------------------------
+# Read from the database at scrape time
+# ---------------------------------------------------------------------------------------
+
+#: Per-job series for at most this many active jobs (the newest): bounded cardinality.
+MAX_JOB_SERIES = 500
+
+
+class DatabaseCollector(Collector):
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def collect(self) -> Iterator[Metric]:
+        now = utcnow()
+        by_state = GaugeMetricFamily(
+            "elastrain_jobs", "Jobs by state and tenant.", labels=["state", "tenant"]
+        )
+        rows = self.session.execute(
+            select(Job.state, Job.owner, func.count()).group_by(Job.state, Job.owner)
+        ).all()
+        for state, tenant, count in rows:
+            by_state.add_metric([JobState(state).value, tenant], count)
+        yield by_state
+
+        pending = self.session.execute(
+            select(func.count(), func.min(Job.created_at)).where(Job.state == JobState.PENDING)
+        ).one()
+        yield GaugeMetricFamily(
+            "elastrain_queue_length", "Jobs waiting for admission.", value=pending[0]
+        )
+        oldest = (now - as_utc(pending[1])).total_seconds() if pending[1] is not None else 0.0
+        yield GaugeMetricFamily(
+            "elastrain_queue_oldest_wait_seconds",
+            "How long the longest-waiting queued job has waited (0: none queued).",
+            value=max(0.0, oldest),
+        )
+        yield from self._active_jobs(now)
+
+    def _active_jobs(self, now: datetime) -> Iterator[Metric]:
+        labels = ["job_id", "tenant"]
+        families = {
+            "steps": GaugeMetricFamily(
+                "elastrain_job_steps_per_second", "Optimizer steps per second, newest step.",
+                labels=labels,
+            ),
+            "tokens": GaugeMetricFamily(
+                "elastrain_job_tokens_per_second", "Training tokens per second, newest step.",
+                labels=labels,
+            ),
+            "world": GaugeMetricFamily(
+                "elastrain_job_world_size", "Workers of the job's current attempt.",
+                labels=labels,
+            ),
+            "goodput": GaugeMetricFamily(
+                "elastrain_job_goodput_ratio",
+                "Share of the job's wall time spent on training steps it kept.", labels=labels,
+            ),
+        }  # fmt: skip
+        rows = self.session.execute(
+            select(Job, MetricRow.values)
+            .outerjoin(MetricRow, and_(MetricRow.job_id == Job.id, MetricRow.step == Job.step))
+            .where(Job.state.in_(list(ACTIVE)))
+            .order_by(Job.id.desc())
+            .limit(MAX_JOB_SERIES)
+        ).all()
+        for job, values in rows:
+            key = [str(job.id), job.owner]
+            values = values or {}
+            step_time = values.get("step_time_s")
+            if isinstance(step_time, int | float) and step_time > 0:
+                families["steps"].add_metric(key, 1.0 / step_time)
+            tokens = values.get("tokens_per_s")
+            if isinstance(tokens, int | float):
+                families["tokens"].add_metric(key, tokens)
+            families["world"].add_metric(key, job.world_size or 0)
+            ratio = _job_goodput(job, now).ratio
+            if ratio is not None:
+                families["goodput"].add_metric(key, ratio)
+        yield from families.values()
+
+
+def _job_goodput(job: Job, now: datetime) -> goodput.Goodput:
+    return goodput.split(
+        created_at=as_utc(job.created_at),
+        end=as_utc(job.finished_at) if job.finished_at else now,
+        state=JobState(job.state),
+        state_since=as_utc(job.state_since) if job.state_since else None,
+        seconds_in=job.seconds_in or {},
+        compute_s=job.compute_s or 0.0,
+        kept_s=job.kept_s or 0.0,
+        stall_s=job.stall_s or 0.0,
+    )
+
+
+def exposition(session_factory: Callable[[], Session]) -> bytes:
+    """The `/metrics` page: this process's counters, then the database's gauges."""
+    scrape = CollectorRegistry(auto_describe=False)
+    with session_factory() as session:
+        scrape.register(DatabaseCollector(session))
+        return generate_latest(REGISTRY) + generate_latest(scrape)

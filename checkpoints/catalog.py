@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from checkpoints.fence import read_fence
 from checkpoints.integrity import CorruptCheckpoint, verify
 from checkpoints.layout import StepDir, iter_step_dirs
 from checkpoints.manifest import Manifest, ManifestError, ManifestMissing, read_manifest
@@ -80,6 +81,7 @@ class Scan:
 def scan(root: str | os.PathLike[str]) -> Scan:
     """Classify every step folder under root; each list newest first."""
     result = Scan(committed=[], uncommitted=[], unreadable=[])
+    fence = read_fence(Path(root).parent)  # the job's folder (contracts.storage)
     for d in iter_step_dirs(root):
         try:
             manifest = read_manifest(d.path)
@@ -88,6 +90,13 @@ def scan(root: str | os.PathLike[str]) -> Scan:
             continue
         except ManifestError as e:
             result.unreadable.append((d, e.reason))
+            continue
+        if fence.committed_by_zombie(manifest.attempt, manifest.created_at):
+            reason = (
+                f"committed by attempt {manifest.attempt} after attempt {fence.current} "
+                "had replaced it (a partitioned zombie): not resumed from"
+            )
+            result.unreadable.append((d, reason))
             continue
         result.committed.append(CheckpointInfo.from_manifest(d.path, manifest))
     result.committed.sort(key=lambda i: i.sort_key, reverse=True)

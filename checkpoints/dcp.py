@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from checkpoints._fs import atomic_write_bytes
 from checkpoints.catalog import CheckpointInfo, LoadOutcome, find_latest_good
+from checkpoints.fence import Superseded, read_fence
 from checkpoints.integrity import describe_files
 from checkpoints.layout import MANIFEST_NAME, rank_extra_name, step_dir
 from checkpoints.manifest import Manifest, write_manifest
@@ -184,6 +185,11 @@ class ShardedCheckpointer:
 
     def _commit(self, path: Path, manifest: Manifest) -> CheckpointCommitted:
         """Rank 0, after DCP wrote every shard and `.metadata`: digest, manifest last."""
+        # A superseded attempt (its node partitioned away, its replacement running) must
+        # never commit: the fence on storage says who is current (checkpoints/fence.py).
+        fence = read_fence(self.root.parent)
+        if fence.superseded(manifest.attempt):
+            raise Superseded(manifest.attempt, fence.current)
         manifest.files = describe_files(path)
         manifest.total_bytes = sum(f["size"] for f in manifest.files.values())
         manifest.created_at = time.time()

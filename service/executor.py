@@ -20,6 +20,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from checkpoints.fence import advance_fence
 from checkpoints.retention import delete_checkpoints, retention_plan
 from contracts.messages import Control, EventKind
 from contracts.spec import JobSpec
@@ -245,6 +246,9 @@ class Executor:
             if isinstance(effect, Launch):
                 self._launch(effect.request)
             elif isinstance(effect, Release):
+                # Ended for the control plane, so ended for storage too: from now on its
+                # workers, if any still live somewhere, may write nothing (a zombie).
+                self._fence(effect.key.job_id, effect.key.attempt + 1)
                 self.launcher.release(effect.key, final=effect.final)
             elif isinstance(effect, Signal):
                 self.launcher.send_control(effect.key, effect.control)
@@ -256,6 +260,10 @@ class Executor:
             log.exception("carrying out %s failed", effect)
 
     def _launch(self, request: LaunchRequest) -> None:
+        # The fence first: from here on the job's older attempts may write nothing to
+        # storage (checkpoints/fence.py); usually it moved already, when the previous
+        # attempt ended.
+        self._fence(request.job_id, request.attempt)
         try:
             self.launcher.launch(request)
         except Exception as exc:  # the next pass sees the driver as LOST and retries
@@ -269,6 +277,15 @@ class Executor:
                     reason=f"{type(exc).__name__}: {exc}",
                     details={"traceback": traceback.format_exc()[-2000:]},
                 )
+
+    def _fence(self, job_id: int, attempt: int) -> None:
+        """Only `attempt` (or a newer one) of the job may write to storage from now on.
+        Carry on if storage refuses: the database fences every report anyway, and a zombie
+        is rarer than a full disk."""
+        try:
+            advance_fence(JobStorage.of(self.storage_path, job_id).root, attempt, time.time())
+        except OSError as exc:
+            log.error("job %s: cannot write its attempt fence: %s", job_id, exc)
 
     def _set_timer(self, effect: SetTimer) -> None:
         timer = effect.timer

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from checkpoints.fence import FenceWatcher, Superseded
 from contracts.messages import (
     CheckpointCommitted,
     EventKind,
@@ -129,52 +130,61 @@ def _train(
                                 detail=describe_restore(restored)))  # fmt: skip
     control = Control.NONE
     stalled = 0.0  # seconds the last checkpoint save blocked training (goodput)
-    for step in range(start_step, max_steps):
-        if ctx.abort is not None and ctx.abort.is_set():
-            raise AttemptAborted(f"attempt {ctx.attempt} released at step {step}")
-        t0 = time.perf_counter()
-        ids = sampler.microbatches(step, layout.dp_rank, layout.dp, micro_batch)
-        out = strategy.forward_backward([collate(mb) for mb in ids], loss_scale)
-        polled = hooks.poll_control() if is_rank0 else Control.NONE
-        # Every rank agrees on the step before any updates its weights: a peer lost in
-        # here leaves all survivors at the same step boundary, their memory consistent.
-        loss_sum, control = reduce_loss_and_control(out.loss_sum, polled, ctx.device)
-        strategy.optimizer_step()
-        done = ctx.step = memory.step = step + 1
-        step_time = time.perf_counter() - t0
-        loss = loss_sum / global_batch
+    # A newer attempt of the job exists (this one's node was declared lost but its
+    # processes live on): stop before doing or writing anything more (checkpoints/fence.py).
+    fence = FenceWatcher(ctx.checkpoint_root.parent, ctx.attempt)
+    with stops_when_superseded(ctx):
+        for step in range(start_step, max_steps):
+            if ctx.abort is not None and ctx.abort.is_set():
+                raise AttemptAborted(f"attempt {ctx.attempt} released at step {step}")
+            fence.check()
+            t0 = time.perf_counter()
+            ids = sampler.microbatches(step, layout.dp_rank, layout.dp, micro_batch)
+            out = strategy.forward_backward([collate(mb) for mb in ids], loss_scale)
+            polled = hooks.poll_control() if is_rank0 else Control.NONE
+            # Every rank agrees on the step before any updates its weights: a peer lost in
+            # here leaves all survivors at the same step boundary, their memory consistent.
+            loss_sum, control = reduce_loss_and_control(out.loss_sum, polled, ctx.device)
+            strategy.optimizer_step()
+            done = ctx.step = memory.step = step + 1
+            step_time = time.perf_counter() - t0
+            loss = loss_sum / global_batch
 
-        # Every rank keeps the point (the loss is global), rank 0 sends it: whichever rank
-        # survives a loss hands the newest points on with the state, so the reports that
-        # died with the attempt (sent after the scheduler's last poll) are filled in.
-        point = step_metrics(
-            done, loss, step_time, strategy, workload.tokens_per_sample, global_batch,
-            ctx.world_size, batch_crc(sampler.global_batch(step)), checkpoint_stall_s=stalled,
-        )  # fmt: skip
-        stalled = 0.0
-        recent.append(point)
-        if is_rank0:
-            hooks.send(point)
-            if done == start_step + 1:
-                hooks.send(TimelineMark(phase=Phase.FIRST_STEP, at=point.values["wall_time"]))
-            if done % LOG_EVERY_STEPS == 0 or done == start_step + 1:
-                log.info("step %d loss %.4f (%.3fs)", done, loss, step_time)
+            # Every rank keeps the point (the loss is global), rank 0 sends it: whichever rank
+            # survives a loss hands the newest points on with the state, so the reports that
+            # died with the attempt (sent after the scheduler's last poll) are filled in.
+            point = step_metrics(
+                done, loss, step_time, strategy, workload.tokens_per_sample, global_batch,
+                ctx.world_size, batch_crc(sampler.global_batch(step)), checkpoint_stall_s=stalled,
+            )  # fmt: skip
+            stalled = 0.0
+            recent.append(point)
+            if is_rank0:
+                hooks.send(point)
+                if done == start_step + 1:
+                    hooks.send(TimelineMark(phase=Phase.FIRST_STEP, at=point.values["wall_time"]))
+                if done % LOG_EVERY_STEPS == 0 or done == start_step + 1:
+                    log.info("step %d loss %.4f (%.3fs)", done, loss, step_time)
 
-        if done % spec.checkpoint.every_steps == 0 or done == max_steps or control != Control.NONE:
-            reason = control.value if control != Control.NONE else "scheduled"
-            stalled = save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
-                                      metrics=recent)  # fmt: skip
-        # Every rank polls: a failed background save then raises on every rank alike.
-        commits = checkpointer.poll_commits()
+            if (
+                done % spec.checkpoint.every_steps == 0
+                or done == max_steps
+                or control != Control.NONE
+            ):
+                reason = control.value if control != Control.NONE else "scheduled"
+                stalled = save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
+                                          metrics=recent)  # fmt: skip
+            # Every rank polls: a failed background save then raises on every rank alike.
+            commits = checkpointer.poll_commits()
+            if is_rank0:
+                forward_commits(commits, hooks)
+            if control == Control.STOP:
+                break
+
+        # Waits for the in-flight async save to commit, then stops the checkpointer's thread.
+        commits = checkpointer.close()
         if is_rank0:
             forward_commits(commits, hooks)
-        if control == Control.STOP:
-            break
-
-    # Waits for the in-flight async save to commit, then stops the checkpointer's thread.
-    commits = checkpointer.close()
-    if is_rank0:
-        forward_commits(commits, hooks)
     stopped = control == Control.STOP and done < max_steps
     if is_rank0:
         log.info("%s at step %d", "stopped" if stopped else "finished", done)
@@ -200,6 +210,25 @@ class Collator:
             return self.empty
         samples = [self.dataset[i] for i in ids]
         return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+
+
+@contextlib.contextmanager
+def stops_when_superseded(ctx: TrainContext) -> Iterator[None]:
+    """A newer attempt of the job has started (the fence moved; found by the loop or by the
+    checkpoint committer, which then refused to commit): stop as an aborted attempt, not a
+    failed one, and say so in the job's log."""
+    try:
+        yield
+    except AttemptAborted:
+        raise
+    except Exception as exc:
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, Superseded):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        log.warning("%s: stopping at step %d, writing nothing more", cause, ctx.step)
+        raise AttemptAborted(str(cause)) from exc
 
 
 def make_checkpointer(ctx: TrainContext, spec: JobSpec) -> Any:

@@ -1,0 +1,138 @@
+"""The attempt fence on shared storage: a superseded attempt (a partitioned zombie) stops
+training, never commits a checkpoint, and what it committed in the race is not resumed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from checkpoints import find_latest_good, list_committed
+from checkpoints.fence import (
+    Fence,
+    FenceWatcher,
+    Superseded,
+    advance_fence,
+    fence_path,
+    read_fence,
+)
+from checkpoints.layout import step_dir
+from checkpoints.manifest import Manifest, write_manifest
+
+
+def test_the_fence_only_moves_forward(tmp_path: Path) -> None:
+    assert read_fence(tmp_path) == Fence()
+    advance_fence(tmp_path, 1, 100.0)
+    advance_fence(tmp_path, 3, 200.0)
+    assert advance_fence(tmp_path, 2, 300.0).current == 3  # never backwards
+    fence = read_fence(tmp_path)
+    assert fence.starts == ((1, 100.0), (3, 200.0))
+    assert fence.superseded(2) and not fence.superseded(3)
+    assert fence.replaced_at(1) == 200.0 and fence.replaced_at(3) is None
+    assert fence.committed_by_zombie(1, 250.0) and not fence.committed_by_zombie(1, 150.0)
+
+
+def test_a_torn_fence_reads_as_none(tmp_path: Path) -> None:
+    fence_path(tmp_path).write_text('{"starts": [[1, ')
+    assert read_fence(tmp_path) == Fence()
+
+
+def test_the_watcher_raises_once_a_newer_attempt_starts(tmp_path: Path) -> None:
+    watcher = FenceWatcher(tmp_path, attempt=1)
+    watcher.check()  # no fence yet
+    advance_fence(tmp_path, 1, 1.0)
+    watcher.check()
+    advance_fence(tmp_path, 2, 2.0)
+    with pytest.raises(Superseded, match="attempt 1 was superseded by attempt 2"):
+        watcher.check()
+
+
+def _commit(root: Path, step: int, attempt: int, created_at: float) -> Path:
+    path = step_dir(root, step, attempt)
+    path.mkdir(parents=True)
+    write_manifest(path, Manifest(step=step, attempt=attempt, world_size=1, created_at=created_at))
+    return path
+
+
+def test_a_zombie_checkpoint_is_not_resumed_from(tmp_path: Path) -> None:
+    job, root = tmp_path, tmp_path / "checkpoints"
+    advance_fence(job, 1, 100.0)
+    _commit(root, 10, 1, created_at=150.0)  # before attempt 2 started: good
+    advance_fence(job, 2, 200.0)
+    zombie = _commit(root, 30, 1, created_at=250.0)  # attempt 1 after it was replaced
+    _commit(root, 20, 2, created_at=260.0)
+    assert [(c.step, c.attempt) for c in list_committed(root)] == [(20, 2), (10, 1)]
+    # (These folders hold no shards, so the others fail verification: only the reasons
+    # matter here.)
+    _, skipped = find_latest_good(root, verify_digests=False)
+    reasons = dict(skipped)
+    assert "partitioned zombie" in reasons[str(zombie)]
+    assert all("zombie" not in why for path, why in skipped if path != str(zombie))
+
+
+def test_a_superseded_attempt_cannot_commit(tmp_path: Path) -> None:
+    import torch
+
+    from checkpoints.dcp import CheckpointSaveError, ShardedCheckpointer
+
+    job, root = tmp_path, tmp_path / "checkpoints"
+    advance_fence(job, 2, 1.0)
+    saver = ShardedCheckpointer(root, rank=0, world_size=1, async_save=False)
+    state: dict[str, Any] = {"w": torch.zeros(4)}
+    with pytest.raises(Superseded):
+        saver.save(step=5, attempt=1, state=state, manifest_fields={})
+    assert list_committed(root) == []
+    asynchronous = ShardedCheckpointer(root, rank=0, world_size=1, async_save=True)
+    asynchronous.save(step=6, attempt=1, state=state, manifest_fields={})
+    with pytest.raises(CheckpointSaveError):
+        asynchronous.close()
+    assert list_committed(root) == []
+    assert json.loads(fence_path(job).read_text())["starts"] == [[2, 1.0]]
+
+
+def superseded_mid_run(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Train attempt 1; as its 3rd step is reported, attempt 2 is launched elsewhere."""
+    import torch
+
+    from contracts.spec import JobSpec
+    from workers.api import AttemptAborted, NullHooks, TrainContext
+    from workers.loop import train
+
+    import time
+
+    job = Path(root)
+    advance_fence(job, 1, time.time())
+
+    class Hooks(NullHooks):
+        def send(self, message: Any) -> None:
+            super().send(message)
+            if getattr(message, "step", None) == 3 and len(self.metrics) == 3:
+                advance_fence(job, 2, time.time())
+
+    spec = JobSpec.model_validate(
+        {"name": "z", "workload": {"name": "synthetic", "params": {"num_samples": 64}},
+         "training": {"global_batch_size": 8, "micro_batch_size": 4, "max_steps": 50},
+         "checkpoint": {"every_steps": 2, "async_save": False}}
+    )  # fmt: skip
+    ctx = TrainContext(
+        rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
+        job_id=1, attempt=1, checkpoint_root=job / "checkpoints", log_path=job / "rank0.log",
+    )  # fmt: skip
+    hooks = Hooks()
+    try:
+        train(ctx, spec, hooks)
+    except AttemptAborted as exc:
+        return {"aborted": str(exc), "steps": [m.step for m in hooks.metrics]}
+    return {"aborted": None, "steps": [m.step for m in hooks.metrics]}
+
+
+def test_a_superseded_attempt_stops_at_its_next_step_and_says_why(tmp_path: Path) -> None:
+    from tests.unit.dist_utils import run_distributed
+
+    [out] = run_distributed(superseded_mid_run, 1, str(tmp_path))
+    assert out["aborted"] == "attempt 1 was superseded by attempt 2"
+    assert out["steps"] == [1, 2, 3]  # not one step more
+    assert "superseded by attempt 2: stopping at step 3" in (tmp_path / "rank0.log").read_text()
+    assert [c.step for c in list_committed(tmp_path / "checkpoints")] == [2]

@@ -18,7 +18,9 @@ around it:
 Only timestamps are moved afterwards, so that a run of minutes draws like one: every pass
 of a seeding is given a simulated time, and once it is done the rows of its jobs (events,
 attempts, metrics, checkpoints, the job's own times) are moved to those times, the run
-ending a few seconds ago.
+ending a few seconds ago. The seconds each job spent in each state (its goodput, with the
+simulated `step_time_s` and `checkpoint_stall_s` of the points the drivers report) are
+then added up again from the moved transitions.
 
 One simulated cluster per server (the e2e server from `uvicorn_argv` runs the API alone, so
 this scheduler is the only one). Every seeded job gets nodes of its own, exactly as many as
@@ -381,9 +383,14 @@ class _Run:
                 job.started_at = moved_opt(job.started_at)
                 job.finished_at = moved_opt(job.finished_at)
                 job.below_min_since = moved_opt(job.below_min_since)
+            transitions: dict[int, list[Event]] = {}
             for ev in s.scalars(select(Event).where(Event.job_id.in_(ids))):
                 ev.at = moved(ev.at)
                 _shift_timeline(ev, offset)  # its marks were taken in simulated seconds
+                if ev.kind == EventKind.TRANSITION:
+                    transitions.setdefault(ev.job_id, []).append(ev)
+            for job in s.scalars(select(Job).where(Job.id.in_(ids))):
+                _recount_state_seconds(job, transitions.get(job.id, []))
             for att in s.scalars(select(Attempt).where(Attempt.job_id.in_(ids))):
                 att.started_at = moved(att.started_at)
                 att.ended_at = moved_opt(att.ended_at)
@@ -423,6 +430,22 @@ def _at(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, timezone.utc)
 
 
+def _recount_state_seconds(job: Job, transitions: list[Event]) -> None:
+    """The job's seconds in each state (goodput: queued, starting, recovering...) from its
+    moved transitions. `set_job_state` added them up on the real clock, on which a seeding
+    takes a fraction of a second; the story's own times are the simulated ones."""
+    seconds: dict[str, float] = {}
+    since = job.created_at
+    for ev in sorted(transitions, key=lambda e: (e.at, e.id)):
+        if ev.from_state is None:  # the submission
+            continue
+        spent = max(0.0, (ev.at - since).total_seconds())
+        seconds[ev.from_state] = round(seconds.get(ev.from_state, 0.0) + spent, 3)
+        since = ev.at
+    job.seconds_in = seconds
+    job.state_since = since
+
+
 def _shift_timeline(ev: Event, seconds: float) -> None:
     """Move the phase times (epoch seconds) of a timeline event by `seconds`."""
     if ev.kind == EventKind.TIMELINE and ev.details:
@@ -455,6 +478,8 @@ class _Play:
         """The current attempt's timeline so far (sent with its first step)."""
         self._run: _Run | None = None
         self._last_pass = 0.0
+        self._stalled = 0.0
+        """Seconds the last checkpoint save blocked training (reported with the next step)."""
 
     def bind(self, run: _Run) -> _Play:
         self._run = run
@@ -481,6 +506,7 @@ class _Play:
             self.step = 0
             self._held, self.nodes = self.nodes, []
             self._marks = []
+            self._stalled = 0.0  # a new attempt's processes report their own saves
             self._mark(Phase.DETECTED, detail=self.driver.request.cause)
 
     def _pass(self) -> Job:
@@ -646,8 +672,10 @@ class _Play:
                 if tokens
                 else None,
                 "world_size": ws,
+                "checkpoint_stall_s": self._stalled,
             }
         )
+        self._stalled = 0.0
         self.step = step
         if step == self.first_step:
             self._send_timeline()
@@ -700,6 +728,7 @@ class _Play:
             }
         )
         self.run.commit_t[(self.job_id, step, self.attempt)] = self.run.now()
+        self._stalled = blocked  # as workers.loop reports it: with the next step's point
         self._log(f"checkpoint committed: {folder}")
 
 
@@ -823,7 +852,10 @@ def backdate(srv: ServerHandle, job_id: int, seconds: float) -> None:
     delta = timedelta(seconds=seconds)
     with srv.session() as s:
         job = get_job(s, job_id)
-        for attr in ("created_at", "updated_at", "started_at", "finished_at", "below_min_since"):
+        for attr in (
+            "created_at", "updated_at", "started_at", "finished_at", "below_min_since",
+            "state_since",
+        ):  # fmt: skip
             if getattr(job, attr) is not None:
                 setattr(job, attr, getattr(job, attr) - delta)
         for ev in s.scalars(select(Event).where(Event.job_id == job_id)):

@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from service import cluster
+from api.security import DASHBOARD_CSP
+from service import auth, cluster
 from service.states import JobState
 from tests.e2e import seed
 from tests.e2e.conftest import open_dashboard, wait_for_chart
@@ -42,9 +43,38 @@ def wait_text(page: Any, selector: str, text: str, *, start: bool = False) -> No
     )
 
 
-@pytest.fixture(scope="module")
-def story(server: ServerHandle) -> seed.Story:
-    return seed.elastic_job(server)
+@pytest.fixture(scope="module", autouse=True)
+def stories(server: ServerHandle) -> tuple[seed.Story, seed.Story]:
+    """The two elastic stories, seeded before any other job on the server whichever tests
+    run: each grows onto a node that joins for it, and a job seeded earlier with room to
+    grow (`seed.running_job`: 2 of up to 4 workers) would be given that node instead."""
+    finished = seed.elastic_job(server, name="gpt-tiny-finished", stop_at=None)
+    return finished, seed.elastic_job(server)
+
+
+@pytest.fixture
+def finished(stories: tuple[seed.Story, seed.Story]) -> seed.Story:
+    """The elastic story run to the end: SUCCEEDED, so its goodput no longer moves."""
+    return stories[0]
+
+
+@pytest.fixture
+def story(stories: tuple[seed.Story, seed.Story]) -> seed.Story:
+    """The elastic story left RUNNING at step 262 (lost a node, grew back)."""
+    return stories[1]
+
+
+def fmt_duration(seconds: float) -> str:
+    """util.js `fmtDuration`, for durations of a minute to an hour."""
+    s = round(seconds)
+    assert 60 <= s < 3600
+    return f"{s // 60}m {s % 60:02d}s"
+
+
+def shown_percent(text: str) -> int:
+    match = re.fullmatch(r"(\d+)%", text.strip())
+    assert match, text
+    return int(match.group(1))
 
 
 def test_list_shows_jobs_and_filters(page: Any, server: ServerHandle, story: seed.Story) -> None:
@@ -215,6 +245,83 @@ def test_job_page_shows_starts_and_recoveries(
         client.post(f"/v1/jobs/{pending}/cancel").raise_for_status()
 
 
+#: The goodput buckets in the bar's order (api/static/js/goodput.js) and their API fields.
+GOODPUT_BUCKETS = {
+    "training": "training_s",
+    "recomputed": "recomputed_s",
+    "recovering": "recovering_s",
+    "resizing": "resizing_s",
+    "checkpoint_stall": "checkpoint_stall_s",
+    "starting": "starting_s",
+    "queued": "queued_s",
+    "other": "other_s",
+}
+
+
+def test_job_page_shows_goodput(page: Any, server: ServerHandle, finished: seed.Story) -> None:
+    with server.http() as client:
+        job = client.get(f"/v1/jobs/{finished.job_id}").json()
+    assert job["state"] == "SUCCEEDED"
+    g = job["goodput"]
+    wall = g["wall_s"]
+    # The seeded story spends time in every bucket: queued, a start, training, a node loss
+    # (steps 126-137 recomputed, a recovery), a resize, checkpoint saves.
+    for key, field in GOODPUT_BUCKETS.items():
+        assert g[field] > 0, (key, g)
+    assert sum(g[f] for f in GOODPUT_BUCKETS.values()) == pytest.approx(wall, abs=0.01)
+    assert 0.5 < g["goodput"] < 1
+    assert g["goodput"] == pytest.approx(g["training_s"] / wall, abs=1e-4)
+
+    open_dashboard(page, server, f"/jobs/{finished.job_id}")
+    page.wait_for_selector("#goodput-bar .gp-seg")
+    heading = page.locator("#goodput-panel").evaluate(
+        "p => document.getElementById(p.getAttribute('aria-labelledby')).textContent"
+    )
+    assert heading == "Goodput"
+    # The headline: the API's ratio as a whole percent.
+    shown = shown_percent(page.inner_text("#goodput-value"))
+    assert abs(shown - 100 * g["goodput"]) <= 0.5
+
+    # One segment per bucket, in order, each as wide (its style: a share of the bar) as
+    # its share of the wall time.
+    segs = page.locator("#goodput-bar .gp-seg").evaluate_all(
+        "els => els.map(e => [e.dataset.bucket, parseFloat(e.style.width),"
+        " e.getBoundingClientRect().width])"
+    )
+    assert [b for b, _, _ in segs] == list(GOODPUT_BUCKETS)
+    for bucket, width, _ in segs:
+        share = 100 * g[GOODPUT_BUCKETS[bucket]] / wall
+        assert width == pytest.approx(share, rel=0.01, abs=0.01), bucket
+    assert sum(w for _, w, _ in segs) == pytest.approx(100, abs=0.05)
+    # Drawn that wide too (small segments keep a few pixels, so only the big one here).
+    bar_px = page.locator("#goodput-bar").evaluate("e => e.clientWidth")
+    training_px = next(px for b, _, px in segs if b == "training")
+    assert training_px / bar_px == pytest.approx(g["training_s"] / wall, abs=0.01)
+
+    # Colour is not the only cue: the bar states the numbers, the legend has them in text.
+    label = page.get_attribute("#goodput-bar", "aria-label")
+    assert label.startswith(f"Goodput {shown}% of ")
+    assert f"training {fmt_duration(g['training_s'])} ({shown}%)" in label
+    assert "recomputed " in label and "checkpoint stalls " in label
+    assert page.get_attribute("#goodput-bar", "title") == label
+    items = page.locator("#goodput-legend li[data-bucket]")
+    assert items.evaluate_all("els => els.map(e => e.dataset.bucket)") == list(GOODPUT_BUCKETS)
+    training = page.locator("#goodput-legend li[data-bucket='training']")
+    expected = ["training", *fmt_duration(g["training_s"]).split(), f"{shown}%"]
+    assert training.inner_text().split() == expected
+    recomputed = page.locator("#goodput-legend li[data-bucket='recomputed']").inner_text()
+    share = 100 * g["recomputed_s"] / wall
+    assert share < 9.95  # shown with a decimal
+    assert recomputed.split()[::2] == ["recomputed", f"{share:.1f}%"]
+
+    # The list has it too, as a column.
+    open_dashboard(page, server, "/")
+    cell = page.locator(f"#jobs-table tr[data-job-id='{finished.job_id}'] td.goodput")
+    cell.wait_for()
+    assert cell.inner_text() == f"{shown}%"
+    assert "spent on training steps the job kept" in (cell.get_attribute("title") or "")
+
+
 def test_job_page_appends_new_points(page: Any, server: ServerHandle) -> None:
     job_id = seed.running_job(server, name="append", step=30, max_steps=100)
     open_dashboard(page, server, f"/jobs/{job_id}")
@@ -227,6 +334,14 @@ def test_job_page_appends_new_points(page: Any, server: ServerHandle) -> None:
     steps = page.evaluate("() => window.__elastrain.charts.loss.plot.data[0]")
     assert steps == list(range(1, 41))
     assert page.inner_text("#stat-step").startswith("40 /")
+    # The goodput panel follows: the ten new steps' seconds count as training.
+    with server.http() as client:
+        training = client.get(f"/v1/jobs/{job_id}").json()["goodput"]["training_s"]
+    page.wait_for_function(
+        "(s) => Number(document.querySelector('#goodput-legend li[data-bucket=training]')"
+        "?.dataset.seconds) === s",
+        arg=training,
+    )
     assert_not_reloaded(page)
 
 
@@ -334,8 +449,12 @@ def test_checkpoint_now(page: Any, server: ServerHandle) -> None:
         assert client.get(f"/v1/jobs/{job_id}").json()["checkpoint_requested"] is True
 
 
+#: The operator's token (`ELASTRAIN_API_TOKEN`: an admin of the "default" tenant).
+OPERATOR_TOKEN = "s3cret-t0ken-of-the-operator"
+
+
 def test_token_is_asked_once_and_kept(page: Any, server_factory: Any) -> None:
-    srv = server_factory(token="s3cret-t0ken")
+    srv = server_factory(token=OPERATOR_TOKEN)
     srv.submit(seed.spec("private-job"))
     open_dashboard(page, srv, "/")
     dialog = page.locator("#token-dialog")
@@ -347,11 +466,11 @@ def test_token_is_asked_once_and_kept(page: Any, server_factory: Any) -> None:
         "() => document.querySelector('#token-dialog').open"
         " && !document.querySelector('#token-error').hidden"
     )
-    page.fill("#token-input", "s3cret-t0ken")
+    page.fill("#token-input", OPERATOR_TOKEN)
     page.click("#token-ok")
     page.locator("#jobs-table tr[data-job-id]").first.wait_for()
     assert "private-job" in page.inner_text("#jobs-table")
-    assert page.evaluate("() => sessionStorage.getItem('elastrain.token')") == "s3cret-t0ken"
+    assert page.evaluate("() => sessionStorage.getItem('elastrain.token')") == OPERATOR_TOKEN
     # Kept for the session: other views and a reload do not ask again.
     page.reload()
     page.locator("#jobs-table tr[data-job-id]").first.wait_for()
@@ -359,6 +478,117 @@ def test_token_is_asked_once_and_kept(page: Any, server_factory: Any) -> None:
     page.wait_for_selector("#cluster-note:not(:empty)")
     assert not page.evaluate("() => document.querySelector('#token-dialog').open")
     assert page.is_visible("#signout")
+
+
+def test_top_bar_says_who_you_are(page: Any, server: ServerHandle, server_factory: Any) -> None:
+    # Without authentication: nothing to sign in as, said quietly.
+    open_dashboard(page, server, "/")
+    whoami = page.locator("#whoami")
+    whoami.wait_for()
+    assert whoami.inner_text() == "no auth"
+    assert "muted" in (whoami.get_attribute("class") or "")
+    assert page.is_hidden("#signout")
+
+    srv = server_factory(token=OPERATOR_TOKEN)
+    with srv.session() as s:
+        row, token = auth.create_token(s, tenant="vision", name="e2e")
+        token_id = row.id
+    with srv.http() as client:
+        me = client.get("/v1/me", headers={"Authorization": f"Bearer {token}"}).json()
+    assert me == {"tenant": "vision", "admin": False, "auth": True}
+    open_dashboard(page, srv, "/")
+    page.locator("#token-dialog").wait_for(state="visible")
+    assert page.is_hidden("#whoami")  # nobody yet
+    page.fill("#token-input", token)
+    page.click("#token-ok")
+    wait_text(page, "#whoami", "vision")
+    assert page.inner_text("#whoami .whoami-tenant") == "vision"
+    assert page.locator("#whoami .whoami-admin").count() == 0
+    mark_page(page)
+
+    # The token is revoked: the next poll is refused, the token dropped and asked again;
+    # the top bar follows the new one (an admin's) without a reload.
+    with srv.http() as client:
+        client.delete(f"/v1/tokens/{token_id}").raise_for_status()
+    page.wait_for_function(
+        "() => document.querySelector('#token-dialog').open"
+        " && !document.querySelector('#token-error').hidden"
+    )
+    assert page.is_hidden("#whoami")
+    page.fill("#token-input", OPERATOR_TOKEN)
+    page.click("#token-ok")
+    wait_text(page, "#whoami", "admin")
+    assert page.inner_text("#whoami .whoami-tenant") == "default"
+    assert "admin" in (page.get_attribute("#whoami", "title") or "")
+    assert_not_reloaded(page)
+
+
+#: Run in every document before its own scripts: keeps the page's CSP violation reports.
+CSP_LISTENER = """
+window.__csp = [];
+document.addEventListener("securitypolicyviolation", (e) => {
+  window.__csp.push(`${e.violatedDirective}: ${e.blockedURI || "inline"} (${e.sourceFile}:${e.lineNumber})`);
+});
+"""
+
+
+def test_no_console_errors_or_csp_violations(
+    page: Any, server: ServerHandle, story: seed.Story
+) -> None:
+    """Every view, exercised a little, under the dashboard's strict CSP: nothing refused,
+    nothing logged as an error."""
+    page.add_init_script(CSP_LISTENER)
+    console: list[str] = []
+    page.on(
+        "console",
+        lambda m: (
+            console.append(f"{m.type}: {m.text}")
+            if m.type == "error" or "Content Security Policy" in m.text
+            else None
+        ),
+    )
+    response = page.goto(f"{server.url}/#/")
+    assert response is not None and response.headers["content-security-policy"] == DASHBOARD_CSP
+    page.wait_for_function("() => window.__elastrain && window.__elastrain.route === '/'")
+    page.locator(f"#jobs-table tr[data-job-id='{story.job_id}']").wait_for()
+    page.wait_for_selector("#whoami:not([hidden])")
+
+    page.click(f"#jobs-table tr[data-job-id='{story.job_id}'] td.name a")
+    wait_for_chart(page, len(story.metric_steps))
+    page.wait_for_selector("#goodput-bar .gp-seg")
+    page.wait_for_selector("#events-table tbody tr[data-event-id]")
+    wait_text(page, "#job-log", "step 260 loss")
+    for _ in range(2):  # both themes: the charts are rebuilt in the other's colours
+        page.click("#theme")
+    page.locator("#events-table details summary").first.click()
+
+    page.click("nav a[data-nav='cluster']")
+    page.wait_for_selector("#cluster-note:not(:empty)")
+
+    page.click("nav a[data-nav='submit']")
+    page.fill("#spec-input", "name: [unclosed\n")  # parsed by js-yaml, never sent
+    page.click("#submit-btn")
+    wait_text(page, "#submit-errors .msg", "YAML:", start=True)
+    page.get_by_role("button", name="Load example").click()
+
+    page.click("nav a[data-nav='list']")
+    page.locator("#jobs-table tr[data-job-id]").first.wait_for()
+    time.sleep(0.5)  # a report is queued, not dispatched at once
+    assert page.evaluate("() => window.__csp") == []
+    assert console == []
+
+    # The listener does catch a violation: an inline script added by hand is refused.
+    page.evaluate(
+        "() => { const s = document.createElement('script');"
+        " s.textContent = 'window.__inlineRan = true'; document.head.append(s); }"
+    )
+    page.wait_for_function("() => window.__csp.length === 1")
+    assert page.evaluate("() => window.__inlineRan") is None
+    assert page.evaluate("() => window.__csp[0]").startswith("script-src")
+    deadline = time.monotonic() + 5  # ...and Chromium's console says so too
+    while not any("Content Security Policy" in c for c in console):
+        assert time.monotonic() < deadline, console
+        page.wait_for_timeout(50)
 
 
 NODES = [

@@ -131,4 +131,5 @@ export const api = {
   logs: (id, offset = "0", attempt = null) => request(
     `/v1/jobs/${enc(id)}/logs?offset=${enc(offset)}${attempt === null ? "" : `&attempt=${attempt}`}`),
   cluster: () => request("/v1/cluster"),
+  me: () => request("/v1/me"),
 };

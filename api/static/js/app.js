@@ -1,13 +1,13 @@
 // The app shell: a hash router (#/, #/jobs/ID, #/submit, #/cluster), the top bar's
-// connection indicator, theme toggle and token button. Each view is a module exporting
+// connection indicator, who the token acts for, theme toggle and token button. Each view is a module exporting
 // `mount(main, params) -> unmount()`; unmount stops its polling.
 
-import { connection, getToken, onTokenChange, setToken } from "./api.js";
+import { api, connection, getToken, onTokenChange, setToken } from "./api.js";
 import * as list from "./list.js";
 import * as job from "./job.js";
 import * as submit from "./submit.js";
 import * as cluster from "./cluster.js";
-import { debug, fmtDuration } from "./util.js";
+import { debug, fmtDuration, h } from "./util.js";
 
 const routes = [
   { re: /^\/?$/, view: list, nav: "list", title: "Jobs" },
@@ -49,7 +49,8 @@ function initTopbar() {
     text.textContent = s === "ok" ? "live" : s === "auth" ? "token needed"
       : s === "error" ? `API unreachable ${fmtDuration((Date.now() - connection.since) / 1000)}` : "connecting…";
   };
-  connection.onChange = show;
+  const whoami = initWhoami();
+  connection.onChange = () => { show(); whoami.sync(); };
   setInterval(() => { if (connection.state === "error") show(); }, 1000);
   show();
 
@@ -68,6 +69,51 @@ function initTopbar() {
     try { localStorage.setItem("elastrain.theme", root.dataset.theme); } catch { /* ignore */ }
     window.dispatchEvent(new Event("themechange"));
   });
+}
+
+/**
+ * The tenant the token acts for (GET /v1/me), next to the connection indicator. Asked once
+ * the API has answered a view (so it never opens the token dialog itself) and again for
+ * every new token; "no auth" when the service runs without authentication.
+ */
+function initWhoami() {
+  const el = document.getElementById("whoami");
+  let shownFor; // the token (null: none) the shown answer is for; undefined: nothing shown
+  let asking = false;
+
+  function render(me) {
+    if (!me.auth) {
+      el.className = "whoami muted";
+      el.title = "This service runs without authentication";
+      el.replaceChildren("no auth");
+    } else {
+      el.className = "whoami";
+      el.title = `Signed in as tenant ${me.tenant}${me.admin ? " (admin: sees every tenant's jobs)" : ""}`;
+      el.replaceChildren(h("span", { class: "whoami-tenant mono" }, me.tenant),
+        me.admin ? h("span", { class: "whoami-admin" }, "admin") : "");
+    }
+    el.hidden = false;
+  }
+
+  async function sync() {
+    const token = getToken();
+    if (connection.state !== "ok" || asking || shownFor === token) return;
+    asking = true;
+    let me = null;
+    try {
+      me = await api.me();
+    } catch (e) {
+      // Asked again on the next change of connection state (a failure changes it).
+      console.warn("whoami:", e);
+    }
+    asking = false;
+    // The token changed while asking: that answer is another token's; ask for this one.
+    if (getToken() !== token) { sync(); return; }
+    if (me) { shownFor = token; render(me); }
+  }
+
+  onTokenChange(() => { el.hidden = true; shownFor = undefined; sync(); });
+  return { sync };
 }
 
 initTopbar();

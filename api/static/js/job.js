@@ -1,9 +1,11 @@
-// The job page (#/jobs/ID): live curves, world size with markers, where each start or
-// recovery spent its seconds, the event timeline, checkpoints, a log tail and the spec; Cancel and "Checkpoint now". Metrics are fetched
+// The job page (#/jobs/ID): goodput (where the wall time went), live curves, world size
+// with markers, where each start or recovery spent its seconds, the event timeline,
+// checkpoints, a log tail and the spec; Cancel and "Checkpoint now". Metrics are fetched
 // incrementally (since_step) and appended to the charts; the rest is re-read each poll.
 
 import { api } from "./api.js";
 import { MARKERS, StepChart, WorldSizeChart, classifyEvent, markerKey } from "./charts.js";
+import { goodputPanel } from "./goodput.js";
 import {
   TERMINAL, badge, debug, emptyRow, fmtBytes, fmtDateTime, fmtDuration, fmtNum, fmtRate, h,
   parseTime, poll, toast,
@@ -54,6 +56,7 @@ class JobView {
     this.stats = h("dl", { class: "stats", id: "job-stats" });
     this.errorBox = h("div", { class: "callout callout-bad", id: "job-error", role: "alert", hidden: true });
     this.loadError = h("p", { class: "error-text", role: "alert", hidden: true });
+    this.goodput = goodputPanel();
 
     const lossBox = h("div", { class: "chart", id: "chart-loss" });
     const tputBox = h("div", { class: "chart", id: "chart-throughput" });
@@ -80,6 +83,7 @@ class JobView {
       this.loadError,
       this.errorBox,
       this.stats,
+      this.goodput.el,
       h("div", { class: "grid-2" },
         h("section", { class: "panel", "aria-labelledby": "h-loss" },
           h("div", { class: "panel-head" }, h("h2", { id: "h-loss" }, "Loss"), this.lossReadout),
@@ -175,6 +179,7 @@ class JobView {
     if (logs.status === "fulfilled") this.renderLogs(logs.value);
     this.drawWorld();
     this.renderHeader(job, prev);
+    this.goodput.update(job.goodput);
     if (TERMINAL.has(job.state)) this.slowDown();
   }
 

@@ -2,6 +2,7 @@
 // side, so 1,000s of jobs cost the same as 50), polled every 2 s and patched in place.
 
 import { api } from "./api.js";
+import { fmtGoodput, fmtSeconds } from "./goodput.js";
 import {
   STATES, TERMINAL, badge, debug, emptyRow, fmtAge, fmtDuration, fmtNum, h, parseTime, poll,
 } from "./util.js";
@@ -18,7 +19,7 @@ export function mount(main, { query }) {
     limit: PAGE_SIZES.includes(Number(query.get("limit"))) ? Number(query.get("limit")) : 50,
     page: Math.max(1, Number(query.get("page")) || 1),
   };
-  const rows = new Map(); // id -> {tr, sig, ageCell, etaCell}
+  const rows = new Map(); // id -> {tr, sig, ageCell, etaCell, goodputCell}
 
   const stateSel = h("select", { id: "f-state", name: "state" },
     h("option", { value: "" }, "All states"),
@@ -54,7 +55,7 @@ export function mount(main, { query }) {
       h("table", { class: "jobs", id: "jobs-table" },
         h("caption", { class: "sr-only" }, "Jobs, newest first"),
         h("thead", {}, h("tr", {},
-          ...["ID", "Name", "State", "Strategy", "Workers", "Progress", "Loss", "Labels", "Age"]
+          ...["ID", "Name", "State", "Strategy", "Workers", "Progress", "Loss", "Goodput", "Labels", "Age"]
             .map((c) => h("th", { scope: "col", class: `col-${c.toLowerCase()}` }, c)))),
         tbody)),
     h("nav", { class: "pager", "aria-label": "Pagination" }, prev, pageInfo, next),
@@ -120,7 +121,7 @@ export function mount(main, { query }) {
     for (const [id, row] of rows) if (!seen.has(id)) { row.tr.remove(); rows.delete(id); }
     if (!order.length) {
       const filtered = state.state || state.label;
-      tbody.replaceChildren(emptyRow(9, filtered ? "No jobs match these filters." : "No jobs yet."));
+      tbody.replaceChildren(emptyRow(10, filtered ? "No jobs match these filters." : "No jobs yet."));
     } else {
       // Re-append only when the order changed (a new job arrived, a page moved).
       const current = [...tbody.children];
@@ -143,7 +144,7 @@ export function mount(main, { query }) {
 
 function makeRow() {
   const tr = h("tr");
-  return { tr, sig: "", ageCell: null, etaCell: null };
+  return { tr, sig: "", ageCell: null, etaCell: null, goodputCell: null };
 }
 
 function updateRow(row, job, now) {
@@ -164,6 +165,7 @@ function updateRow(row, job, now) {
     const pct = maxSteps ? Math.min(100, (100 * job.step) / maxSteps) : 0;
     row.etaCell = h("span", { class: "eta muted" }, etaText);
     row.ageCell = h("td", { class: "num age", title: job.created_at }, fmtAge(job.created_at, now));
+    row.goodputCell = h("td", { class: "num goodput" });
     const stateCell = h("td", { class: "col-state" }, badge(job.state));
     if (job.state_reason) stateCell.title = job.state_reason;
     row.tr.replaceChildren(
@@ -182,6 +184,7 @@ function updateRow(row, job, now) {
         h("span", { class: "num step" }, `${job.step.toLocaleString()} / ${maxSteps.toLocaleString()}`),
         " ", row.etaCell),
       h("td", { class: "num loss" }, fmtNum(job.latest_loss)),
+      row.goodputCell,
       h("td", { class: "labels" }, ...Object.entries(labels).map(([k, v]) => h("span", { class: "chip" }, `${k}:${v}`))),
       row.ageCell,
     );
@@ -189,6 +192,17 @@ function updateRow(row, job, now) {
     row.ageCell.textContent = fmtAge(job.created_at, now);
     row.etaCell.textContent = etaText;
   }
+  // An active job's goodput moves with the clock: patched every poll, like the age, rather
+  // than rebuilding the row.
+  showGoodput(row.goodputCell, job.goodput);
+}
+
+function showGoodput(cell, g) {
+  const text = g ? fmtGoodput(g.goodput) : "—";
+  if (cell.textContent !== text) cell.textContent = text;
+  cell.title = g && g.wall_s > 0
+    ? `Goodput: ${fmtSeconds(g.training_s)} of ${fmtSeconds(g.wall_s)} spent on training steps the job kept`
+    : "Goodput: no time recorded yet";
 }
 
 /** Seconds to max_steps from this tab's recent (time, step) samples; else from started_at. */

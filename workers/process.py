@@ -84,6 +84,7 @@ class WorkerProcess:
         import workers.loop
         import workers.workloads  # noqa: F401
         from workers.memory import ReplicaMemory
+        from workers.netif import pin_collectives_to
         from workers.workloads.gpt import load_corpus
 
         load_corpus()  # the built-in corpus, parsed once per process
@@ -92,6 +93,9 @@ class WorkerProcess:
         self.name = name
         self.node_id = ray.get_runtime_context().get_node_id()
         self.address = ray.util.get_node_ip_address()
+        # Collectives listen where the cluster reaches this node, not wherever the hostname
+        # happens to resolve (containers, network namespaces, several NICs).
+        pin_collectives_to(self.address)
         self.memory = ReplicaMemory()
         self._lock = threading.Lock()
         self._busy = False

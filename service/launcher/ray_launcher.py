@@ -45,11 +45,19 @@ class RayLauncher:
 
     def _runtime(self) -> Any:
         """The cluster's runtime actor, created on first use and found by name after a
-        control-plane restart. Pinned (softly) to the head node, so that losing a worker
-        node never takes the drivers with it; not "the node this process runs on":
-        several raylets may share one IP, and Ray then attaches a client to any of them.
+        control-plane restart. Pinned to the head node, so that losing a worker node never
+        takes the drivers with it: by the head's own resource, `node:__internal_head__`,
+        which follows the head even when it is replaced (GCS fault tolerance). (A soft
+        node-affinity to a head with 0 CPUs, as we had, let Ray place it on a worker node:
+        seen on real multi-host clusters, tests/chaos/test_partitions.py.) Without a head
+        resource (a client attached oddly), softly to this process's node.
         Ray restarts it if its process dies (it then adopts the worker processes)."""
-        home = _head_node_id() or ray.get_runtime_context().get_node_id()
+        placement: dict[str, Any]
+        if _head_node_id() is not None:
+            placement = {"resources": {HEAD_RESOURCE: 0.001}}
+        else:
+            here = ray.get_runtime_context().get_node_id()
+            placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=True)}
         return (
             ray.remote(Runtime)
             .options(
@@ -60,7 +68,7 @@ class RayLauncher:
                 num_cpus=0,
                 max_concurrency=64,
                 max_restarts=-1,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(home, soft=True),
+                **placement,
             )
             .remote(
                 namespace=self.namespace,
@@ -136,8 +144,11 @@ def _lost(key: AttemptKey, why: str) -> DriverReport:
     return DriverReport(status=DriverStatus.LOST, error=WorkerError(type="DriverLost", message=why))
 
 
+HEAD_RESOURCE = "node:__internal_head__"
+
+
 def _head_node_id() -> str | None:
     for node in ray.nodes():
-        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+        if node.get("Alive") and HEAD_RESOURCE in node.get("Resources", {}):
             return str(node["NodeID"])
     return None

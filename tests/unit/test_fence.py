@@ -94,13 +94,13 @@ def test_a_superseded_attempt_cannot_commit(tmp_path: Path) -> None:
 
 def superseded_mid_run(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Train attempt 1; as its 3rd step is reported, attempt 2 is launched elsewhere."""
+    import time
+
     import torch
 
     from contracts.spec import JobSpec
     from workers.api import AttemptAborted, NullHooks, TrainContext
     from workers.loop import train
-
-    import time
 
     job = Path(root)
     advance_fence(job, 1, time.time())

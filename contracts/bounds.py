@@ -15,6 +15,8 @@ import unicodedata
 from collections.abc import Iterable
 from typing import Any
 
+from pydantic import ValidationInfo
+
 #: How deep `workload.params` may nest (a dict in a list in a dict... counts 3).
 MAX_PARAMS_DEPTH = 16
 #: Their size once serialised: parameters, not data (data lives on shared storage).
@@ -36,8 +38,20 @@ def control_characters(text: str) -> list[str]:
     return found
 
 
-def no_control_characters(text: str) -> str:
+#: Validation context for specs read back from the database: they were accepted once, and
+#: a bound added since must not make them unreadable (the scheduler and the API read
+#: every job), so the bounds below skip them.
+STORED = {"stored": True}
+
+
+def is_stored(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("stored"))
+
+
+def no_control_characters(text: str, info: ValidationInfo) -> str:
     """A validator: refuse `text` if it holds control characters."""
+    if is_stored(info):
+        return text
     bad = control_characters(text)
     if bad:
         raise ValueError(f"must not contain control characters (found {', '.join(bad[:5])})")

@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -25,7 +26,9 @@ from pydantic import (
 from contracts.bounds import (
     MAX_PARAMS_BYTES,
     MAX_PARAMS_DEPTH,
+    STORED,
     check_json_document,
+    is_stored,
     no_control_characters,
 )
 
@@ -91,8 +94,9 @@ class WorkloadSpec(_Strict):
 
     @field_validator("params")
     @classmethod
-    def _bounded_params(cls, value: dict[str, Any]) -> dict[str, Any]:
-        check_json_document(value, max_depth=MAX_PARAMS_DEPTH, max_bytes=MAX_PARAMS_BYTES)
+    def _bounded_params(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if not is_stored(info):
+            check_json_document(value, max_depth=MAX_PARAMS_DEPTH, max_bytes=MAX_PARAMS_BYTES)
         return value
 
     @model_validator(mode="after")
@@ -233,6 +237,12 @@ class JobSpec(_Strict):
                 "or mixed_precision: null"
             )
         return self
+
+    @classmethod
+    def from_stored(cls, data: dict[str, Any]) -> JobSpec:
+        """A spec as the database holds it: accepted at submit, so the input bounds added
+        since (control characters, params size) are not applied again; the structure is."""
+        return cls.model_validate(data, context=STORED)
 
     @property
     def min_world_size(self) -> int:

@@ -138,7 +138,7 @@ def apply_to_db(
                         job_id=job.id,
                         attempt=attempt.number,
                         world_size=action.world_size,
-                        spec=JobSpec.model_validate(job.spec),
+                        spec=JobSpec.from_stored(job.spec),
                         storage_path=str(storage_path),
                         driver_name=name,
                         cause=cause,

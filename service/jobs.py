@@ -124,7 +124,7 @@ def get_job_row(session: Session, job_id: int) -> Row[Any]:
 
 
 def job_spec(job: Job) -> JobSpec:
-    return JobSpec.model_validate(job.spec)
+    return JobSpec.from_stored(job.spec)
 
 
 @dataclass(frozen=True, slots=True)

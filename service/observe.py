@@ -29,7 +29,7 @@ def job_view(job: Job, attempt: Attempt | None, failures: Sequence[PastFailure] 
     return JobView(
         id=job.id,
         state=job.state,
-        spec=JobSpec.model_validate(job.spec),
+        spec=JobSpec.from_stored(job.spec),
         owner=job.owner,
         step=job.step,
         world_size=job.world_size,

@@ -226,3 +226,32 @@ def test_security_headers(client: TestClient) -> None:
     assert "script-src 'self'" in page.headers["Content-Security-Policy"]
     assert "frame-ancestors 'none'" in page.headers["Content-Security-Policy"]
     assert api.headers["Content-Security-Policy"].startswith("default-src 'none'")
+
+
+def test_a_job_stored_before_a_bound_existed_stays_readable_and_cancellable(
+    client: TestClient, app_sessions: Any, settings: Settings
+) -> None:
+    """Bounds apply to what comes in, not to what the database already holds: a job
+    accepted by an older version (a terminal escape in its name, params nested deeper than
+    the limit now allows) is still listed, shown, scheduled and cancellable."""
+    from service.db import session_scope
+    from service.launcher.fake import FakeLauncher
+    from service.scheduler import Scheduler
+
+    accepted = client.post("/v1/jobs", json=spec_dict(name="ok")).json()
+    with session_scope(app_sessions) as s:
+        from sqlalchemy import update
+
+        from service.models import Job
+
+        s.execute(
+            update(Job)
+            .where(Job.id == accepted["id"])
+            .values(spec={**accepted["spec"], "name": "old\x1b[31m",
+                          "workload": {"name": "gpt", "entrypoint": None, "params": nested(20)}})
+        )  # fmt: skip
+    assert client.get("/v1/jobs").json()["total"] == 1
+    assert client.get(f"/v1/jobs/{accepted['id']}").status_code == 200
+    Scheduler(session_factory=app_sessions, launcher=FakeLauncher({}), settings=settings).run_pass()
+    cancelled = client.post(f"/v1/jobs/{accepted['id']}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["state"] == "CANCELLED"

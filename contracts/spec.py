@@ -31,6 +31,7 @@ from contracts.bounds import (
     is_stored,
     no_control_characters,
 )
+from contracts.workload_params import params_problems
 
 #: Built-in workloads shipped with the package: name -> the factory's entrypoint in
 #: `workers/workloads/`. Strings only, so the API validates without importing torch; the
@@ -100,7 +101,7 @@ class WorkloadSpec(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _exactly_one_source(self) -> WorkloadSpec:
+    def _exactly_one_source(self, info: ValidationInfo) -> WorkloadSpec:
         if (self.name is None) == (self.entrypoint is None):
             raise ValueError(
                 "workload: give exactly one of 'name' (a built-in: "
@@ -111,6 +112,10 @@ class WorkloadSpec(_Strict):
                 f"workload.name: unknown built-in workload {self.name!r}; "
                 f"allowed: {', '.join(BUILTIN_WORKLOADS)}"
             )
+        if self.name is not None and not is_stored(info):
+            problems = params_problems(self.name, self.params)
+            if problems:
+                raise ValueError("; ".join(problems))
         if self.entrypoint is not None and not _ENTRYPOINT_RE.match(self.entrypoint):
             raise ValueError(
                 f"workload.entrypoint: {self.entrypoint!r} is not of the form "

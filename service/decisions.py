@@ -19,6 +19,7 @@ row by row in tests/unit/test_decisions.py.
 | any active | driver SUCCEEDED | end the attempt -> SUCCEEDED |
 | RESIZING | driver STOPPED after its checkpoint | end the attempt, relaunch at the new size |
 | any active | driver FAILED or LOST | end the attempt (a restart counted) -> RECOVERING and relaunch after a backoff; or -> FAILED when restarts are used up or the same error recurs at the same step |
+| any active | driver FAILED: the workload could not be built | end the attempt -> FAILED at once (a configuration error is not retried) |
 | RECOVERING, RESIZING without an attempt | capacity for min workers | start the next attempt at the size that fits |
 | RECOVERING, RESIZING without an attempt | below min | wait (event, reason); -> FAILED after `below_min_timeout_s` |
 | RUNNING | a bigger size possible for `grow_interval_s`, nobody queued | ask the attempt to checkpoint and stop -> RESIZING |
@@ -407,6 +408,15 @@ def _on_failure(job: JobView, facts: Facts, report: DriverReport) -> list[Action
         message="driver lost" if lost_driver else "worker group failed",
     )
     step = progress(job, report)
+    if error.type in CONFIGURATION_ERRORS:
+        # Deterministic: every restart would fail the same way, after a backoff each.
+        return [
+            EndAttempt(outcome=AttemptOutcome.FAILED, error=error, step=step, count_restart=False),
+            Transition(
+                to=JobState.FAILED,
+                reason=f"{error.summary()} (a configuration error: not retried)",
+            ),
+        ]
     decision = decide_failure(
         signature=error.signature,
         step=step,
@@ -619,6 +629,10 @@ class FailureDecision:
     reason: str
     delay_s: float = 0.0
 
+
+#: Errors that say the job is misconfigured (its workload cannot be built from the spec:
+#: a missing module, params the factory refuses): the job fails at once, unretried.
+CONFIGURATION_ERRORS = frozenset({"WorkloadError"})
 
 #: The same error at the same step this many times in a row fails the job: a restart
 #: would only repeat it.

@@ -685,3 +685,16 @@ def test_placement_message_gives_rank_order() -> None:
     view = job(S.STARTING, attempt=replace(running_attempt(), nodes=()))
     lost = decide(view, facts(nodes("a"), alive=("a",), report=report(placement=placement)))
     assert isinstance(lost[0], PersistReport) and lost[1] == node_b_lost
+
+
+def test_a_workload_that_cannot_be_built_fails_at_once_unretried() -> None:
+    broken = WorkerError(
+        type="WorkloadError", message="workload.entrypoint: cannot import module 'x'", rank=0
+    )
+    actions = decide(job(S.RUNNING), facts(report=report(DriverStatus.FAILED, error=broken)))
+    assert actions[0] == EndAttempt(
+        outcome=AttemptOutcome.FAILED, error=broken, step=30, count_restart=False
+    )
+    assert isinstance(actions[1], Transition) and actions[1].to == S.FAILED
+    assert "cannot import module 'x'" in actions[1].reason and "not retried" in actions[1].reason
+    assert len(actions) == 2  # no backoff, no relaunch

@@ -6,7 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from contracts.spec import WorkloadSpec
+from contracts.spec import BUILTIN_WORKLOADS, WorkloadSpec
 from workers.api import Workload
 from workers.workloads import WorkloadError, load_workload, stage_block_range
 
@@ -83,7 +83,8 @@ def test_stage_block_range() -> None:
         ({"entrypoint": "no_such_module_xyz:f"}, "cannot import module"),
         ({"entrypoint": "workers.workloads.gpt:missing"}, "no callable 'missing'"),
         ({"entrypoint": "workers.workloads.gpt:lm_loss"}, "do not fit"),
-        ({"name": "synthetic", "params": {"bogus": 1}}, "do not fit"),
+        ({"name": "synthetic", "params": {"bogus": 1}}, "workload.params.bogus: unknown"),
+        ({"entrypoint": "workers.workloads.synthetic:build", "params": {"bogus": 1}}, "do not fit"),
         ({"entrypoint": "workers.workloads.gpt:load_corpus"}, "expected workers.api.Workload"),
     ],
 )
@@ -99,3 +100,38 @@ def test_custom_entrypoint() -> None:
         WorkloadSpec(entrypoint="workers.workloads.synthetic:build", params={"num_samples": 8})
     )
     assert len(w.dataset) == 8
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_WORKLOADS))
+def test_the_typed_params_are_the_factorys_arguments(name: str) -> None:
+    """contracts.workload_params describes exactly what the worker's factory takes, with
+    the same defaults: what passes at submit builds on the worker."""
+    import inspect
+
+    from contracts.workload_params import BUILTIN_PARAMS
+    from workers.workloads import resolve_entrypoint
+
+    factory = resolve_entrypoint(BUILTIN_WORKLOADS[name])
+    signature = {p.name: p.default for p in inspect.signature(factory).parameters.values()}
+    model = BUILTIN_PARAMS[name]
+    assert signature == {k: f.default for k, f in model.model_fields.items()}
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"n_layer": 0}, "workload.params.n_layer: Input should be greater than or equal to 1"),
+        ({"n_layer": "4"}, "workload.params.n_layer: Input should be a valid integer"),
+        ({"seq_len": -1}, "workload.params.seq_len"),
+        ({"dropout": 1.5}, "workload.params.dropout"),
+        (
+            {"n_embd": 130},
+            "workload.params.n_embd (130) must be divisible by workload.params.n_head (4)",
+        ),
+        ({"bogus": 1}, "workload.params.bogus: unknown parameter of 'gpt'; allowed: n_layer,"),
+    ],
+)
+def test_gpt_params_are_checked_at_submit(params: dict, message: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        WorkloadSpec.model_validate({"name": "gpt", "params": params})
+    assert message in str(caught.value)

@@ -70,16 +70,7 @@ class JobOut(_FromRow):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def goodput(self) -> GoodputOut:
-        split = goodput.split(
-            created_at=self.created_at,
-            end=self.finished_at or utcnow(),
-            state=self.state,
-            state_since=self.state_since,
-            seconds_in=self.seconds_in or {},
-            compute_s=self.compute_s or 0.0,
-            kept_s=self.kept_s or 0.0,
-            stall_s=self.stall_s or 0.0,
-        )
+        split = goodput.of_job(self, now=utcnow())
         return GoodputOut.model_validate(split.to_dict())
 
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import datetime, timezone
+from typing import Any
 
 from service.states import JobState
 
@@ -94,6 +95,25 @@ def split(
         checkpoint_stall_s=stall,
         other_s=max(0.0, wall - accounted),
     )
+
+
+def of_job(job: Any, *, now: datetime) -> Goodput:
+    """`split` of a job as stored: an ORM row, a Core row or `JobOut`, which all carry the
+    columns (SQLite hands back naive UTC datetimes; they are made aware here)."""
+    return split(
+        created_at=_utc(job.created_at),
+        end=_utc(job.finished_at) if job.finished_at else now,
+        state=JobState(job.state),
+        state_since=_utc(job.state_since) if job.state_since else None,
+        seconds_in=job.seconds_in or {},
+        compute_s=job.compute_s or 0.0,
+        kept_s=job.kept_s or 0.0,
+        stall_s=job.stall_s or 0.0,
+    )
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
 
 def step_seconds(values: Mapping[str, object]) -> tuple[float, float]:

@@ -234,23 +234,10 @@ class DatabaseCollector(Collector):
             if isinstance(tokens, int | float):
                 families["tokens"].add_metric(key, tokens)
             families["world"].add_metric(key, job.world_size or 0)
-            ratio = _job_goodput(job, now).ratio
+            ratio = goodput.of_job(job, now=now).ratio
             if ratio is not None:
                 families["goodput"].add_metric(key, ratio)
         yield from families.values()
-
-
-def _job_goodput(job: Job, now: datetime) -> goodput.Goodput:
-    return goodput.split(
-        created_at=as_utc(job.created_at),
-        end=as_utc(job.finished_at) if job.finished_at else now,
-        state=JobState(job.state),
-        state_since=as_utc(job.state_since) if job.state_since else None,
-        seconds_in=job.seconds_in or {},
-        compute_s=job.compute_s or 0.0,
-        kept_s=job.kept_s or 0.0,
-        stall_s=job.stall_s or 0.0,
-    )
 
 
 def exposition(session_factory: Callable[[], Session]) -> bytes:

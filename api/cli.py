@@ -47,6 +47,18 @@ class Api:
             fail(f"error {response.status_code}: {_error_message(response)}")
         return response.json()
 
+    def exists(self, path: str) -> bool:
+        """GET `path`: True on 200, False on 404, a clear failure on anything else."""
+        try:
+            response = self.http.get(path)
+        except httpx.TransportError as exc:
+            fail(f"cannot reach the elastrain API at {self.url} ({exc})", code=2)
+        if response.status_code == 404:
+            return False
+        if response.is_error:
+            fail(f"error {response.status_code}: {_error_message(response)}")
+        return True
+
 
 def _error_message(response: httpx.Response) -> str:
     try:
@@ -241,10 +253,52 @@ def _submit_demo_when_up(url: str) -> None:
 def submit(
     ctx: typer.Context,
     file: Annotated[Path, typer.Argument(help="Job spec, YAML or JSON ('-' for stdin).")],
+    working_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--working-dir",
+            "-w",
+            help="Ship this directory with the job: uploaded once (by content), importable "
+            "on every worker; workload.entrypoint is looked up in it. Honours .gitignore "
+            "and .elastrainignore.",
+        ),
+    ] = None,
 ) -> None:
     """Submit a job; prints its id and state."""
-    job = api(ctx).call("POST", "/v1/jobs", json=_load_spec(file))
+    spec = _load_spec(file)
+    if working_dir is not None:
+        workload = spec.get("workload")
+        if not isinstance(workload, dict):
+            fail(f"{file}: workload must be a mapping to use --working-dir", code=2)
+        workload["package"] = upload_working_dir(api(ctx), working_dir)
+    job = api(ctx).call("POST", "/v1/jobs", json=spec)
     typer.echo(f"{job['id']}\t{job['state']}")
+
+
+def upload_working_dir(client: Api, root: Path) -> str:
+    """Package `root` and upload it unless the service has that content: its digest."""
+    from api.workdir import pack  # pathspec and zipping only when asked for
+    from contracts.packages import PackageRefused
+
+    try:
+        packed = pack(root)
+    except (PackageRefused, OSError) as exc:
+        fail(f"--working-dir: {exc}", code=2)
+    try:
+        digest = packed.manifest.digest
+        if not client.exists(f"/v1/packages/{digest}"):
+            with open(packed.archive, "rb") as body:
+                client.call(
+                    "POST",
+                    "/v1/packages",
+                    content=body,
+                    headers={"Content-Type": "application/zip"},
+                )
+        files = len(packed.manifest.files)
+        typer.echo(f"package {digest} ({files} files from {root})", err=True)
+        return digest
+    finally:
+        packed.archive.unlink(missing_ok=True)
 
 
 @app.command("list")
@@ -294,6 +348,13 @@ def status(ctx: typer.Context, job_id: int) -> None:
         f"{spec['scaling']['min_workers']}..{spec['scaling']['max_workers']}, "
         f"global batch {spec['training']['global_batch_size']}"
     )
+    workload = spec["workload"]
+    code = workload.get("name") or workload.get("entrypoint")
+    typer.echo(f"{'workload:':<18}{_cell(code)}")
+    if workload.get("package"):
+        typer.echo(f"{'package:':<18}{_cell(workload['package'])}")
+    if workload.get("requirements"):
+        typer.echo(f"{'requirements:':<18}{_cell(' '.join(workload['requirements']))}")
 
 
 _GOODPUT_PARTS = [

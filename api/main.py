@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from api import errors
 from api.deps import TokenCache
-from api.routes import cluster, health, jobs, metrics, tenants
+from api.routes import cluster, health, jobs, metrics, packages, tenants
 from api.security import RequestGuard
 from service.db import make_engine, make_session_factory, migrate
 from service.settings import Settings
@@ -77,9 +77,13 @@ def create_app(settings: Settings | None = None, *, start_scheduler: bool = Fals
     app.include_router(cluster.router)
     app.include_router(tenants.router)
     app.include_router(metrics.router)
+    app.include_router(packages.router)
     _include_dashboard(app)
     app.state.token_cache = TokenCache()
     app.add_middleware(
-        RequestGuard, allowed_hosts=settings.allowed_hosts, max_body_bytes=MAX_BODY_BYTES
+        RequestGuard,
+        allowed_hosts=settings.allowed_hosts,
+        max_body_bytes=MAX_BODY_BYTES,
+        body_limits={"/v1/packages": settings.max_package_bytes},
     )
     return app

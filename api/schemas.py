@@ -195,3 +195,17 @@ class TenantOut(BaseModel):
     max_workers: int | None = Field(description="Its own quota (null: the default applies).")
     quota: int | None = Field(description="The quota in force (null: none).")
     workers_in_use: int
+
+
+class PackageFileOut(BaseModel):
+    path: str
+    size: int
+
+
+class PackageOut(BaseModel):
+    """A stored working directory (`POST /v1/packages`); `digest` goes in `workload.package`."""
+
+    digest: str = Field(description="'sha256:' + hex: what `workload.package` names.")
+    file_count: int
+    size_bytes: int
+    files: list[PackageFileOut]

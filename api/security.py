@@ -85,11 +85,24 @@ async def _reject(send: Send, status: int, detail: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def _too_large(limit: int) -> str:
+    return f"request body too large (limit {limit} bytes)"
+
+
 class RequestGuard:
-    def __init__(self, app: ASGIApp, *, allowed_hosts: list[str], max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        allowed_hosts: list[str],
+        max_body_bytes: int,
+        body_limits: dict[str, int] | None = None,
+    ) -> None:
         self.app = app
         self.allowed_hosts = allowed_hosts
         self.max_body_bytes = max_body_bytes
+        #: Paths that take larger bodies (uploads), path -> limit in bytes.
+        self.body_limits = body_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -105,18 +118,16 @@ class RequestGuard:
         if cross_site(scope["method"], headers):
             await _reject(send, 403, "cross-site request refused: send it from the dashboard")
             return
+        limit = self.body_limits.get(scope["path"], self.max_body_bytes)
         declared = headers.get("content-length")
         if declared is not None and (
-            not (declared.isascii() and declared.isdigit()) or int(declared) > self.max_body_bytes
+            not (declared.isascii() and declared.isdigit()) or int(declared) > limit
         ):
-            await _reject(send, 413, self._too_large())
+            await _reject(send, 413, _too_large(limit))
             return
-        await self.app(scope, self._counting(receive), self._with_headers(scope, send))
+        await self.app(scope, self._counting(receive, limit), self._with_headers(scope, send))
 
-    def _too_large(self) -> str:
-        return f"request body too large (limit {self.max_body_bytes} bytes)"
-
-    def _counting(self, receive: Receive) -> Receive:
+    def _counting(self, receive: Receive, limit: int) -> Receive:
         seen = 0
 
         async def counted() -> Message:
@@ -124,10 +135,10 @@ class RequestGuard:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:
+                if seen > limit:
                     # Raised inside the route's body read: FastAPI passes HTTPExceptions
                     # through, so the client gets a 413 and the route never runs.
-                    raise HTTPException(status_code=413, detail=self._too_large())
+                    raise HTTPException(status_code=413, detail=_too_large(limit))
             return message
 
         return counted

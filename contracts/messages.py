@@ -32,6 +32,7 @@ class EventKind(str, Enum):
     CAPACITY = "capacity"  # enough capacity again after a wait
     LAUNCH_FAILED = "launch_failed"
     TIMELINE = "timeline"  # where the seconds of a start, recovery or resize went
+    PACKAGE = "package"  # the uploaded package an attempt's workers verified and import
 
 
 class DriverStatus(str, Enum):

@@ -31,6 +31,7 @@ from contracts.bounds import (
     is_stored,
     no_control_characters,
 )
+from contracts.packages import DIGEST_RE
 from contracts.workload_params import params_problems
 
 #: Built-in workloads shipped with the package: name -> the factory's entrypoint in
@@ -40,6 +41,20 @@ BUILTIN_WORKLOADS: dict[str, str] = {
     "gpt": "workers.workloads.gpt:build",
     "synthetic": "workers.workloads.synthetic:build",
 }
+
+#: pip requirements: a distribution name, optional extras, optional version specifiers.
+#: Never an option (`--index-url ...`), a URL or a path: those would let a job pick where
+#: the nodes download code from.
+_VERSION = r"\s*(===|==|!=|<=|>=|~=|<|>)\s*[A-Za-z0-9.*+!_-]+"
+Requirement = Annotated[
+    str,
+    StringConstraints(
+        max_length=200,
+        pattern=rf"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?(\[[A-Za-z0-9._,-]+\])?"
+        rf"({_VERSION}(\s*,{_VERSION})*)?$",
+    ),
+]
+MAX_REQUIREMENTS = 64
 
 # "package.module:factory" (dotted module path, one colon, a Python identifier).
 _ENTRYPOINT_RE = re.compile(
@@ -87,6 +102,18 @@ class WorkloadSpec(_Strict):
         default=None,
         description='A custom workload factory, "package.module:factory" (exactly one of name/entrypoint).',
     )
+    package: Annotated[str, StringConstraints(pattern=DIGEST_RE.pattern)] | None = Field(
+        default=None,
+        description="An uploaded working directory ('sha256:...' from POST /v1/packages, or "
+        "`elastrain submit --working-dir`): importable on every worker of every attempt, "
+        "where `entrypoint` is looked up.",
+    )
+    requirements: list[Requirement] = Field(
+        default_factory=list,
+        max_length=MAX_REQUIREMENTS,
+        description="pip requirements (names with optional extras and version specifiers, "
+        "e.g. 'einops==0.8.1') installed for this job's workers through Ray's runtime_env.",
+    )
     params: dict[str, Any] = Field(
         default_factory=dict,
         description="Keyword arguments passed to the workload factory: JSON data, at most "
@@ -120,6 +147,11 @@ class WorkloadSpec(_Strict):
             raise ValueError(
                 f"workload.entrypoint: {self.entrypoint!r} is not of the form "
                 "'package.module:factory'"
+            )
+        if self.package is not None and self.entrypoint is None:
+            raise ValueError(
+                "workload.package: needs workload.entrypoint, the 'module:factory' inside it "
+                "to train (a built-in workload does not use a package)"
             )
         return self
 
@@ -229,12 +261,25 @@ class JobSpec(_Strict):
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
 
     @model_validator(mode="after")
-    def _cross_field(self) -> JobSpec:
+    def _cross_field(self, info: ValidationInfo) -> JobSpec:
         pipeline = self.strategy.kind == StrategyKind.pipeline
         if pipeline and self.strategy.stages > self.scaling.max_workers:
             raise ValueError(
                 f"strategy.pipeline_stages ({self.strategy.stages}) must be <= "
                 f"scaling.max_workers ({self.scaling.max_workers})"
+            )
+        if pipeline and not self.world_sizes and not is_stored(info):
+            # Accepted, such a job would wait forever for a size no cluster can give it.
+            stages, lo, hi = (
+                self.strategy.stages,
+                self.scaling.min_workers,
+                self.scaling.max_workers,
+            )
+            raise ValueError(
+                f"scaling: a pipeline of {stages} stages runs on a multiple of {stages} "
+                f"workers, and none lies in min_workers..max_workers ({lo}..{hi}); lower "
+                f"scaling.min_workers to {lo - lo % stages} or raise scaling.max_workers to "
+                f"{lo + (-lo) % stages}"
             )
         if self.strategy.mixed_precision is not None and not self.scaling.use_gpu:
             raise ValueError(
@@ -255,6 +300,15 @@ class JobSpec(_Strict):
         if self.strategy.kind == StrategyKind.pipeline:
             return max(self.scaling.min_workers, self.strategy.stages)
         return self.scaling.min_workers
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """Every world size the job can run at, smallest first."""
+        return [
+            n
+            for n in range(self.min_world_size, self.scaling.max_workers + 1)
+            if self.usable_world_size(n) == n
+        ]
 
     def usable_world_size(self, capacity: int) -> int:
         """The largest world size <= capacity the job can use, or 0 when below its minimum.

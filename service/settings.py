@@ -9,6 +9,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from contracts.bounds import in_standard_library
+from contracts.packages import PackageLimits
 
 _HOME = Path(".elastrain")
 #: Shorter tokens are guessable; the ones `elastrain token create` makes are 43 characters.
@@ -80,6 +81,19 @@ class Settings(BaseSettings):
         description="Module prefixes custom `workload.entrypoint`s may come from "
         "(comma-separated). The standard library is never allowed.",
     )
+    max_package_bytes: int = Field(
+        default=64 * 2**20,
+        ge=1,
+        description="Largest working-directory upload (the zip), bytes.",
+    )
+    max_package_unpacked_bytes: int = Field(
+        default=256 * 2**20,
+        ge=1,
+        description="Largest working directory once unpacked, bytes (bounds a zip bomb).",
+    )
+    max_package_files: int = Field(
+        default=10_000, ge=1, description="Most files in a working directory."
+    )
     default_max_workers_per_tenant: int | None = Field(
         default=None,
         ge=1,
@@ -123,6 +137,14 @@ class Settings(BaseSettings):
     @property
     def auth_enabled(self) -> bool:
         return self.auth or self.api_token is not None
+
+    @property
+    def package_limits(self) -> PackageLimits:
+        return PackageLimits(
+            max_archive_bytes=self.max_package_bytes,
+            max_unpacked_bytes=self.max_package_unpacked_bytes,
+            max_files=self.max_package_files,
+        )
 
     @field_validator("storage_path")
     @classmethod

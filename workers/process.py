@@ -24,12 +24,21 @@ import socket
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from contracts.group import Assignment, RunOutcome, WorkerInfo
-from contracts.messages import Control, Phase, TimelineMark, WorkerError, WorkerMessage
+from contracts.messages import (
+    Control,
+    EventKind,
+    Phase,
+    TimelineMark,
+    WorkerError,
+    WorkerEvent,
+    WorkerMessage,
+)
 from contracts.storage import JobStorage
 
 log = logging.getLogger("elastrain.worker")
@@ -147,6 +156,26 @@ class WorkerProcess:
                 self._busy = False
         return dataclasses.replace(outcome, held=self.memory.describe())
 
+    def _use_package(self, a: Assignment) -> WorkerEvent | None:
+        """Make the job's uploaded package (if any) importable, verified against its digest;
+        what rank 0 reports about it (every attempt says which package it ran)."""
+        from workers.packages import activate, import_from, materialize
+
+        workload = a.spec.workload
+        if workload.package is None or workload.entrypoint is None:
+            activate(None)  # nothing of an earlier job's package stays importable
+            return None
+        t0 = time.perf_counter()
+        files = materialize(Path(a.storage_path), workload.package)
+        activate(files)
+        import_from(files, workload.entrypoint.partition(":")[0])
+        return WorkerEvent(
+            event=EventKind.PACKAGE,
+            reason=f"runs package {workload.package} (verified, "
+            f"{time.perf_counter() - t0:.2f}s to make importable)",
+            details={"digest": workload.package, "node_id": self.node_id},
+        )
+
     def _run(self, a: Assignment) -> RunOutcome:
         import torch
         import torch.distributed as dist
@@ -174,6 +203,7 @@ class WorkerProcess:
             abort=self._abort,
         )
         try:
+            package = self._use_package(a)
             timeout = datetime.timedelta(seconds=a.collective_timeout_s)
             store = dist.TCPStore(
                 a.master_addr, a.master_port, a.world_size, is_master=a.rank == 0, timeout=timeout
@@ -192,6 +222,8 @@ class WorkerProcess:
                 runtime = ray.get_actor(a.runtime_name, namespace=a.namespace)
                 hooks = RuntimeHooks(runtime, (a.job_id, a.attempt))
                 hooks.send(TimelineMark(phase=Phase.GROUP_FORMED, at=time.time()))
+                if package is not None:
+                    hooks.send(package)
             result = train(ctx, a.spec, hooks, self.memory)
             return RunOutcome(
                 rank=a.rank, final_step=result.final_step, stopped_early=result.stopped_early

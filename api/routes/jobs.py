@@ -20,7 +20,8 @@ from api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from api.errors import Conflict
 from api.logs import read_logs
 from api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, MetricOut
-from contracts.bounds import entrypoint_refusal
+from contracts.bounds import entrypoint_refusal, in_standard_library
+from contracts.packages import OWN_PACKAGES, modules_of
 from contracts.spec import JobSpec
 from contracts.storage import JobStorage
 from service import executor
@@ -35,7 +36,9 @@ from service.jobs import (
     request_checkpoint,
 )
 from service.models import Job
+from service.packages import load_manifest
 from service.reports import list_checkpoints, list_metrics
+from service.settings import Settings
 from service.states import ACTIVE, JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -101,6 +104,38 @@ def check_entrypoint(spec: JobSpec, allowed_prefixes: list[str]) -> None:
         raise _invalid(("body", "workload", "entrypoint"), f"workload.entrypoint: {why}")
 
 
+def check_workload_code(spec: JobSpec, settings: Settings) -> None:
+    """The code the job will run exists and may run: an installed module the operator
+    allows, or a module inside the job's uploaded package (which the operator's list does
+    not restrict: it is the tenant's own code, shipped with the job)."""
+    workload = spec.workload
+    if workload.package is None or workload.entrypoint is None:
+        check_entrypoint(spec, settings.allowed_entrypoints)
+        return
+    manifest = load_manifest(settings.storage_path, workload.package)
+    if manifest is None:
+        raise _invalid(
+            ("body", "workload", "package"),
+            f"workload.package: no package {workload.package} on this service; upload the "
+            "directory first (POST /v1/packages, or `elastrain submit --working-dir DIR`)",
+        )
+    module = workload.entrypoint.partition(":")[0]
+    where = ("body", "workload", "entrypoint")
+    if in_standard_library(module) or module.split(".")[0] in OWN_PACKAGES:
+        raise _invalid(
+            where,
+            f"workload.entrypoint: module {module!r} has the name of a standard-library or "
+            "elastrain module; rename it in your package",
+        )
+    if not manifest.has_module(module):
+        have = ", ".join(modules_of(f.path for f in manifest.files)[:20]) or "none"
+        raise _invalid(
+            where,
+            f"workload.entrypoint: module {module!r} is not in package {workload.package} "
+            f"(its modules: {have})",
+        )
+
+
 def _parse_labels(raw: list[str] | None) -> dict[str, str]:
     labels: dict[str, str] = {}
     if raw and len(raw) > MAX_LABEL_FILTERS:
@@ -125,7 +160,7 @@ def _parse_labels(raw: list[str] | None) -> dict[str, str]:
 def submit_job(
     spec: JobSpec, session: SessionDep, who: CurrentPrincipal, settings: SettingsDep
 ) -> Response:
-    check_entrypoint(spec, settings.allowed_entrypoints)
+    check_workload_code(spec, settings)
     job = insert_job(session, spec=spec, owner=who.tenant)
     session.commit()
     return _job(job, status.HTTP_201_CREATED, {"Location": f"/v1/jobs/{job.id}"})

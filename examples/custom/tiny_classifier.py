@@ -1,8 +1,8 @@
 """An example custom workload: a factory returning model, data set and loss.
 
-Submit it with `examples/custom.yaml` (entrypoint "tiny_classifier:make_workload"). The
-module must be importable on every Ray node: install it in the image, or for a local run
-start the service with `PYTHONPATH=examples/custom elastrain serve`.
+Submit it with its folder: `elastrain submit examples/custom.yaml --working-dir
+examples/custom` (entrypoint "tiny_classifier:make_workload"). The folder is uploaded once,
+stored by its content, and importable on every worker of every attempt.
 """
 
 from __future__ import annotations

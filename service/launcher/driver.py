@@ -41,6 +41,7 @@ from contracts.messages import (
     WorkerFailed,
     WorkerMessage,
 )
+from contracts.spec import JobSpec
 from service.launcher.base import LaunchRequest
 from service.launcher.pool import PooledWorker, WorkerPool, choose_worker
 
@@ -259,13 +260,13 @@ class AttemptDriver:
         chosen: list[PooledWorker] = []
         with self.pool.lock:
             for index, node in enumerate(nodes):
-                if self.request.spec.scaling.use_gpu:
-                    # Ray gives a process its GPUs only when it asks for them: a GPU rank is
-                    # a new process inside its bundle, gone with the placement group.
+                options = private_worker_options(self.request.spec)
+                if options is not None:
                     worker = self.pool.start(
                         node,
-                        num_gpus=float(self.request.spec.scaling.gpus_per_worker),
+                        private=True,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, index),
+                        **options,
                     )
                 else:
                     candidates = [
@@ -399,6 +400,22 @@ class AttemptDriver:
                 remove_placement_group(pg)
             except Exception as exc:  # already removed is fine
                 log.info("remove placement group: %s", exc)
+
+
+def private_worker_options(spec: JobSpec) -> dict[str, Any] | None:
+    """Ray options for a rank that cannot run in a warm pooled process, or None.
+
+    Ray gives a process its GPUs only when it asks for them at start, and its pip packages
+    only when it starts in their environment: such a rank is a new process inside its
+    bundle, private to its attempt and gone with the placement group. (Ray caches the pip
+    environment per node and requirement list, so only the first start pays the install.)
+    """
+    options: dict[str, Any] = {}
+    if spec.scaling.use_gpu:
+        options["num_gpus"] = float(spec.scaling.gpus_per_worker)
+    if spec.workload.requirements:
+        options["runtime_env"] = {"pip": list(spec.workload.requirements)}
+    return options or None
 
 
 def cause_of(errors: Sequence[WorkerError]) -> WorkerError:

@@ -55,6 +55,8 @@ class PooledWorker:
     forget_job: int | None = None
     """Drop this job's state when the process comes back (the job ended)."""
     ready_ref: Any = None
+    private: bool = False
+    """Started for one attempt (its GPUs or pip environment): never lent to another."""
 
     @property
     def held(self) -> HeldState | None:
@@ -75,7 +77,7 @@ def choose_worker(candidates: Sequence[PooledWorker], job_id: int) -> PooledWork
             return (2, held.step)
         return (1 if held is None else 0, 0)
 
-    idle = [w for w in candidates if w.idle]
+    idle = [w for w in candidates if w.idle and not w.private]
     return max(idle, key=rank) if idle else None
 
 
@@ -123,7 +125,7 @@ class WorkerPool:
         if self.workers:
             log.info("adopted %d worker processes", len(self.workers))
 
-    def start(self, node_id: str, **options: Any) -> PooledWorker:
+    def start(self, node_id: str, *, private: bool = False, **options: Any) -> PooledWorker:
         """Start a process on `node_id` (it answers when its imports are done)."""
         name = f"{WORKER_PREFIX}{node_id[:8]}-{next(self._counter)}-{uuid.uuid4().hex[:4]}"
         if "scheduling_strategy" not in options:
@@ -136,7 +138,7 @@ class WorkerPool:
             max_concurrency=8,
             **{"num_cpus": 0, **options},
         ).remote(name)
-        worker = PooledWorker(name=name, handle=handle, node_id=node_id)
+        worker = PooledWorker(name=name, handle=handle, node_id=node_id, private=private)
         worker.ready_ref = handle.describe.remote()
         with self.lock:
             self.workers[name] = worker
@@ -166,7 +168,7 @@ class WorkerPool:
 
     def give_back(self, worker: PooledWorker, held: HeldState | None, *, alive: bool) -> None:
         with self.lock:
-            if not alive:
+            if not alive or worker.private:  # a private one dies with its placement group
                 self.workers.pop(worker.name, None)
                 return
             worker.busy = False
@@ -214,7 +216,7 @@ class WorkerPool:
                 continue
             mine = by_node.get(node_id, [])
             busy = sum(1 for w in mine if w.busy)
-            spare = sum(1 for w in mine if not w.busy)  # idle or still starting
+            spare = sum(1 for w in mine if not w.busy and not w.private)  # idle or starting
             for _ in range(
                 warm_target(node_cpus=cpus, busy=busy, per_node=self.warm_per_node) - spare
             ):

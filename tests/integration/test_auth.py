@@ -6,6 +6,8 @@ line in `ACCESS` fails here until someone decides who may call it.
 
 from __future__ import annotations
 
+import io
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +48,17 @@ ACCESS: dict[tuple[str, str], str] = {
     ("delete", "/v1/tokens/{token_id}"): "token",
     ("get", "/v1/tenants"): "admin",
     ("put", "/v1/tenants/{name}"): "admin",
+    ("post", "/v1/packages"): "tenant",
+    ("get", "/v1/packages/{digest}"): "tenant",
 }
+ZIP = {"Content-Type": "application/zip"}
+
+
+def a_zip() -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("matrix_model.py", "def build(): ...\n")
+    return buf.getvalue()
 
 
 @dataclass
@@ -55,6 +67,7 @@ class World:
     sessions: sessionmaker[Session]
     tokens: dict[str, str]  # who -> bearer token
     jobs: dict[str, int]  # tenant -> one of its jobs
+    package: str = ""  # the digest of a stored package
 
     def as_(self, who: str | None) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.tokens[who]}"} if who else {}
@@ -84,24 +97,32 @@ def world(settings: Settings) -> Iterator[World]:
             job = client.post("/v1/jobs", json=spec_dict(name=tenant), headers=w.as_(tenant))
             assert job.status_code == 201 and job.json()["owner"] == tenant
             w.jobs[tenant] = job.json()["id"]
+        upload = client.post("/v1/packages", content=a_zip(), headers={**ZIP, **w.as_("team-a")})
+        assert upload.status_code == 201, upload.text
+        w.package = upload.json()["digest"]
         yield w
 
 
 def _request(w: World, method: str, path: str, owner: str) -> tuple[str, str, Any]:
     """A well-formed call of the route, about `owner`'s things."""
     url = path.replace("{job_id}", str(w.jobs[owner])).replace("{name}", owner)
+    url = url.replace("{digest}", w.package)
     if "{token_id}" in url:
         url = url.replace("{token_id}", str(w.new_token(owner)["id"]))
     body = {
         ("post", "/v1/jobs"): spec_dict(name="matrix"),
         ("post", "/v1/tokens"): {"tenant": owner},
         ("put", "/v1/tenants/{name}"): {"max_workers": 4},
+        ("post", "/v1/packages"): a_zip(),
     }.get((method, path))
     return method, url, body
 
 
 def _call(w: World, who: str | None, req: tuple[str, str, Any]) -> int:
     method, url, body = req
+    if isinstance(body, bytes):  # an upload
+        headers = {**ZIP, **w.as_(who)}
+        return w.client.request(method.upper(), url, content=body, headers=headers).status_code
     return w.client.request(method.upper(), url, json=body, headers=w.as_(who)).status_code
 
 

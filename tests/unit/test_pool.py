@@ -7,18 +7,20 @@ import pytest
 
 from contracts.group import HeldState, WorkerInfo
 from contracts.messages import WorkerError
-from service.launcher.driver import cause_of
+from contracts.spec import JobSpec
+from service.launcher.driver import cause_of, private_worker_options
 from service.launcher.pool import PooledWorker, choose_worker, warm_target
+from tests.factories import spec_dict
 
 
 def worker(name: str, *, held: tuple[int, int] | None = None, busy: bool = False,
-           started: bool = True) -> PooledWorker:  # fmt: skip
+           started: bool = True, private: bool = False) -> PooledWorker:  # fmt: skip
     state = None
     if held is not None:
         state = HeldState(job_id=held[0], step=held[1], world_size=2, full_replica=True)
     info = WorkerInfo(name=name, node_id="n", pid=1, address="a", busy=busy, held=state)
     return PooledWorker(name=name, handle=None, node_id="n", info=info if started else None,
-                        busy=busy)  # fmt: skip
+                        busy=busy, private=private)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -47,6 +49,11 @@ def worker(name: str, *, held: tuple[int, int] | None = None, busy: bool = False
             [worker("new", held=(7, 20), busy=True), worker("old", held=(7, 10))],
             "old",
             id="a-busy-holder-is-not-taken",
+        ),
+        pytest.param(
+            [worker("gpu-or-pip", held=(7, 30), private=True), worker("empty")],
+            "empty",
+            id="a-private-process-is-never-lent-again",
         ),
     ],
 )
@@ -87,3 +94,22 @@ DIED = WorkerError(type="WorkerDied", message="the process of rank 2 died", rank
 )
 def test_cause_of(errors: list[WorkerError], expected: WorkerError) -> None:
     assert cause_of(errors) == expected
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        pytest.param({}, None, id="cpu-job-uses-the-warm-pool"),
+        pytest.param(
+            {"scaling": {"use_gpu": True, "gpus_per_worker": 1}}, {"num_gpus": 1.0}, id="gpu"
+        ),
+        pytest.param(
+            {"workload": {"entrypoint": "m:f", "requirements": ["einops==0.8.1"]}},
+            {"runtime_env": {"pip": ["einops==0.8.1"]}},
+            id="pip-requirements-start-in-their-environment",
+        ),
+    ],
+)
+def test_private_worker_options(overrides: dict, expected: dict | None) -> None:  # type: ignore[type-arg]
+    spec = JobSpec.model_validate(spec_dict(**overrides))
+    assert private_worker_options(spec) == expected

@@ -35,6 +35,7 @@ def _zip_body(ctx: Any, value: Any) -> bytes:
     so the service sees garbage archives, not only well-formed ones."""
     return value if isinstance(value, bytes) else str(value).encode()
 
+
 ROUTES = sorted(
     (method, path)
     for path, item in create_app(Settings(database_url="sqlite://")).openapi()["paths"].items()

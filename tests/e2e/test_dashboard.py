@@ -373,6 +373,11 @@ def test_submit_shows_api_errors_verbatim(page: Any, server: ServerHandle) -> No
     )
     page.click("#submit-btn")
     wait_text(page, "#submit-errors .msg", "colour: unknown field", start=True)
+    # A built-in workload's params are checked at submit: each bad key named, with why.
+    page.fill("#spec-input", "name: x\nworkload:\n  name: gpt\n  params: {n_layer: 0, bogus: 1}\n")
+    page.click("#submit-btn")
+    wait_text(page, "#submit-errors .msg", "workload.params.n_layer: Input should be greater")
+    wait_text(page, "#submit-errors .msg", "workload.params.bogus: unknown parameter of 'gpt'")
     # A YAML syntax error never reaches the API.
     page.fill("#spec-input", "name: [unclosed\n")
     page.click("#submit-btn")

@@ -28,6 +28,7 @@ from typing import IO
 
 from checkpoints._fs import atomic_write_bytes, fsync_dir, remove_tree
 from contracts.packages import (
+    DIGEST_PREFIX,
     FILES_DIR,
     MANIFEST,
     PACKAGES_DIR,
@@ -40,6 +41,8 @@ from contracts.packages import (
 )
 
 _CHUNK = 1 << 20
+#: An upload still staged after this long was abandoned (its server died mid-way).
+ABANDONED_UPLOAD_S = 3600.0
 
 
 def packages_root(storage: Path) -> Path:
@@ -63,6 +66,56 @@ def incoming_path(storage: Path, suffix: str = "") -> Path:
     root = packages_root(storage)
     root.mkdir(parents=True, exist_ok=True)
     return root / f".incoming-{uuid.uuid4().hex}{suffix}"
+
+
+def touch(storage: Path, digest: str) -> None:
+    """Mark the package used now (a job was submitted with it): retention counts from here."""
+    with contextlib.suppress(OSError):
+        os.utime(package_dir(storage, digest) / MANIFEST)
+
+
+def stored_packages(storage: Path) -> dict[str, float]:
+    """Every complete package: digest -> when it was last used (its manifest's mtime)."""
+    found: dict[str, float] = {}
+    root = packages_root(storage)
+    for manifest in root.glob(f"*/{MANIFEST}") if root.is_dir() else ():
+        with contextlib.suppress(OSError):
+            found[DIGEST_PREFIX + manifest.parent.name] = manifest.stat().st_mtime
+    return found
+
+
+def stale_packages(
+    stored: dict[str, float], in_use: set[str], *, now: float, keep_s: float
+) -> list[str]:
+    """The packages to delete: no unfinished job names them and none was submitted with them
+    for `keep_s` (so re-running a finished job's code soon after does not upload it again)."""
+    return sorted(d for d, used in stored.items() if d not in in_use and now - used > keep_s)
+
+
+def sweep(storage: Path, in_use: set[str], *, now: float, keep_s: float) -> list[str]:
+    """Delete stale packages and abandoned uploads; returns the digests deleted."""
+    deleted = []
+    for digest in stale_packages(stored_packages(storage), in_use, now=now, keep_s=keep_s):
+        folder = package_dir(storage, digest)
+        try:
+            if now - (folder / MANIFEST).stat().st_mtime <= keep_s:
+                continue  # submitted with again since it was listed
+            # Renamed away first: a reader sees the whole package or none of it.
+            doomed = folder.with_name(f".deleting-{uuid.uuid4().hex}")
+            os.rename(folder, doomed)
+        except OSError:
+            continue
+        remove_tree(doomed)
+        deleted.append(digest)
+    root = packages_root(storage)
+    for leftover in sorted(root.glob(".[id][ne]*-*")) if root.is_dir() else ():
+        # `.deleting-*`: a sweep that died half-way; `.incoming-*`: an abandoned upload.
+        with contextlib.suppress(OSError):
+            if leftover.name.startswith(".deleting-") or (
+                now - leftover.stat().st_mtime > ABANDONED_UPLOAD_S
+            ):
+                remove_tree(leftover)
+    return deleted
 
 
 def store_archive(archive: Path, storage: Path, limits: PackageLimits) -> tuple[Manifest, bool]:

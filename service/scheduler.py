@@ -23,7 +23,7 @@ from dataclasses import replace
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.messages import DriverReport, DriverStatus
-from service import auth, cluster, decisions, lease, observe, telemetry
+from service import auth, cluster, decisions, lease, observe, packages, telemetry
 from service.capacity import Allocation, CapacityLedger, ClusterCapacity, WorkerShape
 from service.db import session_scope
 from service.decisions import Facts, JobView, Policy
@@ -35,6 +35,8 @@ from service.settings import Settings
 log = logging.getLogger("elastrain.scheduler")
 
 LEASE_TTL_S = 10.0
+#: How often unused packages are looked for (a folder listing of the storage root).
+PACKAGE_SWEEP_INTERVAL_S = 600.0
 
 
 class Scheduler:
@@ -60,6 +62,7 @@ class Scheduler:
         self.timers = Timers()
         self._published: cluster.ClusterView | None = None
         self._published_at = 0.0
+        self._swept_at = 0.0
         self.executor = Executor(
             sessions=session_factory,
             launcher=launcher,
@@ -101,6 +104,20 @@ class Scheduler:
                 if self.executor.execute(job, actions):
                     ledger.hold(job.id, decisions.allocation_after(job, actions))
         self._publish(capacity, ledger)
+        self._sweep_packages([*active, *pending])
+
+    def _sweep_packages(self, unfinished: list[JobView]) -> None:
+        """Now and then: delete uploaded packages nothing uses any more."""
+        now = self.clock()
+        if now - self._swept_at < PACKAGE_SWEEP_INTERVAL_S:
+            return
+        self._swept_at = now
+        in_use = {p for job in unfinished if (p := job.spec.workload.package) is not None}
+        keep_s = self.settings.package_keep_days * 86400
+        for digest in packages.sweep(self.settings.storage_path, in_use, now=now, keep_s=keep_s):
+            log.info(
+                "deleted package %s: unused for %g days", digest, self.settings.package_keep_days
+            )
 
     def _step(
         self,

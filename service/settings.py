@@ -94,6 +94,12 @@ class Settings(BaseSettings):
     max_package_files: int = Field(
         default=10_000, ge=1, description="Most files in a working directory."
     )
+    package_keep_days: float = Field(
+        default=7.0,
+        gt=0,
+        description="An uploaded working directory that no unfinished job uses is deleted "
+        "this long after the last job was submitted with it.",
+    )
     default_max_workers_per_tenant: int | None = Field(
         default=None,
         ge=1,

@@ -36,7 +36,7 @@ from service.jobs import (
     request_checkpoint,
 )
 from service.models import Job
-from service.packages import load_manifest
+from service.packages import load_manifest, touch
 from service.reports import list_checkpoints, list_metrics
 from service.settings import Settings
 from service.states import ACTIVE, JobState
@@ -134,6 +134,7 @@ def check_workload_code(spec: JobSpec, settings: Settings) -> None:
             f"workload.entrypoint: module {module!r} is not in package {workload.package} "
             f"(its modules: {have})",
         )
+    touch(settings.storage_path, workload.package)  # in use: retention counts from now
 
 
 def _parse_labels(raw: list[str] | None) -> dict[str, str]:

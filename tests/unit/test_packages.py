@@ -297,3 +297,55 @@ def test_a_module_that_resolves_outside_the_package_is_refused(
     worker_packages.activate(files)
     with pytest.raises(worker_packages.PackageUnavailable, match="not from the job's package"):
         worker_packages.import_from(files, "json")
+
+
+# -- retention -------------------------------------------------------------------------------
+
+DAY = 86400.0
+
+
+@pytest.mark.parametrize(
+    ("stored", "in_use", "expected"),
+    [
+        pytest.param({}, set(), [], id="nothing-stored"),
+        pytest.param({"sha256:a": 0.0}, set(), ["sha256:a"], id="old-and-unused"),
+        pytest.param({"sha256:a": 0.0}, {"sha256:a"}, [], id="an-unfinished-job-uses-it"),
+        pytest.param({"sha256:a": 9 * DAY}, set(), [], id="submitted-with-recently"),
+        pytest.param(
+            {"sha256:a": 0.0, "sha256:b": 3.1 * DAY, "sha256:c": 1.0},
+            {"sha256:c"},
+            ["sha256:a"],
+            id="only-the-stale-unused-ones",
+        ),
+    ],
+)
+def test_stale_packages(stored: dict[str, float], in_use: set[str], expected: list[str]) -> None:
+    from service.packages import stale_packages
+
+    assert stale_packages(stored, in_use, now=10 * DAY, keep_s=7 * DAY) == expected
+
+
+def test_sweep_deletes_whole_packages_and_abandoned_uploads(tmp_path: Path, storage: Path) -> None:
+    import time
+
+    from service.packages import sweep, touch
+
+    old = _upload(tmp_path, storage, "old", {"m.py": "A = 1\n"})
+    used = _upload(tmp_path, storage, "used", {"m.py": "A = 2\n"})
+    fresh = _upload(tmp_path, storage, "fresh", {"m.py": "A = 3\n"})
+    now = time.time()
+    for digest in (old, used, fresh):
+        manifest = packages_root(storage) / hex_of(digest) / "manifest.json"
+        os.utime(manifest, (now - 30 * DAY, now - 30 * DAY))
+    touch(storage, fresh)  # a job was just submitted with it
+    abandoned = packages_root(storage) / ".incoming-dead.zip"
+    abandoned.write_bytes(b"half an upload")
+    os.utime(abandoned, (now - 2 * 3600, now - 2 * 3600))
+    half_deleted = packages_root(storage) / ".deleting-0123"
+    half_deleted.mkdir()
+
+    assert sweep(storage, {used}, now=now, keep_s=7 * DAY) == [old]
+    assert load_manifest(storage, old) is None
+    assert not (packages_root(storage) / hex_of(old)).exists()
+    assert load_manifest(storage, used) is not None and load_manifest(storage, fresh) is not None
+    assert not abandoned.exists() and not half_deleted.exists()

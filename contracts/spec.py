@@ -89,6 +89,11 @@ class PipelineSchedule(str, Enum):
     one_f_one_b = "1f1b"
 
 
+class LrSchedule(str, Enum):
+    constant = "constant"
+    cosine = "cosine"
+
+
 class MixedPrecision(str, Enum):
     bf16 = "bf16"
     fp16 = "fp16"
@@ -223,7 +228,18 @@ class TrainingSpec(_Strict):
         default=32, ge=1, le=1_000_000, description="fixed whatever the world size"
     )
     micro_batch_size: int = Field(default=8, ge=1, le=1_000_000)
-    learning_rate: float = Field(default=3e-4, gt=0, le=10)
+    learning_rate: float = Field(default=3e-4, gt=0, le=10, description="the peak learning rate")
+    lr_schedule: LrSchedule = Field(
+        default=LrSchedule.constant,
+        description="constant | cosine: linear warm-up for warmup_steps, then cosine decay "
+        "to min_lr at max_steps (warm-up applies to both)",
+    )
+    warmup_steps: int = Field(default=0, ge=0, le=100_000_000)
+    min_lr: float = Field(default=0.0, ge=0, le=10, description="cosine only: the final lr")
+    weight_decay: float = Field(default=0.01, ge=0, le=10, description="AdamW's (decoupled)")
+    grad_clip: float | None = Field(
+        default=1.0, gt=0, le=1e6, description="max global gradient norm; null: no clipping"
+    )
     max_steps: int = Field(default=200, ge=1, le=100_000_000)
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
 
@@ -234,6 +250,18 @@ class TrainingSpec(_Strict):
                 f"training.global_batch_size ({self.global_batch_size}) must be divisible by "
                 f"training.micro_batch_size ({self.micro_batch_size})"
             )
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(
+                f"training.warmup_steps ({self.warmup_steps}) must be < training.max_steps "
+                f"({self.max_steps})"
+            )
+        if self.min_lr > self.learning_rate:
+            raise ValueError(
+                f"training.min_lr ({self.min_lr}) must be <= training.learning_rate "
+                f"({self.learning_rate})"
+            )
+        if self.min_lr > 0 and self.lr_schedule == LrSchedule.constant:
+            raise ValueError("training.min_lr: only used by lr_schedule 'cosine'")
         return self
 
 

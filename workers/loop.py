@@ -42,6 +42,7 @@ from workers.api import (
     TrainHooks,
     TrainResult,
 )
+from workers.lr_schedule import lr_at
 from workers.memory import NOTHING, ReplicaMemory, share_from_peer
 from workers.sampler import ElasticSampler, batch_crc
 from workers.strategies import Strategy, make_strategy
@@ -145,6 +146,7 @@ def _train(
             # Every rank agrees on the step before any updates its weights: a peer lost in
             # here leaves all survivors at the same step boundary, their memory consistent.
             loss_sum, control = reduce_loss_and_control(out.loss_sum, polled, ctx.device)
+            strategy.set_lr(lr_at(step, training))  # a function of the step: resumes agree
             strategy.optimizer_step()
             done = ctx.step = memory.step = step + 1
             step_time = time.perf_counter() - t0

@@ -17,6 +17,7 @@ from contracts.messages import EventKind
 from contracts.spec import JobSpec
 from tests.unit.dist_utils import run_distributed
 from workers.api import Control, NullHooks, TrainContext
+from workers.lr_schedule import lr_at
 
 STEPS = 8
 
@@ -31,6 +32,11 @@ def make_spec(kind: str, *, global_batch: int = 32, micro: int = 8, every: int =
             "micro_batch_size": micro,
             "max_steps": STEPS,
             "learning_rate": 1e-2,
+            # Warm-up then cosine: every equality below (world sizes, resume at another
+            # size) also holds the schedule to being a function of the step alone.
+            "lr_schedule": "cosine",
+            "warmup_steps": 2,
+            "min_lr": 1e-3,
             "seed": 5,
         },
         checkpoint={"every_steps": every, "async_save": True},
@@ -119,6 +125,8 @@ def test_loss_falls_and_metrics_every_step(runs: dict, label: str) -> None:
     point = run["metrics"][-1].values
     assert point["world_size"] == point["dp"] == int(label[-1]) and point["pp"] == 1
     assert point["samples_per_s"] > 0 and point["tokens_per_s"] is None
+    schedule = make_spec("ddp").training
+    assert [m.values["lr"] for m in run["metrics"]] == [lr_at(s, schedule) for s in range(STEPS)]
     assert run["result"].final_step == STEPS and not run["result"].stopped_early
     assert run["ctx_step"] == STEPS  # the loop keeps TrainContext.step current
     # every_steps=4 and the final step: committed at 4 and 8.

@@ -68,6 +68,11 @@ class Strategy(ABC):
         self.optimizer_step()
         return out
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next `optimizer_step` (the loop's schedule)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     @abstractmethod
     def forward_backward(
         self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from abc import abstractmethod
 from contextlib import AbstractContextManager
+from types import EllipsisType
 from typing import Any
 
 import torch
@@ -21,7 +22,11 @@ from contracts.spec import JobSpec, MixedPrecision
 from workers.api import TrainContext, Workload
 from workers.strategies.base import Layout, StepOutput, Strategy, microbatch_loss
 
-GRAD_CLIP_NORM = 1.0
+
+def grad_clip_of(spec: JobSpec, override: float | EllipsisType | None) -> float | None:
+    """The max gradient norm: the spec's, unless the strategy was built with another."""
+    return spec.training.grad_clip if override is ... else override
+
 
 _DTYPES = {MixedPrecision.bf16: torch.bfloat16, MixedPrecision.fp16: torch.float16}
 
@@ -29,8 +34,10 @@ _DTYPES = {MixedPrecision.bf16: torch.bfloat16, MixedPrecision.fp16: torch.float
 class DataParallelStrategy(Strategy):
     """The step shared by ddp and fsdp; subclasses wrap the model and switch grad sync."""
 
-    def __init__(self, *, grad_clip: float | None = GRAD_CLIP_NORM) -> None:
-        self.grad_clip = grad_clip
+    def __init__(self, *, grad_clip: float | EllipsisType | None = ...) -> None:
+        # `...`: the spec's training.grad_clip (set in setup); tests may override it.
+        self.grad_clip: float | None = None
+        self._grad_clip_override = grad_clip
         self.autocast_dtype: torch.dtype | None = None
         self.scaler: torch.amp.GradScaler | None = None
 
@@ -51,8 +58,12 @@ class DataParallelStrategy(Strategy):
         # The default AdamW implementation (single-tensor on CPU, foreach on CUDA) is
         # deterministic; `fused` is left off for the same reason.
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=spec.training.learning_rate, fused=False
+            self.model.parameters(),
+            lr=spec.training.learning_rate,
+            weight_decay=spec.training.weight_decay,
+            fused=False,
         )
+        self.grad_clip = grad_clip_of(spec, self._grad_clip_override)
 
     @abstractmethod
     def wrap(self, model: nn.Module, mixed_precision: torch.dtype | None) -> nn.Module:

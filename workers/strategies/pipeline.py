@@ -40,7 +40,7 @@ the loop passes `loss_scale = layout.dp / global_batch_size`
 (what `workers.loop` passes for every strategy). Scaling after the sum rather than inside
 the loss changes nothing but rounding, and keeps the unscaled loss for `StepOutput`.
 Then, like the ddp/fsdp strategies, gradients are clipped to a global norm of
-`GRAD_CLIP_NORM` (the norm spans all stages: one scalar all-reduce over the pipeline
+`training.grad_clip` (the norm spans all stages: one scalar all-reduce over the pipeline
 group) and AdamW (`fused=False`, deterministic) steps.
 """
 
@@ -49,6 +49,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import cast
 
 import torch
@@ -63,7 +64,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from contracts.spec import JobSpec, PipelineSchedule
 from workers.api import TrainContext, Workload
 from workers.strategies.base import Layout, StepOutput, Strategy
-from workers.strategies.ddp import GRAD_CLIP_NORM
+from workers.strategies.ddp import grad_clip_of
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +151,10 @@ class PipelineStrategy(Strategy):
 
     checkpoint_options = CHECKPOINT_OPTIONS
 
-    def __init__(self, *, grad_clip: float | None = GRAD_CLIP_NORM) -> None:
-        self.grad_clip = grad_clip
+    def __init__(self, *, grad_clip: float | EllipsisType | None = ...) -> None:
+        # `...`: the spec's training.grad_clip (set in setup); tests may override it.
+        self.grad_clip: float | None = None
+        self._grad_clip_override = grad_clip
 
     def setup(self, workload: Workload, ctx: TrainContext, spec: JobSpec) -> None:
         opts = PipelineOptions.from_spec(spec)
@@ -173,8 +176,12 @@ class PipelineStrategy(Strategy):
         self._broadcast_params()
         # Same optimizer as ddp/fsdp, so a job's loss curve does not depend on the strategy.
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opts.learning_rate, fused=False
+            self.model.parameters(),
+            lr=opts.learning_rate,
+            weight_decay=spec.training.weight_decay,
+            fused=False,
         )
+        self.grad_clip = grad_clip_of(spec, self._grad_clip_override)
         self._workload_loss = workload.loss_fn
         # One (stage, schedule) per micro-batch shape; usually one or two entries.
         self._schedules: dict[_ScheduleKey, PipelineScheduleSingle] = {}

@@ -89,6 +89,12 @@ class PipelineSchedule(str, Enum):
     one_f_one_b = "1f1b"
 
 
+class ActivationCheckpointing(str, Enum):
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
 class LrSchedule(str, Enum):
     constant = "constant"
     cosine = "cosine"
@@ -239,6 +245,11 @@ class TrainingSpec(_Strict):
     weight_decay: float = Field(default=0.01, ge=0, le=10, description="AdamW's (decoupled)")
     grad_clip: float | None = Field(
         default=1.0, gt=0, le=1e6, description="max global gradient norm; null: no clipping"
+    )
+    activation_checkpointing: ActivationCheckpointing = Field(
+        default=ActivationCheckpointing.none,
+        description="none | full (recompute every block in backward) | selective (every "
+        "second block): less activation memory for more compute",
     )
     max_steps: int = Field(default=200, ge=1, le=100_000_000)
     seed: int = Field(default=0, ge=0, le=2**31 - 1)

@@ -34,6 +34,7 @@ from contracts.messages import (
     WorkerEvent,
 )
 from contracts.spec import JobSpec
+from workers.activation import apply_activation_checkpointing
 from workers.api import (
     AttemptAborted,
     Control,
@@ -92,6 +93,10 @@ def _train(
     seed_everything(seed)
     workload = load_workload(spec.workload)
     strategy = make_strategy(spec.strategy.kind)
+    # Before the strategy wraps the model (FSDP shards the checkpointed blocks as they are).
+    apply_activation_checkpointing(
+        workload.model, spec.training.activation_checkpointing, strategy.activations
+    )
     strategy.setup(workload, ctx, spec)
     layout = strategy.layout
     sampler = ElasticSampler(len(workload.dataset), global_batch, seed)
@@ -160,6 +165,7 @@ def _train(
                 ctx.world_size, batch_crc(sampler.global_batch(step)), checkpoint_stall_s=stalled,
             )  # fmt: skip
             stalled = 0.0
+            strategy.activations.reset()  # activation_bytes is per step
             recent.append(point)
             if is_rank0:
                 hooks.send(point)

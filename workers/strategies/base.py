@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from contracts.spec import JobSpec
+from workers.activation import ActivationMeter
 from workers.api import TrainContext, Workload
 
 
@@ -67,6 +68,14 @@ class Strategy(ABC):
         out = self.forward_backward(microbatches, loss_scale)
         self.optimizer_step()
         return out
+
+    @property
+    def activations(self) -> ActivationMeter:
+        """What this rank's forwards keep for backward (`activation_bytes` in the metrics)."""
+        meter = self.__dict__.get("_activations")
+        if meter is None:
+            meter = self.__dict__["_activations"] = ActivationMeter()
+        return meter
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next `optimizer_step` (the loop's schedule)."""
@@ -124,7 +133,13 @@ class Strategy(ABC):
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     optim += local_bytes(value)
-        return {"param_bytes": params, "grad_bytes": grads, "optim_bytes": optim}
+        return {
+            "param_bytes": params,
+            "grad_bytes": grads,
+            "optim_bytes": optim,
+            # The most one micro-batch's forward kept for backward since the last report.
+            "activation_bytes": self.activations.peak,
+        }
 
 
 def microbatch_loss(

@@ -83,7 +83,8 @@ class DataParallelStrategy(Strategy):
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             with self.grad_sync(i == last):
-                with self._autocast():  # forward only: backward under autocast is discouraged
+                # forward only under autocast: backward under autocast is discouraged
+                with self._autocast(), self.activations.measuring():
                     loss, summed = microbatch_loss(
                         self.model, self.loss_fn, inputs, targets, loss_scale
                     )

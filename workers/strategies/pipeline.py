@@ -272,16 +272,20 @@ class PipelineStrategy(Strategy):
             schedule = self._schedule_for(chunks, inputs, targets)
             losses: list[torch.Tensor] = []
             args = (inputs.to(self.device, non_blocking=True),) if self.is_first else ()
+            # The schedule interleaves the chunks' forwards and backwards: the meter sees
+            # all of them, counted per chunk (the stage's activations per micro-batch).
+            with self.activations.measuring(per=chunks):
+                if self.is_last:
+                    schedule.step(
+                        *args,
+                        target=targets.to(self.device, non_blocking=True),
+                        losses=losses,
+                        return_outputs=False,
+                    )
+                else:
+                    schedule.step(*args, return_outputs=False)
             if self.is_last:
-                schedule.step(
-                    *args,
-                    target=targets.to(self.device, non_blocking=True),
-                    losses=losses,
-                    return_outputs=False,
-                )
                 loss_sum += torch.stack([loss.detach() for loss in losses]).sum()
-            else:
-                schedule.step(*args, return_outputs=False)
         self._scale_and_sync_grads(loss_scale)
         # One host sync per step, on the last stage only.
         return StepOutput(loss_sum=float(loss_sum.item()) if self.is_last else 0.0)

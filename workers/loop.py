@@ -43,6 +43,7 @@ from workers.api import (
     TrainHooks,
     TrainResult,
 )
+from workers.flops import device_peak, mfu
 from workers.lr_schedule import lr_at
 from workers.memory import NOTHING, ReplicaMemory, share_from_peer
 from workers.sampler import ElasticSampler, batch_crc
@@ -134,6 +135,8 @@ def _train(
     if is_rank0:
         hooks.send(TimelineMark(phase=Phase.STATE_RESTORED, at=time.time(),
                                 detail=describe_restore(restored)))  # fmt: skip
+    mixed = spec.strategy.mixed_precision
+    peak = device_peak(ctx.device, mixed.value if mixed is not None else None)
     control = Control.NONE
     stalled = 0.0  # seconds the last checkpoint save blocked training (goodput)
     # A newer attempt of the job exists (this one's node was declared lost but its
@@ -163,6 +166,8 @@ def _train(
             point = step_metrics(
                 done, loss, step_time, strategy, workload.tokens_per_sample, global_batch,
                 ctx.world_size, batch_crc(sampler.global_batch(step)), checkpoint_stall_s=stalled,
+                flops_per_sample=workload.flops_per_sample, peak=peak,
+                first_of_attempt=step == start_step,
             )  # fmt: skip
             stalled = 0.0
             strategy.activations.reset()  # activation_bytes is per step
@@ -417,9 +422,13 @@ def step_metrics(
     crc: int,
     *,
     checkpoint_stall_s: float = 0.0,
+    flops_per_sample: float | None = None,
+    peak: tuple[float | None, str] = (None, ""),
+    first_of_attempt: bool = False,
 ) -> StepMetrics:
     samples_per_s = global_batch / step_time
     layout = strategy.layout
+    flops_per_s, utilisation = mfu(flops_per_sample, global_batch, step_time, world_size, peak[0])
     values = {
         "loss": loss,
         "lr": strategy.optimizer.param_groups[0]["lr"],
@@ -428,6 +437,9 @@ def step_metrics(
         "checkpoint_stall_s": checkpoint_stall_s,
         "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * tokens_per_sample if tokens_per_sample else None,
+        # Model FLOPs per second per rank, and over the device's peak (workers/flops.py).
+        "model_flops_per_s": flops_per_s,
+        "mfu": utilisation,
         "world_size": world_size,
         "dp": layout.dp,
         "pp": layout.pp,
@@ -437,6 +449,10 @@ def step_metrics(
         # from it, not from when the scheduler happened to persist the point.
         "wall_time": time.time(),
     }
+    if first_of_attempt:  # where the peak comes from, or why there is no MFU: once
+        values["mfu_basis"] = (
+            peak[1] if flops_per_sample else "the workload gives no flops_per_sample"
+        )
     return StepMetrics(step=done, values=values)
 
 

@@ -21,7 +21,11 @@ from tests.integration.ray_service import tiny_gpt_spec, wait_for, wait_terminal
 pytestmark = [pytest.mark.browser, pytest.mark.ray, pytest.mark.chaos]
 
 
-def test_job_that_lost_a_node_in_the_browser(page: Any, server_factory: Any) -> None:
+def test_job_that_lost_a_node_in_the_browser(
+    page: Any, server_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A CPU's peak is the operator's to give: the raylets' worker processes inherit it.
+    monkeypatch.setenv("ELASTRAIN_PEAK_FLOPS", "1e11")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
@@ -63,6 +67,13 @@ def test_job_that_lost_a_node_in_the_browser(page: Any, server_factory: Any) -> 
         wait_for_chart(page, len(metrics))
         last_loss = page.evaluate("() => window.__elastrain.charts.loss.plot.data[1].at(-1)")
         assert last_loss == pytest.approx(metrics[-1]["loss"])
+        # MFU is charted against its own axis, and read out beside the chart.
+        assert 0 < metrics[-1]["mfu"] < 1
+        last_mfu = page.evaluate("() => window.__elastrain.charts.throughput.plot.data[2].at(-1)")
+        assert last_mfu == pytest.approx(metrics[-1]["mfu"])
+        readout = page.locator("#throughput-readout")
+        assert "MFU " in readout.inner_text()
+        assert readout.get_attribute("title") == "MFU: ELASTRAIN_PEAK_FLOPS"
         page.get_by_text("RECOVERING").first.wait_for()
         page.get_by_text("resumed from step").first.wait_for()
         assert page.get_by_text("lost").count() > 0

@@ -125,6 +125,10 @@ def test_loss_falls_and_metrics_every_step(runs: dict, label: str) -> None:
     point = run["metrics"][-1].values
     assert point["world_size"] == point["dp"] == int(label[-1]) and point["pp"] == 1
     assert point["samples_per_s"] > 0 and point["tokens_per_s"] is None
+    # Model FLOPs are known (6 per parameter per sample); a CPU has no known peak.
+    assert point["model_flops_per_s"] > 0 and point["mfu"] is None
+    first = run["metrics"][0].values
+    assert "ELASTRAIN_PEAK_FLOPS" in first["mfu_basis"] and "mfu_basis" not in point
     schedule = make_spec("ddp").training
     assert [m.values["lr"] for m in run["metrics"]] == [lr_at(s, schedule) for s in range(STEPS)]
     assert run["result"].final_step == STEPS and not run["result"].stopped_early

@@ -135,3 +135,12 @@ def test_gpt_params_are_checked_at_submit(params: dict, message: str) -> None:
     with pytest.raises(ValidationError) as caught:
         WorkloadSpec.model_validate({"name": "gpt", "params": params})
     assert message in str(caught.value)
+
+
+def test_gpt_model_flops_count_attention() -> None:
+    """6·N per token plus 12·L·d·T per token (nanoGPT's and torchtitan's count)."""
+    from workers.workloads.gpt import build
+
+    w = build(n_layer=2, n_embd=32, n_head=2, seq_len=16)
+    n = sum(p.numel() for p in w.model.parameters())
+    assert w.flops_per_sample == 16 * (6 * n + 12 * 2 * 32 * 16)

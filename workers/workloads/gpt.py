@@ -232,7 +232,7 @@ def build(
         dataset=CharWindows(tokens, seq_len, stride),
         loss_fn=lm_loss,
         tokens_per_sample=seq_len,
-        # The usual estimate: 6 FLOPs per parameter per token (2 forward, 4 backward),
-        # ignoring the attention's T^2 term, which is small at these sequence lengths.
-        flops_per_sample=6.0 * n_params * seq_len,
+        # nanoGPT's and torchtitan's count: 6 FLOPs per parameter per token (2 forward,
+        # 4 backward) plus the attention scores and their use, 12·L·d·T per token.
+        flops_per_sample=seq_len * (6.0 * n_params + 12.0 * n_layer * n_embd * seq_len),
     )

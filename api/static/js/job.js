@@ -7,7 +7,7 @@ import { api } from "./api.js";
 import { MARKERS, StepChart, WorldSizeChart, classifyEvent, markerKey } from "./charts.js";
 import { goodputPanel } from "./goodput.js";
 import {
-  TERMINAL, badge, debug, emptyRow, fmtBytes, fmtDateTime, fmtDuration, fmtNum, fmtRate, h,
+  TERMINAL, badge, debug, emptyRow, fmtBytes, fmtDateTime, fmtDuration, fmtNum, fmtPct, fmtRate, h,
   parseTime, poll, toast,
 } from "./util.js";
 
@@ -135,9 +135,14 @@ class JobView {
       series: [{ key: "loss", label: "loss", colorVar: "--accent", fmt: (v) => fmtNum(v, 5) }],
     });
     // tokens/s is samples/s times the sequence length: one curve, both in the readout.
+    // MFU on the right axis where the device's peak is known (GPUs; a CPU only when the
+    // operator set ELASTRAIN_PEAK_FLOPS): model FLOPs per second over that peak.
     this.tputChart = new StepChart(tputBox, {
-      id: "throughput", yLabel: "samples/s", getMarks: marks,
-      series: [{ key: "samples_per_s", label: "samples/s", colorVar: "--accent-2", fmt: fmtRate }],
+      id: "throughput", yLabel: "samples/s", y2Label: "MFU", getMarks: marks,
+      series: [
+        { key: "samples_per_s", label: "samples/s", colorVar: "--accent-2", fmt: fmtRate },
+        { key: "mfu", label: "MFU", colorVar: "--accent", scale: "y2", fmt: fmtPct },
+      ],
     });
     this.worldChart = new WorldSizeChart(worldBox);
   }
@@ -195,6 +200,8 @@ class JobView {
         if (p.step_time_s != null) this.recentStepTimes.push(Number(p.step_time_s));
       }
       this.lastPoint = points[points.length - 1];
+      // Where the MFU's peak comes from (or why there is none): sent with an attempt's first step.
+      for (const p of points) if (p.mfu_basis) this.mfuBasis = p.mfu_basis;
       if (this.recentStepTimes.length > 50) this.recentStepTimes.splice(0, this.recentStepTimes.length - 50);
       this.nextStep = points[points.length - 1].step + 1;
       debug.perf.metrics = { points: points.length, ms: performance.now() - t0, total: this.lossChart.steps.length };
@@ -272,7 +279,10 @@ class JobView {
       p.samples_per_s != null ? `${fmtRate(p.samples_per_s)} samples/s` : "",
       p.tokens_per_s != null ? `${fmtRate(p.tokens_per_s)} tokens/s` : "",
       p.step_time_s != null ? `${Math.round(p.step_time_s * 1000)} ms/step` : "",
+      p.mfu != null ? `MFU ${fmtPct(p.mfu)}` : "",
+      p.mfu == null && p.model_flops_per_s != null ? `${fmtNum(p.model_flops_per_s / 1e9, 3)} GFLOP/s per rank` : "",
     ].filter(Boolean).join(" · ");
+    this.tputReadout.title = this.mfuBasis ? `MFU: ${this.mfuBasis}` : "";
   }
 
   renderEvents(events) {

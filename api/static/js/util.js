@@ -70,6 +70,11 @@ export function fmtNum(x, digits = 4) {
   return Number(n.toPrecision(digits)).toString();
 }
 
+export function fmtPct(fraction) {
+  if (fraction === null || fraction === undefined || !Number.isFinite(Number(fraction))) return "—";
+  return `${(Number(fraction) * 100).toFixed(1)}%`;
+}
+
 export function fmtRate(x) {
   if (x === null || x === undefined || !Number.isFinite(Number(x))) return "—";
   const n = Number(x);

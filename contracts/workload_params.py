@@ -9,7 +9,7 @@ and burns restarts. The workers build the workloads with these same fields
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
@@ -20,8 +20,16 @@ class _Params(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+DataPath = Annotated[str, Field(min_length=1, max_length=1024)]
+#: Bytes per token id of each binary format.
+TOKEN_WIDTH = {"uint16": 2, "uint32": 4}
+#: Held out of `data_path` when no `eval_path` is given (nanoGPT's split).
+DEFAULT_EVAL_FRACTION = 0.1
+
+
 class GptParams(_Params):
-    """A character-level GPT on the bundled tiny Shakespeare corpus."""
+    """A GPT decoder on the bundled tiny Shakespeare corpus (characters), or on the user's
+    data under the storage root: UTF-8 text (characters) or a flat file of token ids."""
 
     n_layer: Annotated[Count, Field(le=128)] = 4
     n_embd: Annotated[Count, Field(le=16384)] = 128
@@ -29,15 +37,56 @@ class GptParams(_Params):
     seq_len: Annotated[Count, Field(le=65536)] = 64
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     stride: Annotated[Count, Field(le=65536)] | None = None
+    data_path: DataPath | None = None
+    """Under the storage root (relative to it, or absolute inside it): text, or token ids."""
+    token_dtype: Literal["uint16", "uint32"] | None = None
+    """None: data_path is UTF-8 text, one token per character. Else flat little-endian ids."""
+    vocab_size: Annotated[StrictInt, Field(ge=1, le=2**32)] | None = None
+    eval_path: DataPath | None = None
+    """A held-out file in the same format; else the last `eval_fraction` of data_path."""
+    eval_fraction: Annotated[float, Field(ge=0, lt=1)] | None = None
 
     @model_validator(mode="after")
-    def _heads_divide_width(self) -> GptParams:
+    def _consistent(self) -> GptParams:
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"workload.params.n_embd ({self.n_embd}) must be divisible by "
                 f"workload.params.n_head ({self.n_head})"
             )
+        needs_data = [k for k in ("token_dtype", "vocab_size", "eval_path", "eval_fraction")
+                      if getattr(self, k) is not None]  # fmt: skip
+        if self.data_path is None and needs_data:
+            raise ValueError(
+                f"workload.params.{needs_data[0]}: only with workload.params.data_path (the "
+                "bundled corpus has its own vocabulary and no held-out split)"
+            )
+        if self.token_dtype is not None and self.vocab_size is None:
+            raise ValueError(
+                "workload.params.vocab_size: required with token_dtype (the number of "
+                "distinct token ids; every id in the file must be below it)"
+            )
+        if self.token_dtype is None and self.vocab_size is not None:
+            raise ValueError(
+                "workload.params.vocab_size: only with token_dtype (a text file's vocabulary "
+                "is its characters)"
+            )
+        if self.token_dtype == "uint16" and (self.vocab_size or 0) > 2**16:
+            raise ValueError(
+                f"workload.params.vocab_size ({self.vocab_size}) does not fit uint16 ids "
+                "(at most 65536); use token_dtype uint32"
+            )
+        if self.eval_path is not None and self.eval_fraction is not None:
+            raise ValueError(
+                "workload.params.eval_fraction: give eval_path or eval_fraction, not both"
+            )
         return self
+
+    @property
+    def held_out_fraction(self) -> float:
+        """The share of data_path held out for evaluation."""
+        if self.data_path is None or self.eval_path is not None:
+            return 0.0
+        return DEFAULT_EVAL_FRACTION if self.eval_fraction is None else self.eval_fraction
 
 
 class SyntheticParams(_Params):

@@ -64,6 +64,9 @@ class Workload:
     """
     dataset: SampleDataset
     """Indexable samples `(input, target)`; sample ids are indices into it."""
+    eval_dataset: SampleDataset | None = None
+    """Held-out samples, never trained on (the gpt's `eval_path`, or the end of its
+    `data_path`); `training.eval_every` evaluates on them."""
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """`loss_fn(output, target)` -> the MEAN loss over the micro-batch (PyTorch's default
     reduction). The loop turns it into a sum and normalises by the global batch size."""
@@ -94,6 +97,8 @@ class TrainContext:
     checkpoint_root: Path
     """This job's checkpoint folder (shared storage): one sub-folder per checkpoint."""
     log_path: Path | None = None
+    storage_root: Path | None = None
+    """The storage root shared by every node: where the gpt's `data_path` is resolved."""
     step: int = 0
     """Optimizer steps completed so far (0 before training); the loop updates it each
     step, so the launcher glue can say at which step a failure happened."""

@@ -92,7 +92,7 @@ def _train(
 
     # Same seed on every rank before building, so every rank builds the same initial model.
     seed_everything(seed)
-    workload = load_workload(spec.workload)
+    workload = load_workload(spec.workload, storage_root=ctx.storage_root)
     strategy = make_strategy(spec.strategy.kind)
     # Before the strategy wraps the model (FSDP shards the checkpointed blocks as they are).
     apply_activation_checkpointing(

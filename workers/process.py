@@ -200,6 +200,7 @@ class WorkerProcess:
             attempt=a.attempt,
             checkpoint_root=storage.checkpoints,
             log_path=log_path,
+            storage_root=Path(a.storage_path),
             abort=self._abort,
         )
         try:

@@ -7,6 +7,7 @@ once, in the request's transaction, by the same decision the scheduler would tak
 
 from __future__ import annotations
 
+import pathlib
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, status
@@ -21,9 +22,11 @@ from api.errors import Conflict
 from api.logs import read_logs
 from api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, MetricOut
 from contracts.bounds import entrypoint_refusal, in_standard_library
+from contracts.datasets import data_path_problems
 from contracts.packages import OWN_PACKAGES, modules_of
 from contracts.spec import JobSpec
 from contracts.storage import JobStorage
+from contracts.workload_params import GptParams
 from service import executor
 from service.auth import Principal
 from service.jobs import (
@@ -137,6 +140,21 @@ def check_workload_code(spec: JobSpec, settings: Settings) -> None:
     touch(settings.storage_path, workload.package)  # in use: retention counts from now
 
 
+def check_data_paths(spec: JobSpec, storage_root: pathlib.Path) -> None:
+    """A built-in gpt's data files exist under the storage root and can make windows."""
+    if spec.workload.name != "gpt":
+        return
+    params = GptParams.model_validate(spec.workload.params)
+    problems = data_path_problems(params, storage_root)
+    if problems:  # each starts "workload.params.<key>:"
+        raise RequestValidationError(
+            [
+                {"loc": ("body", *p.partition(":")[0].split(".")), "msg": p, "type": "value_error"}
+                for p in problems
+            ]
+        )
+
+
 def _parse_labels(raw: list[str] | None) -> dict[str, str]:
     labels: dict[str, str] = {}
     if raw and len(raw) > MAX_LABEL_FILTERS:
@@ -162,6 +180,7 @@ def submit_job(
     spec: JobSpec, session: SessionDep, who: CurrentPrincipal, settings: SettingsDep
 ) -> Response:
     check_workload_code(spec, settings)
+    check_data_paths(spec, settings.storage_path)
     job = insert_job(session, spec=spec, owner=who.tenant)
     session.commit()
     return _job(job, status.HTTP_201_CREATED, {"Location": f"/v1/jobs/{job.id}"})

@@ -226,3 +226,23 @@ def test_the_cli_uploads_a_working_dir_once(tmp_path: Path, client: TestClient) 
     job_id = int(first.stdout.split()[0])
     assert client.get(f"/v1/jobs/{job_id}").json()["spec"]["workload"]["package"] == digest
     assert nothing.exit_code == 2 and "is not a directory" in nothing.stderr
+
+
+def test_gpt_data_paths_are_checked_at_submit(client: TestClient, settings: Settings) -> None:
+    def gpt(**params: Any) -> dict:  # type: ignore[type-arg]
+        return spec_dict(name="own-data", workload={"name": "gpt", "params": params})
+
+    missing = client.post("/v1/jobs", json=gpt(data_path="data/train.bin", token_dtype="uint16",
+                                               vocab_size=65))  # fmt: skip
+    assert missing.status_code == 422
+    body = missing.json()
+    assert body["detail"][0]["loc"] == ["body", "workload", "params", "data_path"]
+    assert "workload.params.data_path: 'data/train.bin' does not exist" in body["message"]
+    escape = client.post("/v1/jobs", json=gpt(data_path="../../etc/passwd"))
+    assert escape.status_code == 422 and "'..' is not allowed" in escape.json()["message"]
+
+    (settings.storage_path / "data").mkdir(parents=True)
+    (settings.storage_path / "data" / "train.bin").write_bytes(bytes(range(64)) * 100)
+    ok = client.post("/v1/jobs", json=gpt(data_path="data/train.bin", token_dtype="uint16",
+                                          vocab_size=65536))  # fmt: skip
+    assert ok.status_code == 201, ok.text

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from pathlib import Path
 
 from contracts.bounds import in_standard_library
+from contracts.datasets import DataPathError, resolve_data_path
 from contracts.spec import BUILTIN_WORKLOADS, WorkloadSpec
 from workers.api import Workload, WorkloadFactory
 
@@ -18,14 +20,22 @@ class WorkloadError(ValueError):
     """The spec's workload cannot be built; the message names the spec field to fix."""
 
 
-def load_workload(spec: WorkloadSpec) -> Workload:
+def load_workload(spec: WorkloadSpec, *, storage_root: Path | None = None) -> Workload:
     """Build the workload the spec's `workload` section describes: a built-in by name
     (`contracts.spec.BUILTIN_WORKLOADS`) or a user's `module:function`, called with
-    `params` as keyword arguments."""
+    `params` as keyword arguments. The gpt's data paths are resolved under `storage_root`
+    (as the API checked them at submit)."""
     entrypoint = BUILTIN_WORKLOADS[spec.name] if spec.name is not None else spec.entrypoint
     if entrypoint is None:  # WorkloadSpec validates exactly one; a model_construct may not
         raise WorkloadError("workload: give exactly one of 'name' or 'entrypoint'")
     params = dict(spec.params)
+    if spec.name == "gpt" and storage_root is not None:
+        for key in ("data_path", "eval_path"):
+            if isinstance(params.get(key), str):
+                try:
+                    params[key] = str(resolve_data_path(params[key], storage_root))
+                except DataPathError as exc:
+                    raise WorkloadError(f"workload.params.{key}: {exc}") from exc
     factory = resolve_entrypoint(entrypoint)
     try:
         inspect.signature(factory).bind(**params)

@@ -1,10 +1,11 @@
-"""A small GPT-style decoder LM on the Tiny Shakespeare corpus shipped with the package.
+"""A small GPT-style decoder LM: on the Tiny Shakespeare corpus shipped with the package, or
+on the user's own text or token ids under the storage root (`data_path`).
 
-Character-level tokens (the vocabulary is the sorted set of characters in the corpus, 65
-symbols), so nothing is downloaded and the tokenizer is a dict. Samples are fixed,
-non-overlapping windows of `seq_len + 1` characters: the first `seq_len` are the input,
-the last `seq_len` the next-token targets. Sample `i` is always the same window, which is
-what the elastic sampler's determinism rests on.
+The bundled corpus has character-level tokens (the vocabulary is the sorted set of its
+characters, 65 symbols), so nothing is downloaded and the tokenizer is a dict. Samples are
+fixed, non-overlapping windows of `seq_len + 1` tokens (`token_data.TokenWindows`): the
+first `seq_len` are the input, the last `seq_len` the next-token targets. Sample `i` is
+always the same window, which is what the elastic sampler's determinism rests on.
 
 Blocks live in an `nn.ModuleDict` keyed by their index as a string ("0", "1", ...). That
 keeps parameter names (`blocks.3.attn.qkv.weight`) identical when a pipeline stage keeps
@@ -19,10 +20,13 @@ from importlib import resources
 
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 from torch import nn
 
+from contracts.workload_params import GptParams
 from workers.api import Workload
-from workers.workloads import stage_block_range
+from workers.workloads import WorkloadError, stage_block_range
+from workers.workloads.token_data import TokenWindows, char_vocab, encode_chars, load_token_data
 
 CORPUS = "tinyshakespeare.txt"
 
@@ -36,30 +40,8 @@ CORPUS = "tinyshakespeare.txt"
 def load_corpus() -> tuple[torch.Tensor, tuple[str, ...]]:
     """The corpus as a 1-D int64 tensor of character ids, and the vocabulary (id -> char)."""
     text = resources.files("workers.workloads").joinpath("data", CORPUS).read_text("utf-8")
-    vocab = tuple(sorted(set(text)))
-    index = {ch: i for i, ch in enumerate(vocab)}
-    tokens = torch.tensor([index[ch] for ch in text], dtype=torch.long)
-    return tokens, vocab
-
-
-class CharWindows:
-    """Indexable `(input, target)` pairs: window `i` covers tokens [i*stride, i*stride+seq_len+1)."""
-
-    def __init__(self, tokens: torch.Tensor, seq_len: int, stride: int | None = None) -> None:
-        self.tokens = tokens
-        self.seq_len = seq_len
-        self.stride = stride or seq_len + 1  # default: non-overlapping windows
-        self._len = (len(tokens) - (seq_len + 1)) // self.stride + 1
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= i < self._len:
-            raise IndexError(f"sample {i} out of range [0, {self._len})")
-        start = i * self.stride
-        window = self.tokens[start : start + self.seq_len + 1]
-        return window[:-1], window[1:]
+    vocab = char_vocab(text)
+    return encode_chars(text, vocab), vocab
 
 
 # ---------------------------------------------------------------------------------------
@@ -215,11 +197,40 @@ def build(
     seq_len: int = 64,
     dropout: float = 0.0,
     stride: int | None = None,
+    data_path: str | None = None,
+    token_dtype: str | None = None,
+    vocab_size: int | None = None,
+    eval_path: str | None = None,
+    eval_fraction: float | None = None,
 ) -> Workload:
-    """The built-in `gpt` workload. Defaults are ~0.8M parameters: trains on CPU."""
-    tokens, vocab = load_corpus()
+    """The built-in `gpt` workload. Defaults are ~0.8M parameters: trains on CPU.
+
+    Without `data_path` it trains on the bundled corpus; with it, on the user's data
+    (`workers.workloads.token_data`; the service resolves the path under the storage root,
+    `contracts.datasets`), holding out `eval_path` or the end of the file.
+    """
+    try:
+        params = GptParams.model_validate({
+            "n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "seq_len": seq_len,
+            "dropout": dropout, "stride": stride, "data_path": data_path,
+            "token_dtype": token_dtype, "vocab_size": vocab_size, "eval_path": eval_path,
+            "eval_fraction": eval_fraction,
+        })  # fmt: skip
+    except ValidationError as exc:  # a spec stored before params were checked at submit
+        raise WorkloadError(f"workload.params: {exc}") from exc
+    held_out: TokenWindows | None = None
+    if data_path is None:
+        tokens, vocab = load_corpus()
+        dataset, n_vocab = TokenWindows(tokens, seq_len, stride), len(vocab)
+    else:
+        data = load_token_data(
+            data_path=data_path, token_dtype=token_dtype, vocab_size=vocab_size,
+            eval_path=eval_path, held_out_fraction=params.held_out_fraction, seq_len=seq_len,
+            stride=stride,
+        )  # fmt: skip
+        dataset, held_out, n_vocab = data.train, data.held_out, data.vocab_size
     model = GPT(
-        vocab_size=len(vocab),
+        vocab_size=n_vocab,
         seq_len=seq_len,
         n_layer=n_layer,
         n_embd=n_embd,
@@ -229,7 +240,8 @@ def build(
     n_params = sum(p.numel() for p in model.parameters())
     return Workload(
         model=model,
-        dataset=CharWindows(tokens, seq_len, stride),
+        dataset=dataset,
+        eval_dataset=held_out,
         loss_fn=lm_loss,
         tokens_per_sample=seq_len,
         # nanoGPT's and torchtitan's count: 6 FLOPs per parameter per token (2 forward,

@@ -32,7 +32,7 @@ from contracts.bounds import (
     no_control_characters,
 )
 from contracts.packages import DIGEST_RE
-from contracts.workload_params import params_problems
+from contracts.workload_params import GptParams, params_problems
 
 #: Built-in workloads shipped with the package: name -> the factory's entrypoint in
 #: `workers/workloads/`. Strings only, so the API validates without importing torch; the
@@ -246,6 +246,16 @@ class TrainingSpec(_Strict):
     grad_clip: float | None = Field(
         default=1.0, gt=0, le=1e6, description="max global gradient norm; null: no clipping"
     )
+    eval_every: int | None = Field(
+        default=None,
+        ge=1,
+        le=100_000_000,
+        description="evaluate on the workload's held-out split every this many steps (and "
+        "at the end), reporting eval_loss; null: never",
+    )
+    eval_samples: int = Field(
+        default=256, ge=1, le=1_000_000, description="held-out samples per evaluation"
+    )
     activation_checkpointing: ActivationCheckpointing = Field(
         default=ActivationCheckpointing.none,
         description="none | full (recompute every block in backward) | selective (every "
@@ -301,13 +311,14 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _cross_field(self, info: ValidationInfo) -> JobSpec:
+        stored = is_stored(info)  # accepted at submit: only structure is checked again
         pipeline = self.strategy.kind == StrategyKind.pipeline
         if pipeline and self.strategy.stages > self.scaling.max_workers:
             raise ValueError(
                 f"strategy.pipeline_stages ({self.strategy.stages}) must be <= "
                 f"scaling.max_workers ({self.scaling.max_workers})"
             )
-        if pipeline and not self.world_sizes and not is_stored(info):
+        if pipeline and not self.world_sizes and not stored:
             # Accepted, such a job would wait forever for a size no cluster can give it.
             stages, lo, hi = (
                 self.strategy.stages,
@@ -320,12 +331,33 @@ class JobSpec(_Strict):
                 f"scaling.min_workers to {lo - lo % stages} or raise scaling.max_workers to "
                 f"{lo + (-lo) % stages}"
             )
+        if (
+            self.training.eval_every is not None
+            and not stored
+            and (why := self._no_held_out_split())
+        ):
+            raise ValueError(f"training.eval_every: {why}")
         if self.strategy.mixed_precision is not None and not self.scaling.use_gpu:
             raise ValueError(
                 "strategy.mixed_precision: bf16/fp16 needs a GPU; set scaling.use_gpu: true "
                 "or mixed_precision: null"
             )
         return self
+
+    def _no_held_out_split(self) -> str | None:
+        """Why a built-in workload has nothing to evaluate on (None: it has, or it is a
+        custom workload, which says so when it is built)."""
+        if self.workload.name == "synthetic":
+            return "the synthetic workload has no held-out split"
+        if (
+            self.workload.name == "gpt"
+            and not GptParams.model_validate(self.workload.params).has_held_out
+        ):
+            return (
+                "the gpt has no held-out split: set workload.params.eval_fraction (the end "
+                "of the corpus), or eval_path with a data_path"
+            )
+        return None
 
     @classmethod
     def from_stored(cls, data: dict[str, Any]) -> JobSpec:

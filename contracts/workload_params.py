@@ -53,12 +53,12 @@ class GptParams(_Params):
                 f"workload.params.n_embd ({self.n_embd}) must be divisible by "
                 f"workload.params.n_head ({self.n_head})"
             )
-        needs_data = [k for k in ("token_dtype", "vocab_size", "eval_path", "eval_fraction")
+        needs_data = [k for k in ("token_dtype", "vocab_size", "eval_path")
                       if getattr(self, k) is not None]  # fmt: skip
         if self.data_path is None and needs_data:
             raise ValueError(
                 f"workload.params.{needs_data[0]}: only with workload.params.data_path (the "
-                "bundled corpus has its own vocabulary and no held-out split)"
+                "bundled corpus has its own vocabulary)"
             )
         if self.token_dtype is not None and self.vocab_size is None:
             raise ValueError(
@@ -83,10 +83,17 @@ class GptParams(_Params):
 
     @property
     def held_out_fraction(self) -> float:
-        """The share of data_path held out for evaluation."""
-        if self.data_path is None or self.eval_path is not None:
+        """The share of the token stream (its end) held out for evaluation: eval_fraction,
+        by default 0.1 of a data_path without eval_path and none of the bundled corpus."""
+        if self.eval_path is not None:
             return 0.0
-        return DEFAULT_EVAL_FRACTION if self.eval_fraction is None else self.eval_fraction
+        if self.eval_fraction is not None:
+            return self.eval_fraction
+        return DEFAULT_EVAL_FRACTION if self.data_path is not None else 0.0
+
+    @property
+    def has_held_out(self) -> bool:
+        return self.eval_path is not None or self.held_out_fraction > 0
 
 
 class SyntheticParams(_Params):

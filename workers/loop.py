@@ -46,9 +46,9 @@ from workers.api import (
 from workers.flops import device_peak, mfu
 from workers.lr_schedule import lr_at
 from workers.memory import NOTHING, ReplicaMemory, share_from_peer
-from workers.sampler import ElasticSampler, batch_crc
+from workers.sampler import ElasticSampler, batch_crc, replica_microbatches
 from workers.strategies import Strategy, make_strategy
-from workers.workloads import load_workload
+from workers.workloads import WorkloadError, load_workload
 
 log = logging.getLogger("elastrain.workers.loop")
 
@@ -135,6 +135,7 @@ def _train(
     if is_rank0:
         hooks.send(TimelineMark(phase=Phase.STATE_RESTORED, at=time.time(),
                                 detail=describe_restore(restored)))  # fmt: skip
+    evaluator = Evaluator.of(workload.eval_dataset, spec, ctx.device)
     mixed = spec.strategy.mixed_precision
     peak = device_peak(ctx.device, mixed.value if mixed is not None else None)
     control = Control.NONE
@@ -159,6 +160,9 @@ def _train(
             done = ctx.step = memory.step = step + 1
             step_time = time.perf_counter() - t0
             loss = loss_sum / global_batch
+            eval_loss = None
+            if evaluator is not None and (done % evaluator.every == 0 or done == max_steps):
+                eval_loss = evaluator.run(strategy)
 
             # Every rank keeps the point (the loss is global), rank 0 sends it: whichever rank
             # survives a loss hands the newest points on with the state, so the reports that
@@ -169,6 +173,8 @@ def _train(
                 flops_per_sample=workload.flops_per_sample, peak=peak,
                 first_of_attempt=step == start_step,
             )  # fmt: skip
+            if eval_loss is not None:
+                point.values["eval_loss"] = eval_loss
             stalled = 0.0
             strategy.activations.reset()  # activation_bytes is per step
             recent.append(point)
@@ -207,6 +213,44 @@ def _train(
 # ---------------------------------------------------------------------------------------
 # Pieces of the loop
 # ---------------------------------------------------------------------------------------
+
+
+class Evaluator:
+    """The held-out loss: the same first `eval_samples` samples every time (a comparable
+    curve), split over the data-parallel replicas like a training batch, summed over the
+    world and divided by their number; the same value at any world size up to float
+    reduction order."""
+
+    def __init__(self, dataset: SampleDataset, *, every: int, samples: int, micro: int,
+                 device: torch.device) -> None:  # fmt: skip
+        self.every = every
+        self.ids = list(range(min(samples, len(dataset))))
+        self.micro = micro
+        self.device = device
+        self.collate = Collator(dataset)
+
+    @classmethod
+    def of(
+        cls, dataset: SampleDataset | None, spec: JobSpec, device: torch.device
+    ) -> Evaluator | None:
+        every = spec.training.eval_every
+        if every is None:
+            return None
+        if dataset is None or len(dataset) == 0:
+            raise WorkloadError(
+                "training.eval_every: the workload has no held-out samples (its eval_dataset "
+                "is empty or missing)"
+            )
+        return cls(dataset, every=every, samples=spec.training.eval_samples,
+                   micro=spec.training.micro_batch_size, device=device)  # fmt: skip
+
+    def run(self, strategy: Strategy) -> float:
+        layout = strategy.layout
+        shares = replica_microbatches(self.ids, layout.dp_rank, layout.dp, self.micro)
+        local = strategy.evaluate([self.collate(mb) for mb in shares])
+        total = torch.tensor([local], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)  # pipeline: only last stages hold a loss, one per replica
+        return float(total.item()) / len(self.ids)
 
 
 class Collator:

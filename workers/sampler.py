@@ -73,27 +73,45 @@ class ElasticSampler:
 
     def replica_share(self, step: int, dp_rank: int, dp: int) -> list[int]:
         """Replica `dp_rank`'s contiguous share of step `step`'s global batch."""
-        if not 0 <= dp_rank < dp:
-            raise ValueError(f"dp_rank {dp_rank} not in [0, {dp})")
-        sizes = split_sizes(self.global_batch_size, dp)
-        start = sum(sizes[:dp_rank])
-        return self.global_batch(step)[start : start + sizes[dp_rank]]
+        return replica_share(self.global_batch(step), dp_rank, dp)
 
     def num_microbatches(self, dp: int, micro_batch_size: int) -> int:
         """A: the micro-batch count every replica uses (set by the largest share)."""
-        return math.ceil(math.ceil(self.global_batch_size / dp) / micro_batch_size)
+        return num_microbatches(self.global_batch_size, dp, micro_batch_size)
 
     def microbatches(
         self, step: int, dp_rank: int, dp: int, micro_batch_size: int
     ) -> list[list[int]]:
         """Replica `dp_rank`'s share cut into A contiguous micro-batches (some maybe empty)."""
-        share = self.replica_share(step, dp_rank, dp)
-        out: list[list[int]] = []
-        start = 0
-        for size in split_sizes(len(share), self.num_microbatches(dp, micro_batch_size)):
-            out.append(share[start : start + size])
-            start += size
-        return out
+        return replica_microbatches(self.global_batch(step), dp_rank, dp, micro_batch_size)
+
+
+def replica_share(ids: list[int], dp_rank: int, dp: int) -> list[int]:
+    """Replica `dp_rank`'s contiguous share of `ids` (sizes differ by at most one)."""
+    if not 0 <= dp_rank < dp:
+        raise ValueError(f"dp_rank {dp_rank} not in [0, {dp})")
+    sizes = split_sizes(len(ids), dp)
+    start = sum(sizes[:dp_rank])
+    return ids[start : start + sizes[dp_rank]]
+
+
+def num_microbatches(total: int, dp: int, micro_batch_size: int) -> int:
+    """The micro-batch count every replica uses for `total` ids (set by the largest share)."""
+    return math.ceil(math.ceil(total / dp) / micro_batch_size)
+
+
+def replica_microbatches(
+    ids: list[int], dp_rank: int, dp: int, micro_batch_size: int
+) -> list[list[int]]:
+    """Replica `dp_rank`'s share of `ids` cut into the same number of contiguous
+    micro-batches on every replica (some maybe empty): collectives stay in lockstep."""
+    share = replica_share(ids, dp_rank, dp)
+    out: list[list[int]] = []
+    start = 0
+    for size in split_sizes(len(share), num_microbatches(len(ids), dp, micro_batch_size)):
+        out.append(share[start : start + size])
+        start += size
+    return out
 
 
 def batch_crc(ids: list[int]) -> int:

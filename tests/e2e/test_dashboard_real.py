@@ -42,9 +42,11 @@ def test_job_that_lost_a_node_in_the_browser(
         spec = tiny_gpt_spec(
             "lost-a-node",
             scaling={"min_workers": 1, "max_workers": 2, "cpus_per_worker": 1},
-            training={"max_steps": 60},
+            workload={"name": "gpt", "params": {"n_layer": 2, "n_embd": 32, "n_head": 2,
+                                                "seq_len": 32, "eval_fraction": 0.05}},
+            training={"max_steps": 60, "eval_every": 20, "eval_samples": 64},
             checkpoint={"every_steps": 10},
-        )
+        )  # fmt: skip
         job_id = srv.submit(spec)["id"]
         with srv.http() as http:
             wait_for(http, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 25)
@@ -67,6 +69,14 @@ def test_job_that_lost_a_node_in_the_browser(
         wait_for_chart(page, len(metrics))
         last_loss = page.evaluate("() => window.__elastrain.charts.loss.plot.data[1].at(-1)")
         assert last_loss == pytest.approx(metrics[-1]["loss"])
+        # The held-out loss (steps 20, 40, 60, across the node loss) beside the training loss.
+        held = {m["step"]: m["eval_loss"] for m in metrics if "eval_loss" in m}
+        assert sorted(held) == [20, 40, 60]
+        charted = page.evaluate(
+            "() => window.__elastrain.charts.loss.plot.data[2].filter((v) => v != null)"
+        )
+        assert charted == pytest.approx([held[20], held[40], held[60]])
+        assert "held-out" in page.inner_text("#loss-readout")
         # MFU is charted against its own axis, and read out beside the chart.
         assert 0 < metrics[-1]["mfu"] < 1
         last_mfu = page.evaluate("() => window.__elastrain.charts.throughput.plot.data[2].at(-1)")

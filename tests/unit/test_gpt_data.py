@@ -5,6 +5,7 @@ files, the held-out split, `elastrain prepare-text`, and the exact-data-position
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -205,12 +206,15 @@ def token_spec(kind: str, data: Path, *, every: int = 100) -> JobSpec:
                     "vocab_size": 97,
                 },
             },
-            "strategy": {"kind": kind},
+            "strategy": {"kind": kind, **({"pipeline_stages": 2} if kind == "pipeline" else {})},
+            "scaling": {"min_workers": 1, "max_workers": 2},
             "training": {
                 "global_batch_size": 8,
                 "micro_batch_size": 2,
                 "max_steps": STEPS,
                 "learning_rate": 3e-3,
+                "eval_every": 3,  # and at the end: steps 3 and 6
+                "eval_samples": 50,
                 "seed": 11,
             },
             "checkpoint": {"every_steps": every, "async_save": False},
@@ -227,6 +231,7 @@ def token_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ws2 = [
         ("ddp2", str(root / "ddp2"), token_spec("ddp", data), []),
         ("fsdp2", str(root / "fsdp2"), token_spec("fsdp", data), []),
+        ("pipeline2", str(root / "pipeline2"), token_spec("pipeline", data), []),
         # STOP with the third poll: checkpoint after step 3 at world size 2.
         ("stop2", str(root / "stop"), token_spec("fsdp", data), ["none", "none", "stop"]),
     ]
@@ -271,3 +276,35 @@ def test_relative_paths_resolve_under_the_storage_root(root: Path) -> None:
     finally:
         os.chdir(here)
     assert len(w.dataset) == 10
+
+
+def _evals(run: dict[str, Any]) -> dict[int, float]:
+    return {m.step: m.values["eval_loss"] for m in run["metrics"] if "eval_loss" in m.values}
+
+
+def test_the_held_out_loss_is_the_same_at_any_world_size_and_strategy(
+    token_runs: dict[str, Any],
+) -> None:
+    """eval_every: 3 gives eval_loss at steps 3 and 6, on the held-out end of the file
+    (10%), over the same 50 samples whoever computes them."""
+    reference = _evals(token_runs["ddp1"])
+    assert sorted(reference) == [3, 6]
+    # Uniformly random ids: nothing to learn, so the held-out loss stays near ln 97.
+    assert all(abs(v - math.log(97)) < 0.1 for v in reference.values()), reference
+    for label in ("ddp2", "fsdp2", "pipeline2"):
+        assert _evals(token_runs[label]) == pytest.approx(reference, rel=1e-4), label
+    resumed = {**_evals(token_runs["stop2"]), **_evals(token_runs["resume1"])}
+    assert resumed == pytest.approx(_evals(token_runs["fsdp2"]), rel=RTOL)
+
+
+def test_eval_every_needs_a_held_out_split() -> None:
+    from tests.factories import spec_dict
+
+    for workload, words in [
+        ({"name": "synthetic"}, "the synthetic workload has no held-out split"),
+        ({"name": "gpt"}, "set workload.params.eval_fraction"),
+    ]:
+        with pytest.raises(ValidationError, match=words):
+            JobSpec.model_validate(spec_dict(workload=workload, training={"eval_every": 5}))
+    bundled = {"name": "gpt", "params": {"eval_fraction": 0.05}}
+    JobSpec.model_validate(spec_dict(workload=bundled, training={"eval_every": 5}))

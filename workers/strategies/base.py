@@ -77,6 +77,12 @@ class Strategy(ABC):
             meter = self.__dict__["_activations"] = ActivationMeter()
         return meter
 
+    def evaluate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Forward only, without dropout: this rank's summed per-sample loss over its share
+        (0 where a rank sees no loss). Every rank of a group gets the same number of
+        micro-batches, as in training, since forwards may hold collectives (FSDP)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot evaluate")
+
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next `optimizer_step` (the loop's schedule)."""
         for group in self.optimizer.param_groups:

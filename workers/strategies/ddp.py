@@ -94,6 +94,23 @@ class DataParallelStrategy(Strategy):
             loss_sum += summed.float()
         return StepOutput(loss_sum=loss_sum.item())
 
+    def evaluate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        was_training = self.model.training
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        try:
+            with torch.no_grad(), self._autocast():
+                for inputs, targets in microbatches:
+                    inputs = inputs.to(self.device, non_blocking=True)
+                    if inputs.shape[0] == 0:  # an empty share still joins FSDP's gathers
+                        self.model(inputs.new_zeros((1, *inputs.shape[1:])))
+                        continue
+                    targets = targets.to(self.device, non_blocking=True)
+                    total += self.loss_fn(self.model(inputs), targets).float() * inputs.shape[0]
+        finally:
+            self.model.train(was_training)
+        return float(total.item())
+
     def _autocast(self) -> AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()

@@ -290,6 +290,34 @@ class PipelineStrategy(Strategy):
         # One host sync per step, on the last stage only.
         return StepOutput(loss_sum=float(loss_sum.item()) if self.is_last else 0.0)
 
+    def evaluate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """The schedule's forward-only run (`eval`) over the same chunking as training; the
+        loss is on the last stage."""
+        was_training = self.model.training
+        self.model.eval()
+        total = 0.0
+        per_step = self.options.microbatches
+        try:
+            with torch.no_grad():
+                for start in range(0, len(microbatches), per_step):
+                    group = microbatches[start : start + per_step]
+                    inputs = torch.cat([x for x, _ in group])
+                    targets = torch.cat([y for _, y in group])
+                    if inputs.shape[0] == 0:
+                        continue  # same data on every stage of the replica: all skip
+                    chunks = pipeline_chunks(inputs.shape[0], per_step)
+                    schedule = self._schedule_for(chunks, inputs, targets)
+                    args = (inputs.to(self.device),) if self.is_first else ()
+                    if self.is_last:
+                        losses: list[torch.Tensor] = []
+                        schedule.eval(*args, target=targets.to(self.device), losses=losses)
+                        total += float(torch.stack([loss.detach() for loss in losses]).sum())
+                    else:
+                        schedule.eval(*args)
+        finally:
+            self.model.train(was_training)
+        return total
+
     def optimizer_step(self) -> None:
         if self.grad_clip is not None:
             self._clip_grads(self.grad_clip)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch import nn
 
+from contracts.datasets import split_sizes
 from contracts.workload_params import GptParams
 from workers.api import Workload
 from workers.workloads import WorkloadError, stage_block_range
@@ -221,7 +222,10 @@ def build(
     held_out: TokenWindows | None = None
     if data_path is None:
         tokens, vocab = load_corpus()
-        dataset, n_vocab = TokenWindows(tokens, seq_len, stride), len(vocab)
+        train_end, held = split_sizes(len(tokens), params.held_out_fraction)
+        dataset, n_vocab = TokenWindows(tokens, seq_len, stride, end=train_end), len(vocab)
+        if held:
+            held_out = TokenWindows(tokens, seq_len, stride, start=train_end)
     else:
         data = load_token_data(
             data_path=data_path, token_dtype=token_dtype, vocab_size=vocab_size,

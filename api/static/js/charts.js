@@ -131,7 +131,9 @@ export class StepChart {
           stroke: cssVar(s.colorVar),
           width: 1.5,
           scale: s.scale || "y",
-          points: { show: false },
+          // A sparse series (the held-out loss, every eval_every steps): joined, with dots.
+          spanGaps: Boolean(s.sparse),
+          points: { show: Boolean(s.sparse) },
           // Not hovering: the legend shows the newest value instead of a blank.
           value: (u, v, si, idx) => {
             const val = idx == null ? this.last(s.key) : v;

@@ -132,7 +132,10 @@ class JobView {
     const marks = () => this.stepMarks || [];
     this.lossChart = new StepChart(lossBox, {
       id: "loss", yLabel: "loss", getMarks: marks,
-      series: [{ key: "loss", label: "loss", colorVar: "--accent", fmt: (v) => fmtNum(v, 5) }],
+      series: [
+        { key: "loss", label: "loss", colorVar: "--accent", fmt: (v) => fmtNum(v, 5) },
+        { key: "eval_loss", label: "held-out", colorVar: "--accent-2", fmt: (v) => fmtNum(v, 5), sparse: true },
+      ],
     });
     // tokens/s is samples/s times the sequence length: one curve, both in the readout.
     // MFU on the right axis where the device's peak is known (GPUs; a CPU only when the
@@ -272,7 +275,12 @@ class JobView {
 
   renderReadouts() {
     const loss = this.lossChart.last("loss");
-    this.lossReadout.textContent = loss === null ? "" : `last ${fmtNum(loss, 5)} · ${this.lossChart.steps.length.toLocaleString()} points`;
+    const held = this.lossChart.last("eval_loss");
+    this.lossReadout.textContent = loss === null ? "" : [
+      `last ${fmtNum(loss, 5)}`,
+      held === null ? "" : `held-out ${fmtNum(held, 5)}`,
+      `${this.lossChart.steps.length.toLocaleString()} points`,
+    ].filter(Boolean).join(" · ");
     this.lossReadout.dataset.last = loss ?? "";
     const p = this.lastPoint || {};
     this.tputReadout.textContent = [

@@ -495,6 +495,61 @@ def logs(
 # --- access: tokens and tenants -------------------------------------------------------
 
 
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """`16GiB`, `512M`, `1.5g`, `1000000` -> bytes (binary units)."""
+    raw = text.strip().lower().removesuffix("b").removesuffix("i")
+    unit = raw[-1] if raw and raw[-1] in _UNITS else ""
+    try:
+        value = float(raw[: len(raw) - len(unit)] if unit else raw)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a size such as 16GiB or 512MiB") from None
+    if value <= 0:
+        raise typer.BadParameter(f"{text!r}: must be > 0")
+    return int(value * _UNITS[unit])
+
+
+@app.command()
+def plan(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(help="Job spec, YAML or JSON ('-' for stdin).")],
+    device_memory: Annotated[
+        str | None,
+        typer.Option(help="Memory one worker has, e.g. 80GiB (default: the cluster's CPU share)."),
+    ] = None,
+    world_size: Annotated[int | None, typer.Option(min=1, help="Only this world size.")] = None,
+) -> None:
+    """The job's memory plan: bytes per rank for each strategy, which fit, and the choice."""
+    body: dict[str, Any] = {"spec": _load_spec(file), "world_size": world_size}
+    if device_memory is not None:
+        body["device_memory_bytes"] = parse_bytes(device_memory)
+    made = api(ctx).call("POST", "/v1/plan", json=body)
+    typer.echo(
+        f"{made['params']:,} parameters; {_size(made['usable_bytes'])} usable of "
+        f"{_size(made['device_memory_bytes'])} per worker ({made['memory_source']})"
+    )
+    for one in made["plans"]:
+        typer.echo(f"\nworld size {one['world_size']}:")
+        rows = [
+            {**r, **{k: _size(r[k]) for k in ("params", "grads", "optimizer", "extra",
+                                                "activations", "total")},
+             "fits": "yes" if r["fits"] else "no"}
+            for r in one["rows"]
+        ]  # fmt: skip
+        table(rows, ["strategy", "params", "grads", "optimizer", "extra", "activations",
+                     "total", "fits", "note"])  # fmt: skip
+        typer.echo(f"choice: {one['why']}")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
 @app.command("prepare-text")
 def prepare_text(
     source: Annotated[Path, typer.Argument(help="A UTF-8 text file.")],

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from api import errors
 from api.deps import TokenCache
-from api.routes import cluster, health, jobs, metrics, packages, tenants
+from api.routes import cluster, health, jobs, metrics, packages, plan, tenants
 from api.security import RequestGuard
 from service.db import make_engine, make_session_factory, migrate
 from service.settings import Settings
@@ -78,6 +78,7 @@ def create_app(settings: Settings | None = None, *, start_scheduler: bool = Fals
     app.include_router(tenants.router)
     app.include_router(metrics.router)
     app.include_router(packages.router)
+    app.include_router(plan.router)
     _include_dashboard(app)
     app.state.token_cache = TokenCache()
     app.add_middleware(

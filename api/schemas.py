@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from contracts.bounds import no_control_characters
+from contracts.spec import JobSpec
 from service import goodput
 from service.models import utcnow
 from service.states import JobState
@@ -209,3 +210,46 @@ class PackageOut(BaseModel):
     file_count: int
     size_bytes: int
     files: list[PackageFileOut]
+
+
+class PlanRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    spec: JobSpec
+    device_memory_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**50,
+        description="Memory one worker has (a GPU's, or its share of host RAM); unset: the "
+        "CPU share of the poorest node in the cluster view (GPU jobs must give it).",
+    )
+    world_size: int | None = Field(
+        default=None, ge=1, le=1024, description="Only this world size (default: min..max)."
+    )
+
+
+class RankMemoryOut(BaseModel):
+    strategy: str
+    params: int
+    grads: int
+    optimizer: int
+    extra: int
+    activations: int
+    total: int
+    fits: bool
+    note: str
+
+
+class WorldSizePlan(BaseModel):
+    world_size: int
+    choice: str | None
+    why: str
+    rows: list[RankMemoryOut]
+
+
+class PlanOut(BaseModel):
+    device_memory_bytes: int
+    usable_bytes: int
+    memory_source: str
+    params: int
+    plans: list[WorldSizePlan]

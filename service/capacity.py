@@ -21,6 +21,8 @@ class NodeCapacity:
     alive: bool = True
     cpus: float = 0.0
     gpus: float = 0.0
+    memory_bytes: int = 0
+    """Host memory Ray may give to tasks on the node (its `memory` resource)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

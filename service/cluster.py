@@ -35,6 +35,7 @@ class NodeView:
     gpus_total: float
     gpus_free: float
     jobs: list[int] = field(default_factory=list)  # job ids with workers on this node
+    memory_bytes: int = 0  # host memory Ray may give to tasks (0: unknown)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,11 +81,23 @@ def snapshot(
                 gpus_total=n.gpus,
                 gpus_free=max(left.gpus, 0) if left else 0,
                 jobs=sorted(jobs_on.get(n.node_id, ())),
+                memory_bytes=n.memory_bytes,
             )
         )
     return ClusterView(
         connected=True, nodes=views, dashboard_url=capacity.dashboard_url, updated_at=time.time()
     )
+
+
+def worker_memory_bytes(view: ClusterView, cpus_per_worker: float) -> int | None:
+    """The host memory a CPU worker of this shape can count on: its CPU share of a node's
+    memory, on the poorest node that holds one (None when no node says)."""
+    shares = [
+        int(n.memory_bytes * min(1.0, cpus_per_worker / n.cpus_total))
+        for n in view.nodes
+        if n.alive and n.memory_bytes > 0 and n.cpus_total >= cpus_per_worker
+    ]
+    return min(shares) if shares else None
 
 
 def publish(session: Session, view: ClusterView) -> None:

@@ -89,6 +89,7 @@ class RayLauncher:
                     alive=bool(n.get("Alive")),
                     cpus=float(res.get("CPU", 0.0)),
                     gpus=float(res.get("GPU", 0.0)),
+                    memory_bytes=int(res.get("memory", 0)),
                 )
             )
         return ClusterCapacity(nodes=tuple(nodes), dashboard_url=self._dashboard_url())

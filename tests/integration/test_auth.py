@@ -50,6 +50,7 @@ ACCESS: dict[tuple[str, str], str] = {
     ("put", "/v1/tenants/{name}"): "admin",
     ("post", "/v1/packages"): "tenant",
     ("get", "/v1/packages/{digest}"): "tenant",
+    ("post", "/v1/plan"): "tenant",
 }
 ZIP = {"Content-Type": "application/zip"}
 
@@ -114,6 +115,7 @@ def _request(w: World, method: str, path: str, owner: str) -> tuple[str, str, An
         ("post", "/v1/tokens"): {"tenant": owner},
         ("put", "/v1/tenants/{name}"): {"max_workers": 4},
         ("post", "/v1/packages"): a_zip(),
+        ("post", "/v1/plan"): {"spec": spec_dict(), "device_memory_bytes": 2**30},
     }.get((method, path))
     return method, url, body
 

@@ -27,6 +27,12 @@ log = logging.getLogger("elastrain.api")
 _VALUE_ERROR_PREFIXES = ("Value error, ", "Assertion failed, ")
 
 
+def invalid(loc: tuple[str | int, ...], msg: str) -> RequestValidationError:
+    """A 422 in the project's shape, for a check the models cannot make themselves (it
+    needs the database, the storage root or the settings)."""
+    return RequestValidationError([{"loc": loc, "msg": msg, "type": "value_error"}])
+
+
 class Conflict(Exception):
     """The job is in a state where the request makes no sense (HTTP 409)."""
 

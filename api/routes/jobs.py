@@ -18,7 +18,7 @@ from sqlalchemy import Row
 from sqlalchemy.orm import Session
 
 from api.deps import CurrentPrincipal, SessionDep, SettingsDep
-from api.errors import Conflict
+from api.errors import Conflict, invalid
 from api.logs import read_logs
 from api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, MetricOut
 from contracts.bounds import entrypoint_refusal, in_standard_library
@@ -96,15 +96,10 @@ def _owned_job(session: Session, job_id: int, who: Principal, *, for_update: boo
     return job
 
 
-def _invalid(loc: tuple[str | int, ...], msg: str) -> RequestValidationError:
-    """A 422 in the project's shape, for a check the models cannot make themselves."""
-    return RequestValidationError([{"loc": loc, "msg": msg, "type": "value_error"}])
-
-
 def check_entrypoint(spec: JobSpec, allowed_prefixes: list[str]) -> None:
     entrypoint = spec.workload.entrypoint
     if entrypoint is not None and (why := entrypoint_refusal(entrypoint, allowed_prefixes)):
-        raise _invalid(("body", "workload", "entrypoint"), f"workload.entrypoint: {why}")
+        raise invalid(("body", "workload", "entrypoint"), f"workload.entrypoint: {why}")
 
 
 def check_workload_code(spec: JobSpec, settings: Settings) -> None:
@@ -117,7 +112,7 @@ def check_workload_code(spec: JobSpec, settings: Settings) -> None:
         return
     manifest = load_manifest(settings.storage_path, workload.package)
     if manifest is None:
-        raise _invalid(
+        raise invalid(
             ("body", "workload", "package"),
             f"workload.package: no package {workload.package} on this service; upload the "
             "directory first (POST /v1/packages, or `elastrain submit --working-dir DIR`)",
@@ -125,14 +120,14 @@ def check_workload_code(spec: JobSpec, settings: Settings) -> None:
     module = workload.entrypoint.partition(":")[0]
     where = ("body", "workload", "entrypoint")
     if in_standard_library(module) or module.split(".")[0] in OWN_PACKAGES:
-        raise _invalid(
+        raise invalid(
             where,
             f"workload.entrypoint: module {module!r} has the name of a standard-library or "
             "elastrain module; rename it in your package",
         )
     if not manifest.has_module(module):
         have = ", ".join(modules_of(f.path for f in manifest.files)[:20]) or "none"
-        raise _invalid(
+        raise invalid(
             where,
             f"workload.entrypoint: module {module!r} is not in package {workload.package} "
             f"(its modules: {have})",
@@ -158,13 +153,13 @@ def check_data_paths(spec: JobSpec, storage_root: pathlib.Path) -> None:
 def _parse_labels(raw: list[str] | None) -> dict[str, str]:
     labels: dict[str, str] = {}
     if raw and len(raw) > MAX_LABEL_FILTERS:
-        raise _invalid(
+        raise invalid(
             ("query", "label"), f"label: at most {MAX_LABEL_FILTERS} filters, got {len(raw)}"
         )
     for i, item in enumerate(raw or []):
         key, sep, value = item.partition(":")
         if not sep or not key:
-            raise _invalid(("query", "label", i), f"label: expected 'key:value', got {item!r}")
+            raise invalid(("query", "label", i), f"label: expected 'key:value', got {item!r}")
         labels[key] = value
     return labels
 

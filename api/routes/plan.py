@@ -5,18 +5,14 @@ why. `elastrain plan spec.yaml` prints it as a table."""
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.exceptions import RequestValidationError
 
 from api.deps import CurrentPrincipal, SessionDep
+from api.errors import invalid
 from api.schemas import PlanOut, PlanRequest, RankMemoryOut, WorldSizePlan
 from contracts.plan import HEADROOM, plan, shape_of
 from service import cluster
 
 router = APIRouter(prefix="/v1", tags=["plan"])
-
-
-def _invalid(loc: tuple[str, ...], msg: str) -> RequestValidationError:
-    return RequestValidationError([{"loc": loc, "msg": msg, "type": "value_error"}])
 
 
 @router.post(
@@ -29,7 +25,7 @@ def make_plan(body: PlanRequest, _: CurrentPrincipal, session: SessionDep) -> Pl
     spec = body.spec
     shape = shape_of(spec)
     if shape is None:
-        raise _invalid(
+        raise invalid(
             ("body", "spec", "workload"),
             "spec.workload: plans are made for the built-in workloads; a custom model's size "
             "is unknown before it runs",
@@ -40,7 +36,7 @@ def make_plan(body: PlanRequest, _: CurrentPrincipal, session: SessionDep) -> Pl
         memory = cluster.worker_memory_bytes(view, spec.scaling.cpus_per_worker)
         source = f"the cluster's host memory, a {spec.scaling.cpus_per_worker:g}-CPU share"
     if memory is None:
-        raise _invalid(
+        raise invalid(
             ("body", "device_memory_bytes"),
             "device_memory_bytes: required for GPU jobs, or when no scheduler has reported "
             "the nodes' memory",

@@ -344,7 +344,7 @@ def status(ctx: typer.Context, job_id: int) -> None:
     typer.echo(f"{'goodput:':<18}{_goodput_line(job.get('goodput'))}")
     spec = job["spec"]
     typer.echo(
-        f"{'spec:':<18}{spec['strategy']['kind']}, workers "
+        f"{'spec:':<18}{_strategy(spec['strategy']['kind'], job.get('strategy'))}, workers "
         f"{spec['scaling']['min_workers']}..{spec['scaling']['max_workers']}, "
         f"global batch {spec['training']['global_batch_size']}"
     )
@@ -355,6 +355,13 @@ def status(ctx: typer.Context, job_id: int) -> None:
         typer.echo(f"{'package:':<18}{_cell(workload['package'])}")
     if workload.get("requirements"):
         typer.echo(f"{'requirements:':<18}{_cell(' '.join(workload['requirements']))}")
+
+
+def _strategy(kind: str, running: str | None) -> str:
+    """`fsdp`, or for an auto job `auto (fsdp)`: what its current attempt runs."""
+    if kind == "auto":
+        return f"auto ({running})" if running and running != "auto" else "auto (not planned yet)"
+    return kind
 
 
 _GOODPUT_PARTS = [

@@ -44,6 +44,10 @@ class JobOut(_FromRow):
     state: JobState
     state_reason: str | None
     priority: int
+    strategy: str = Field(
+        description="The strategy the current attempt runs: the spec's, or for `auto` what "
+        "the memory plan chose at its launch ('auto' before the first)."
+    )
     attempt: int = Field(description="The current attempt; 0 before the first launch.")
     restarts: int
     world_size: int | None = Field(description="Workers of the current attempt, if running.")

@@ -33,6 +33,7 @@ class EventKind(str, Enum):
     LAUNCH_FAILED = "launch_failed"
     TIMELINE = "timeline"  # where the seconds of a start, recovery or resize went
     PACKAGE = "package"  # the uploaded package an attempt's workers verified and import
+    PLAN = "plan"  # which strategy an `auto` job runs at the world size it launches at
 
 
 class DriverStatus(str, Enum):

@@ -214,3 +214,30 @@ def plan(shape: ModelShape, spec: JobSpec, world_size: int, device_bytes: int) -
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+#: What `strategy.kind: auto` chooses among: one replica's layers on every rank, so any
+#: world size works (a pipeline needs a stage count chosen with the model in mind).
+AUTO_CHOICES = (StrategyKind.ddp, StrategyKind.fsdp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoChoice:
+    strategy: StrategyKind
+    why: str
+    plan: Plan | None
+
+
+def choose_for_auto(spec: JobSpec, world_size: int, device_bytes: int | None) -> AutoChoice:
+    """The strategy an `auto` job runs at `world_size`: DDP when it fits a worker's memory,
+    else FSDP (also when nothing fits, FSDP needing the least, or when the memory is unknown)."""
+    shape = shape_of(spec)
+    if shape is None or device_bytes is None:
+        why = "fsdp: no memory figure for the workers (set ELASTRAIN_WORKER_MEMORY_BYTES)"
+        return AutoChoice(strategy=StrategyKind.fsdp, why=why, plan=None)
+    made = plan(shape, spec, world_size, device_bytes)
+    if made.choice in AUTO_CHOICES:
+        return AutoChoice(strategy=made.choice, why=made.why, plan=made)
+    return AutoChoice(
+        strategy=StrategyKind.fsdp, why=f"fsdp, the least memory; {made.why}", plan=made
+    )

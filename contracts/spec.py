@@ -82,6 +82,7 @@ class StrategyKind(str, Enum):
     ddp = "ddp"
     fsdp = "fsdp"
     pipeline = "pipeline"
+    auto = "auto"  # chosen at every launch from the memory plan (contracts/plan.py)
 
 
 class PipelineSchedule(str, Enum):
@@ -168,7 +169,11 @@ class WorkloadSpec(_Strict):
 
 
 class StrategySpec(_Strict):
-    kind: StrategyKind = Field(default=StrategyKind.ddp, description="ddp | fsdp | pipeline")
+    kind: StrategyKind = Field(
+        default=StrategyKind.ddp,
+        description="ddp | fsdp | pipeline | auto (the memory plan picks ddp or fsdp at every "
+        "launch, for the world size it launches at; built-in workloads only)",
+    )
     pipeline_stages: int | None = Field(default=None, ge=1, le=64, description="pipeline only")
     microbatches: int | None = Field(default=None, ge=1, le=1024, description="pipeline only")
     schedule: PipelineSchedule | None = Field(
@@ -330,6 +335,11 @@ class JobSpec(_Strict):
                 f"workers, and none lies in min_workers..max_workers ({lo}..{hi}); lower "
                 f"scaling.min_workers to {lo - lo % stages} or raise scaling.max_workers to "
                 f"{lo + (-lo) % stages}"
+            )
+        if self.strategy.kind == StrategyKind.auto and self.workload.name is None:
+            raise ValueError(
+                "strategy.kind: 'auto' plans from the model's size, known before it runs only "
+                "for the built-in workloads; choose ddp, fsdp or pipeline"
             )
         if (
             self.training.eval_every is not None

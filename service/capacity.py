@@ -37,6 +37,10 @@ class ClusterCapacity:
     def alive_ids(self) -> frozenset[str]:
         return frozenset(n.node_id for n in self.alive_nodes)
 
+    def worker_memory_bytes(self, cpus_per_worker: float) -> int | None:
+        """Host memory a CPU worker of this shape can count on (see `memory_share`)."""
+        return memory_share(((n.memory_bytes, n.cpus) for n in self.alive_nodes), cpus_per_worker)
+
     def workers_that_fit(self, cpus_per_worker: float, gpus_per_worker: float) -> int:
         """How many workers of this shape the alive nodes hold in total (per-node packing:
         a worker never spans nodes)."""
@@ -46,6 +50,17 @@ class ClusterCapacity:
             by_gpu = int(node.gpus // gpus_per_worker + 1e-9) if gpus_per_worker > 0 else 1 << 30
             total += max(min(by_cpu, by_gpu), 0)
         return total
+
+
+def memory_share(nodes: Iterable[tuple[int, float]], cpus_per_worker: float) -> int | None:
+    """A worker's CPU share of a node's memory, on the poorest node that holds one worker
+    (`nodes`: (memory bytes, CPUs) of each alive node); None when no node says."""
+    shares = [
+        int(memory * min(1.0, cpus_per_worker / cpus))
+        for memory, cpus in nodes
+        if memory > 0 and cpus >= cpus_per_worker
+    ]
+    return min(shares) if shares else None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -17,7 +17,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from service.capacity import ClusterCapacity
+from service.capacity import ClusterCapacity, memory_share
 from service.models import ClusterSnapshot, as_utc, utcnow
 
 SNAPSHOT_NAME = "ray"
@@ -90,14 +90,9 @@ def snapshot(
 
 
 def worker_memory_bytes(view: ClusterView, cpus_per_worker: float) -> int | None:
-    """The host memory a CPU worker of this shape can count on: its CPU share of a node's
-    memory, on the poorest node that holds one (None when no node says)."""
-    shares = [
-        int(n.memory_bytes * min(1.0, cpus_per_worker / n.cpus_total))
-        for n in view.nodes
-        if n.alive and n.memory_bytes > 0 and n.cpus_total >= cpus_per_worker
-    ]
-    return min(shares) if shares else None
+    """Host memory a CPU worker of this shape can count on (`capacity.memory_share`)."""
+    nodes = ((n.memory_bytes, n.cpus_total) for n in view.nodes if n.alive)
+    return memory_share(nodes, cpus_per_worker)
 
 
 def publish(session: Session, view: ClusterView) -> None:

@@ -44,7 +44,8 @@ from contracts.messages import (
     EventKind,
     WorkerError,
 )
-from contracts.spec import JobSpec
+from contracts.plan import choose_for_auto
+from contracts.spec import JobSpec, StrategyKind
 from service.capacity import (
     Allocation,
     ClusterCapacity,
@@ -139,6 +140,8 @@ class Facts:
     """PENDING only: why it waits."""
     worker_limit: int | None = None
     """The most workers the job may hold under its tenant's quota (None: no quota)."""
+    worker_memory_bytes: int | None = None
+    """What one worker of the job's shape has to hold its state (None: unknown)."""
 
     def target(self, spec: JobSpec) -> int:
         """The world size the job could run at now (0: below its min)."""
@@ -202,6 +205,8 @@ class StartAttempt:
     """Open the next attempt at this world size; its driver is launched once committed."""
 
     world_size: int
+    strategy: StrategyKind | None = None
+    """What an `auto` job runs in this attempt (None: the spec's own kind)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -312,7 +317,7 @@ def _decide_pending(job: JobView, facts: Facts) -> list[Action]:
             Transition(
                 to=JobState.STARTING, reason=f"admitted at world size {size}", world_size=size
             ),
-            StartAttempt(world_size=size),
+            *start(job, size, facts),
         ]
     if facts.waiting_reason and facts.waiting_reason != job.state_reason:
         return [SetReason(reason=facts.waiting_reason)]
@@ -467,7 +472,25 @@ def _relaunch(job: JobView, facts: Facts) -> list[Action]:
         actions.append(
             StopWaiting(reason=f"capacity for {size} workers after waiting {waited:.0f}s")
         )
-    return [*actions, StartAttempt(world_size=size), MarkSpare(since=None)]
+    return [*actions, *start(job, size, facts), MarkSpare(since=None)]
+
+
+def start(job: JobView, size: int, facts: Facts) -> list[Action]:
+    """Start an attempt at `size`; an `auto` job first plans which strategy it runs there
+    (made again at every launch: the world size may have changed), and says so."""
+    if job.spec.strategy.kind != StrategyKind.auto:
+        return [StartAttempt(world_size=size)]
+    chosen = choose_for_auto(job.spec, size, facts.worker_memory_bytes)
+    details: dict[str, Any] = {"world_size": size, "strategy": chosen.strategy.value}
+    if chosen.plan is not None:
+        details["rank_bytes"] = {r.strategy.value: r.total for r in chosen.plan.rows}
+        details["usable_bytes"] = chosen.plan.usable_bytes
+    return [
+        RecordEvent(
+            kind=EventKind.PLAN, reason=f"at world size {size}: {chosen.why}", details=details
+        ),
+        StartAttempt(world_size=size, strategy=chosen.strategy),
+    ]
 
 
 def _wait_below_min(job: JobView, facts: Facts) -> list[Action]:

@@ -132,13 +132,19 @@ def apply_to_db(
             attempt = jobs.start_attempt(
                 session, job, world_size=action.world_size, driver_name=name
             )
+            spec = JobSpec.from_stored(job.spec)
+            if action.strategy is not None:  # `auto`: the workers run what the plan chose
+                job.strategy = action.strategy.value
+                spec = spec.model_copy(
+                    update={"strategy": spec.strategy.model_copy(update={"kind": action.strategy})}
+                )
             effects.append(
                 Launch(
                     LaunchRequest(
                         job_id=job.id,
                         attempt=attempt.number,
                         world_size=action.world_size,
-                        spec=JobSpec.from_stored(job.spec),
+                        spec=spec,
                         storage_path=str(storage_path),
                         driver_name=name,
                         cause=cause,

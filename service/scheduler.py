@@ -23,6 +23,7 @@ from dataclasses import replace
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.messages import DriverReport, DriverStatus
+from contracts.spec import JobSpec
 from service import auth, cluster, decisions, lease, observe, packages, telemetry
 from service.capacity import Allocation, CapacityLedger, ClusterCapacity, WorkerShape
 from service.db import session_scope
@@ -156,7 +157,17 @@ class Scheduler:
             spare_since=self.timers.spare_since.get(job.id),
             others_waiting=others_waiting,
             admission=admission,
+            worker_memory_bytes=self._worker_memory(job.spec, ledger.cluster),
         )
+
+    def _worker_memory(self, spec: JobSpec, capacity: ClusterCapacity) -> int | None:
+        """What one worker has for an `auto` job's plan: the operator's figure, else (CPU
+        workers) their share of the poorest node's memory; Ray does not say a GPU's."""
+        if self.settings.worker_memory_bytes is not None:
+            return self.settings.worker_memory_bytes
+        if spec.scaling.use_gpu:
+            return None
+        return capacity.worker_memory_bytes(spec.scaling.cpus_per_worker)
 
     def _poll(self, active: list[JobView]) -> dict[int, DriverReport]:
         acks = {

@@ -94,6 +94,12 @@ class Settings(BaseSettings):
     max_package_files: int = Field(
         default=10_000, ge=1, description="Most files in a working directory."
     )
+    worker_memory_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="Memory one worker has, for `strategy.kind: auto` plans (a GPU's; unset: "
+        "a CPU worker's share of its node's memory as Ray reports it).",
+    )
     package_keep_days: float = Field(
         default=7.0,
         gt=0,

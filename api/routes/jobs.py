@@ -24,10 +24,11 @@ from api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, Metr
 from contracts.bounds import entrypoint_refusal, in_standard_library
 from contracts.datasets import data_path_problems
 from contracts.packages import OWN_PACKAGES, modules_of
-from contracts.spec import JobSpec
+from contracts.plan import plan, shape_of
+from contracts.spec import JobSpec, StrategyKind
 from contracts.storage import JobStorage
 from contracts.workload_params import GptParams
-from service import executor
+from service import cluster, executor
 from service.auth import Principal
 from service.jobs import (
     JobNotFound,
@@ -150,6 +151,22 @@ def check_data_paths(spec: JobSpec, storage_root: pathlib.Path) -> None:
         )
 
 
+def check_auto_fits(spec: JobSpec, session: Session, settings: Settings) -> None:
+    """An `auto` job must fit somewhere: at its largest world size (where FSDP needs the
+    least), when the workers' memory is known. The 422 carries the plan's numbers."""
+    if spec.strategy.kind != StrategyKind.auto:
+        return
+    memory = settings.worker_memory_bytes
+    if memory is None and not spec.scaling.use_gpu:
+        memory = cluster.worker_memory_bytes(cluster.current(session), spec.scaling.cpus_per_worker)
+    shape = shape_of(spec)
+    if memory is None or shape is None:
+        return  # planned at launch, against what the cluster then says
+    made = plan(shape, spec, spec.scaling.max_workers, memory)
+    if made.choice is None:
+        raise invalid(("body", "strategy", "kind"), f"strategy.kind: auto: {made.why}")
+
+
 def _parse_labels(raw: list[str] | None) -> dict[str, str]:
     labels: dict[str, str] = {}
     if raw and len(raw) > MAX_LABEL_FILTERS:
@@ -176,6 +193,7 @@ def submit_job(
 ) -> Response:
     check_workload_code(spec, settings)
     check_data_paths(spec, settings.storage_path)
+    check_auto_fits(spec, session, settings)
     job = insert_job(session, spec=spec, owner=who.tenant)
     session.commit()
     return _job(job, status.HTTP_201_CREATED, {"Location": f"/v1/jobs/{job.id}"})

@@ -108,3 +108,26 @@ def test_the_cli_prints_the_plan(tmp_path: Path, client: TestClient) -> None:
     assert "world size 8:" in out.stdout and "STRATEGY" in out.stdout
     assert "choice: fsdp:" in out.stdout and "14.40 GiB usable of 16.00 GiB" in out.stdout
     assert bad.exit_code == 2 and "not a size" in bad.output
+
+
+def test_auto_is_refused_where_no_plan_can_be_made_or_nothing_fits(
+    client: TestClient, settings: Any
+) -> None:
+    from api.main import create_app
+
+    custom = spec_dict(workload={"entrypoint": "m:f"}, strategy={"kind": "auto"})
+    response = client.post("/v1/jobs", json=custom)
+    assert response.status_code == 422
+    assert "strategy.kind: 'auto' plans from the model's size" in response.json()["message"]
+    accepted = client.post("/v1/jobs", json=big_spec() | {"strategy": {"kind": "auto"}})
+    assert accepted.status_code == 201  # no memory figure yet: planned at every launch
+    assert accepted.json()["strategy"] == "auto"
+
+    small = settings.model_copy(update={"worker_memory_bytes": 2 * GIB})
+    with TestClient(create_app(small, start_scheduler=False)) as tight:
+        refused = tight.post("/v1/jobs", json=big_spec() | {"strategy": {"kind": "auto"}})
+    assert refused.status_code == 422
+    message = refused.json()["message"]
+    assert message.startswith(
+        "strategy.kind: auto: nothing fits 1.80 GiB per worker at world size 8"
+    )

@@ -698,3 +698,41 @@ def test_a_workload_that_cannot_be_built_fails_at_once_unretried() -> None:
     assert isinstance(actions[1], Transition) and actions[1].to == S.FAILED
     assert "cannot import module 'x'" in actions[1].reason and "not retried" in actions[1].reason
     assert len(actions) == 2  # no backoff, no relaunch
+
+
+# -- strategy.kind: auto -------------------------------------------------------------------
+
+# The synthetic workload's default model: 17,732 parameters; DDP needs 20 bytes a parameter
+# plus activations, FSDP about 16/W plus one block's gathers.
+AUTO = spec(strategy={"kind": "auto"})
+
+
+@pytest.mark.parametrize(
+    ("memory", "strategy", "words"),
+    [
+        pytest.param(2**30, "ddp", "ddp:", id="ddp-fits"),
+        pytest.param(300_000, "fsdp", "ddp needs", id="only-fsdp-fits"),
+        pytest.param(1_000, "fsdp", "fsdp, the least memory; nothing fits", id="nothing-fits"),
+        pytest.param(None, "fsdp", "no memory figure", id="memory-unknown"),
+    ],
+)
+def test_auto_plans_the_strategy_at_every_launch(
+    memory: int | None, strategy: str, words: str
+) -> None:
+    for view, observed in [
+        (job(S.PENDING, spec=AUTO), facts(admission=2, worker_memory_bytes=memory)),
+        (between_attempts(S.RECOVERING, spec=AUTO), facts(worker_memory_bytes=memory)),
+    ]:
+        actions = decide(view, observed)
+        [start] = [a for a in actions if isinstance(a, StartAttempt)]
+        [event] = [a for a in actions if isinstance(a, RecordEvent)]
+        assert start.strategy is not None and start.strategy.value == strategy
+        assert event.kind == EventKind.PLAN and words in event.reason
+        assert event.details is not None and event.details["strategy"] == strategy
+        assert f"at world size {start.world_size}" in event.reason
+
+
+def test_a_fixed_strategy_is_not_planned() -> None:
+    actions = decide(job(S.PENDING), facts(admission=2, worker_memory_bytes=1))
+    assert StartAttempt(world_size=2) in actions
+    assert not [a for a in actions if isinstance(a, RecordEvent)]

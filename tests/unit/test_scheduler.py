@@ -533,3 +533,25 @@ def test_default_quota_applies_to_tenants_without_their_own(env, tmp_path: Path)
     sched.run_pass()
     assert launcher.launches[0].job_id == jid and launcher.launches[0].world_size == 1
     assert "quota" in (job(factory, too_big).state_reason or "")
+
+
+def test_an_auto_job_launches_what_the_plan_chose(env) -> None:  # type: ignore[no-untyped-def]
+    """The scheduler gives the plan the workers' memory; the workers get the chosen kind,
+    the job row says it, and an event says why, at every launch."""
+    factory, launcher, sched, _ = env
+    sched.settings = sched.settings.model_copy(update={"worker_memory_bytes": 300_000})
+    jid = submit(factory, strategy={"kind": "auto"})
+    sched.run_pass()
+    [request] = launcher.launches
+    assert request.spec.strategy.kind.value == "fsdp"  # 20 bytes a parameter do not fit
+    assert job(factory, jid).strategy == "fsdp"
+    with session_scope(factory) as s:
+        [plan] = [e for e in jobs.list_events(s, jid) if e.kind == "plan"]
+        assert plan.reason.startswith("at world size 3: fsdp:") and "ddp needs" in plan.reason
+        assert plan.details is not None and plan.details["strategy"] == "fsdp"
+    roomy = submit(factory, strategy={"kind": "auto"}, scaling={"min_workers": 1, "max_workers": 1})
+    sched.settings = sched.settings.model_copy(update={"worker_memory_bytes": 2**30})
+    launcher.driver(jid).status = DriverStatus.SUCCEEDED
+    sched.run_pass()
+    assert launcher.launches[-1].job_id == roomy
+    assert launcher.launches[-1].spec.strategy.kind.value == "ddp"

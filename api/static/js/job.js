@@ -249,7 +249,7 @@ class JobView {
       ...stat("Workers", h("span", { class: "num big", id: "stat-world" }, job.world_size ?? "—"),
         h("span", { class: "muted" }, ` of ${scaling.min_workers ?? "?"}..${scaling.max_workers ?? "?"}`)),
       ...stat("Latest loss", h("span", { class: "num big", id: "stat-loss" }, fmtNum(job.latest_loss, 5))),
-      ...stat("Strategy", h("span", {}, strategyText(spec))),
+      ...stat("Strategy", h("span", {}, strategyText(spec, job.strategy))),
       ...stat("Attempt", h("span", { class: "num" }, `${job.attempt}`),
         h("span", { class: "muted" }, ` · ${job.restarts} restart${job.restarts === 1 ? "" : "s"}`)),
       ...stat("Running for", h("span", { class: "num" }, started ? fmtDuration((end - started) / 1000) : "—")),
@@ -457,9 +457,10 @@ function phaseName(phase) {
   return String(phase).replaceAll("_", " ");
 }
 
-function strategyText(spec) {
+function strategyText(spec, running) {
   const s = spec.strategy || {};
-  const kind = s.kind || "ddp";
+  // auto: what the memory plan chose at the current attempt's launch (the events say why).
+  const kind = s.kind === "auto" ? `auto → ${running && running !== "auto" ? running : "not planned yet"}` : s.kind || "ddp";
   if (kind !== "pipeline") return s.mixed_precision ? `${kind} · ${s.mixed_precision}` : kind;
   return `pipeline · ${s.pipeline_stages ?? 2} stages · ${s.schedule ?? "1f1b"} · ${s.microbatches ?? 4} µb`;
 }

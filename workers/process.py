@@ -43,6 +43,11 @@ from contracts.storage import JobStorage
 
 log = logging.getLogger("elastrain.worker")
 
+#: Delivered pushes are forgotten every this many sends.
+_PRUNE_EVERY = 64
+#: The most an ending attempt waits for its last messages to reach the runtime.
+_FLUSH_TIMEOUT_S = 10.0
+
 
 class RuntimeHooks:
     """`TrainHooks` for rank 0: fire-and-forget calls to the runtime actor, never blocking
@@ -52,9 +57,22 @@ class RuntimeHooks:
         self.runtime = runtime
         self.key = key
         self._control_ref: Any = None
+        self._in_flight: list[Any] = []
 
     def send(self, message: WorkerMessage) -> None:
-        self.runtime.push.remote(self.key, message)
+        self._in_flight.append(self.runtime.push.remote(self.key, message))
+        if len(self._in_flight) >= _PRUNE_EVERY:  # forget the delivered ones
+            _, self._in_flight = ray.wait(
+                self._in_flight, num_returns=len(self._in_flight), timeout=0
+            )
+
+    def flush(self, timeout_s: float = _FLUSH_TIMEOUT_S) -> None:
+        """Wait until the runtime has every message sent so far. The attempt's end travels
+        another way (this process's `run` returning to the driver), which could otherwise
+        overtake the last metric or checkpoint message and leave it unreported."""
+        if self._in_flight:
+            ray.wait(self._in_flight, num_returns=len(self._in_flight), timeout=timeout_s)
+            self._in_flight = []
 
     def poll_control(self) -> Control:
         if self._control_ref is None:
@@ -225,7 +243,11 @@ class WorkerProcess:
                 hooks.send(TimelineMark(phase=Phase.GROUP_FORMED, at=time.time()))
                 if package is not None:
                     hooks.send(package)
-            result = train(ctx, a.spec, hooks, self.memory)
+            try:
+                result = train(ctx, a.spec, hooks, self.memory)
+            finally:
+                if isinstance(hooks, RuntimeHooks):
+                    hooks.flush()
             return RunOutcome(
                 rank=a.rank, final_step=result.final_step, stopped_early=result.stopped_early
             )

@@ -29,7 +29,7 @@ scheduler (`strategy.kind: auto`) share it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from contracts.spec import ActivationCheckpointing, JobSpec, MixedPrecision, StrategyKind
 from contracts.workload_params import GptParams, SyntheticParams
@@ -181,7 +181,7 @@ def price(
     row = RankMemory(strategy=kind, world_size=world_size, params=int(params), grads=int(grads),
                      optimizer=int(optim), extra=int(extra), activations=int(acts), fits=False,
                      note=note)  # fmt: skip
-    return RankMemory(**{**row.__dict__, "fits": row.total <= usable})
+    return replace(row, fits=row.total <= usable)
 
 
 def plan(shape: ModelShape, spec: JobSpec, world_size: int, device_bytes: int) -> Plan:

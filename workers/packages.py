@@ -98,20 +98,28 @@ def _copy_checked(src_root: Path, dst_root: Path, entry: FileEntry) -> FileEntry
     return FileEntry(path=entry.path, size=size, sha256=h.hexdigest())
 
 
+#: The package this process imports from (None: none since it started, or cleared).
+_active: Path | None = None
+
+
 def activate(files: Path | None) -> None:
     """Make `files` (a materialized package, or None for none) what this process imports
     user code from, dropping what the previous package left behind."""
-    root = cache_root().resolve()
+    global _active
+    if files is None and _active is None:
+        return  # every attempt start of a job without a package: nothing to undo
+    roots = (str(cache_root()), str(cache_root().resolve()))  # string tests: no I/O per module
     names = set()
     if files is not None:
         names = {m.split(".")[0] for m in modules_of(_py_files(files))}
     for name, module in list(sys.modules.items()):
-        origin = getattr(module, "__file__", None)
-        if name.split(".")[0] in names or (origin and _under(Path(origin), root)):
+        origin = getattr(module, "__file__", None) or ""
+        if name.split(".")[0] in names or origin.startswith(roots):
             del sys.modules[name]
-    sys.path[:] = [p for p in sys.path if not (p and _under(Path(p), root))]
+    sys.path[:] = [p for p in sys.path if not p.startswith(roots)]
     if files is not None:
         sys.path.insert(0, str(files))
+    _active = files
     importlib.invalidate_caches()
 
 

@@ -358,10 +358,10 @@ def status(ctx: typer.Context, job_id: int) -> None:
 
 
 def _strategy(kind: str, running: str | None) -> str:
-    """`fsdp`, or for an auto job `auto (fsdp)`: what its current attempt runs."""
+    """`fsdp+tp2`, or for an auto job `auto (fsdp)`: what its current attempt runs."""
     if kind == "auto":
         return f"auto ({running})" if running and running != "auto" else "auto (not planned yet)"
-    return kind
+    return running or kind
 
 
 _GOODPUT_PARTS = [

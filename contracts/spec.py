@@ -82,6 +82,7 @@ class StrategyKind(str, Enum):
     ddp = "ddp"
     fsdp = "fsdp"
     pipeline = "pipeline"
+    tp = "tp"  # tensor parallel groups, data parallel across them
     auto = "auto"  # chosen at every launch from the memory plan (contracts/plan.py)
 
 
@@ -168,11 +169,30 @@ class WorkloadSpec(_Strict):
         return self
 
 
+_TENSOR_PARALLEL_KINDS = frozenset({"tp", "fsdp", "pipeline"})
+
+
+def strategy_label(kind: StrategyKind, tensor_parallel: int = 1) -> str:
+    """How status, events and plans name a strategy: 'ddp', 'tp2', 'fsdp+tp2'."""
+    if kind == StrategyKind.tp:
+        return f"tp{tensor_parallel}"
+    return kind.value if tensor_parallel == 1 else f"{kind.value}+tp{tensor_parallel}"
+
+
 class StrategySpec(_Strict):
     kind: StrategyKind = Field(
         default=StrategyKind.ddp,
-        description="ddp | fsdp | pipeline | auto (the memory plan picks ddp or fsdp at every "
-        "launch, for the world size it launches at; built-in workloads only)",
+        description="ddp | fsdp | pipeline | tp | auto (the memory plan picks ddp, fsdp, tp "
+        "or fsdp+tp at every launch, for the world size it launches at; built-in workloads "
+        "only)",
+    )
+    tensor_parallel: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="tensor-parallel degree: ranks that split each layer (tp: default 2; "
+        "with fsdp: 2-D; with pipeline: 3-D). Fixed for the job; the world size is "
+        "data-parallel replicas x pipeline stages x this",
     )
     pipeline_stages: int | None = Field(default=None, ge=1, le=64, description="pipeline only")
     microbatches: int | None = Field(default=None, ge=1, le=1024, description="pipeline only")
@@ -181,6 +201,11 @@ class StrategySpec(_Strict):
     )
     mixed_precision: MixedPrecision | None = Field(
         default=None, description="null | bf16 | fp16 (GPU)"
+    )
+    cpu_offload: bool = Field(
+        default=False,
+        description="fsdp only (GPU): keep the sharded parameters, gradients and optimizer "
+        "state in host memory; the device holds the units being computed",
     )
 
     @model_validator(mode="after")
@@ -197,7 +222,39 @@ class StrategySpec(_Strict):
                     f"strategy.{given[0]}: only allowed when strategy.kind is 'pipeline' "
                     f"(kind is {self.kind.value!r})"
                 )
+        if self.cpu_offload and self.kind != StrategyKind.fsdp:
+            raise ValueError(
+                f"strategy.cpu_offload: only allowed when strategy.kind is 'fsdp' (kind is "
+                f"{self.kind.value!r})"
+            )
+        if self.tensor_parallel is not None and self.kind not in _TENSOR_PARALLEL_KINDS:
+            hint = (
+                " (for DDP-style replicas of a tensor-parallel model use kind 'tp')"
+                if self.kind == StrategyKind.ddp
+                else ""
+            )
+            raise ValueError(
+                f"strategy.tensor_parallel: only allowed with kind tp, fsdp or pipeline "
+                f"(kind is {self.kind.value!r}){hint}"
+            )
         return self
+
+    @property
+    def tensor_parallel_degree(self) -> int:
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel
+        return 2 if self.kind == StrategyKind.tp else 1
+
+    @property
+    def label(self) -> str:
+        return strategy_label(self.kind, self.tensor_parallel_degree)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks one model replica spans (stages x tensor-parallel degree): the job runs
+        at multiples of it only."""
+        stages = self.stages if self.kind == StrategyKind.pipeline else 1
+        return stages * self.tensor_parallel_degree
 
     # Defaults for a pipeline job, filled when the field is left out.
     @property
@@ -317,25 +374,23 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _cross_field(self, info: ValidationInfo) -> JobSpec:
         stored = is_stored(info)  # accepted at submit: only structure is checked again
-        pipeline = self.strategy.kind == StrategyKind.pipeline
-        if pipeline and self.strategy.stages > self.scaling.max_workers:
+        group = self.strategy.model_parallel_size
+        if group > self.scaling.max_workers:
             raise ValueError(
-                f"strategy.pipeline_stages ({self.strategy.stages}) must be <= "
+                f"{self._group_fields()} ({self._group_words()}) must be <= "
                 f"scaling.max_workers ({self.scaling.max_workers})"
             )
-        if pipeline and not self.world_sizes and not stored:
+        if group > 1 and not self.world_sizes and not stored:
             # Accepted, such a job would wait forever for a size no cluster can give it.
-            stages, lo, hi = (
-                self.strategy.stages,
-                self.scaling.min_workers,
-                self.scaling.max_workers,
-            )
+            lo, hi = self.scaling.min_workers, self.scaling.max_workers
             raise ValueError(
-                f"scaling: a pipeline of {stages} stages runs on a multiple of {stages} "
-                f"workers, and none lies in min_workers..max_workers ({lo}..{hi}); lower "
-                f"scaling.min_workers to {lo - lo % stages} or raise scaling.max_workers to "
-                f"{lo + (-lo) % stages}"
+                f"scaling: {self._group_words()} runs on a multiple of {group} workers, and "
+                f"none lies in min_workers..max_workers ({lo}..{hi}); lower "
+                f"scaling.min_workers to {lo - lo % group} or raise scaling.max_workers to "
+                f"{lo + (-lo) % group}"
             )
+        if self.strategy.tensor_parallel_degree > 1 and (why := self._no_tensor_parallel()):
+            raise ValueError(f"strategy.tensor_parallel: {why}")
         if self.strategy.kind == StrategyKind.auto and self.workload.name is None:
             raise ValueError(
                 "strategy.kind: 'auto' plans from the model's size, known before it runs only "
@@ -347,12 +402,49 @@ class JobSpec(_Strict):
             and (why := self._no_held_out_split())
         ):
             raise ValueError(f"training.eval_every: {why}")
+        if self.strategy.cpu_offload and not self.scaling.use_gpu:
+            raise ValueError(
+                "strategy.cpu_offload: offloads from a GPU to host memory; set "
+                "scaling.use_gpu: true, or cpu_offload: false (a CPU job's state is in host "
+                "memory already)"
+            )
         if self.strategy.mixed_precision is not None and not self.scaling.use_gpu:
             raise ValueError(
                 "strategy.mixed_precision: bf16/fp16 needs a GPU; set scaling.use_gpu: true "
                 "or mixed_precision: null"
             )
         return self
+
+    def _group_fields(self) -> str:
+        pipeline = self.strategy.kind == StrategyKind.pipeline
+        tp = self.strategy.tensor_parallel_degree > 1
+        if pipeline and tp:
+            return "strategy.pipeline_stages x strategy.tensor_parallel"
+        return "strategy.pipeline_stages" if pipeline else "strategy.tensor_parallel"
+
+    def _group_words(self) -> str:
+        """One model replica's ranks in words: 'a pipeline of 2 stages', ..."""
+        stages, tp = self.strategy.stages, self.strategy.tensor_parallel_degree
+        if self.strategy.kind != StrategyKind.pipeline:
+            return f"a model split over {tp} tensor-parallel ranks"
+        if tp == 1:
+            return f"a pipeline of {stages} stages"
+        return f"a pipeline of {stages} stages x {tp} tensor-parallel ranks = {stages * tp}"
+
+    def _no_tensor_parallel(self) -> str | None:
+        """Why a built-in workload cannot be split `tensor_parallel` ways (None: it can,
+        or it is a custom workload, which says so when it is built)."""
+        tp = self.strategy.tensor_parallel_degree
+        if self.workload.name == "synthetic":
+            return "the synthetic workload has no tensor-parallel plan (the gpt has)"
+        if self.workload.name == "gpt":
+            n_head = GptParams.model_validate(self.workload.params).n_head
+            if n_head % tp:
+                return (
+                    f"{tp} must divide workload.params.n_head ({n_head}): each rank runs "
+                    "whole attention heads"
+                )
+        return None
 
     def _no_held_out_split(self) -> str | None:
         """Why a built-in workload has nothing to evaluate on (None: it has, or it is a
@@ -377,10 +469,9 @@ class JobSpec(_Strict):
 
     @property
     def min_world_size(self) -> int:
-        """The smallest world size the job can run at (a pipeline needs all its stages)."""
-        if self.strategy.kind == StrategyKind.pipeline:
-            return max(self.scaling.min_workers, self.strategy.stages)
-        return self.scaling.min_workers
+        """The smallest world size the job can run at (one whole model replica: all of a
+        pipeline's stages, all tensor-parallel ranks)."""
+        return max(self.scaling.min_workers, self.strategy.model_parallel_size)
 
     @property
     def world_sizes(self) -> list[int]:
@@ -394,9 +485,9 @@ class JobSpec(_Strict):
     def usable_world_size(self, capacity: int) -> int:
         """The largest world size <= capacity the job can use, or 0 when below its minimum.
 
-        Pipeline jobs run whole replicas only (a multiple of the stage count).
+        Pipeline and tensor-parallel jobs run whole replicas only (a multiple of the
+        stage count times the tensor-parallel degree).
         """
         size = min(capacity, self.scaling.max_workers)
-        if self.strategy.kind == StrategyKind.pipeline:
-            size -= size % self.strategy.stages
+        size -= size % self.strategy.model_parallel_size
         return size if size >= self.min_world_size else 0

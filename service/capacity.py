@@ -8,8 +8,9 @@ capacity promised to one job is not offered to the next.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from contracts.spec import JobSpec
 
@@ -29,27 +30,53 @@ class NodeCapacity:
 class ClusterCapacity:
     nodes: tuple[NodeCapacity, ...] = ()
     dashboard_url: str | None = None
+    # Answers already computed on this (immutable) capacity: a scheduler pass asks the
+    # same questions of one free capacity for every queued job.
+    # (Not an __init__ argument: `dataclasses.replace` gives every copy a fresh one.)
+    _memo: dict[tuple[object, ...], object] = field(
+        default_factory=dict, init=False, compare=False, hash=False, repr=False
+    )
+
+    def _memoized(self, key: tuple[object, ...], compute: Callable[[], Any]) -> Any:
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     @property
     def alive_nodes(self) -> tuple[NodeCapacity, ...]:
-        return tuple(n for n in self.nodes if n.alive)
+        return self._memoized(("alive",), lambda: tuple(n for n in self.nodes if n.alive))
 
     def alive_ids(self) -> frozenset[str]:
-        return frozenset(n.node_id for n in self.alive_nodes)
+        return self._memoized(
+            ("alive_ids",), lambda: frozenset(n.node_id for n in self.alive_nodes)
+        )
 
     def worker_memory_bytes(self, cpus_per_worker: float) -> int | None:
         """Host memory a CPU worker of this shape can count on (see `memory_share`)."""
-        return memory_share(((n.memory_bytes, n.cpus) for n in self.alive_nodes), cpus_per_worker)
+        return self._memoized(
+            ("memory", cpus_per_worker),
+            lambda: memory_share(
+                ((n.memory_bytes, n.cpus) for n in self.alive_nodes), cpus_per_worker
+            ),
+        )
 
     def workers_that_fit(self, cpus_per_worker: float, gpus_per_worker: float) -> int:
         """How many workers of this shape the alive nodes hold in total (per-node packing:
         a worker never spans nodes)."""
-        total = 0
-        for node in self.alive_nodes:
-            by_cpu = int(node.cpus // cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 1 << 30
-            by_gpu = int(node.gpus // gpus_per_worker + 1e-9) if gpus_per_worker > 0 else 1 << 30
-            total += max(min(by_cpu, by_gpu), 0)
-        return total
+
+        def count() -> int:
+            total = 0
+            for node in self.alive_nodes:
+                by_cpu = (
+                    int(node.cpus // cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 1 << 30
+                )
+                by_gpu = (
+                    int(node.gpus // gpus_per_worker + 1e-9) if gpus_per_worker > 0 else 1 << 30
+                )
+                total += max(min(by_cpu, by_gpu), 0)
+            return total
+
+        return self._memoized(("fit", cpus_per_worker, gpus_per_worker), count)
 
 
 def memory_share(nodes: Iterable[tuple[int, float]], cpus_per_worker: float) -> int | None:
@@ -86,25 +113,41 @@ class Allocation:
 
 def free_capacity(cluster: ClusterCapacity, allocations: Iterable[Allocation]) -> ClusterCapacity:
     """What is left of the alive nodes after the allocations."""
-    free = {n.node_id: n for n in cluster.alive_nodes}
-
-    def charge(node_id: str, shape: WorkerShape) -> None:
-        node = free[node_id]
-        free[node_id] = replace(node, cpus=node.cpus - shape.cpus, gpus=node.gpus - shape.gpus)
+    alive = cluster.alive_nodes
+    cpus = {n.node_id: n.cpus for n in alive}
+    gpus = {n.node_id: n.gpus for n in alive}
 
     unplaced: list[WorkerShape] = []
     for alloc in allocations:
         # Workers on dead nodes hold nothing (and are not charged elsewhere).
         for node_id in alloc.nodes:
-            if node_id in free:
-                charge(node_id, alloc.shape)
+            if node_id in cpus:
+                cpus[node_id] -= alloc.shape.cpus
+                gpus[node_id] -= alloc.shape.gpus
         unplaced.extend([alloc.shape] * max(alloc.count - len(alloc.nodes), 0))
     for shape in unplaced:
-        for node_id, node in free.items():
-            if node.cpus + 1e-9 >= shape.cpus and node.gpus + 1e-9 >= shape.gpus:
-                charge(node_id, shape)
+        for node_id in cpus:
+            if cpus[node_id] + 1e-9 >= shape.cpus and gpus[node_id] + 1e-9 >= shape.gpus:
+                cpus[node_id] -= shape.cpus
+                gpus[node_id] -= shape.gpus
                 break
-    return replace(cluster, nodes=tuple(free.values()))
+    nodes = tuple(replace(n, cpus=cpus[n.node_id], gpus=gpus[n.node_id]) for n in alive)
+    return replace(cluster, nodes=nodes)
+
+
+def credit(free: ClusterCapacity, allocation: Allocation) -> ClusterCapacity:
+    """`free` with the allocation's placed workers given back to their (alive) nodes."""
+    back: dict[str, int] = {}
+    for node_id in allocation.nodes:
+        back[node_id] = back.get(node_id, 0) + 1
+    shape = allocation.shape
+    nodes = tuple(
+        replace(n, cpus=n.cpus + shape.cpus * k, gpus=n.gpus + shape.gpus * k)
+        if (k := back.get(n.node_id, 0))
+        else n
+        for n in free.nodes
+    )
+    return replace(free, nodes=nodes)
 
 
 def target_world_size(spec: JobSpec, free: ClusterCapacity, *, limit: int | None = None) -> int:
@@ -121,13 +164,25 @@ class CapacityLedger:
     def __init__(self, cluster: ClusterCapacity, held: Mapping[int, Allocation]) -> None:
         self.cluster = cluster
         self._held = dict(held)
+        self._free: ClusterCapacity | None = None  # until the next `hold`
 
     def free(self) -> ClusterCapacity:
         """Free for a newcomer: the cluster less every job's workers."""
-        return free_capacity(self.cluster, self._held.values())
+        if self._free is None:
+            self._free = free_capacity(self.cluster, self._held.values())
+        return self._free
 
     def free_for(self, job_id: int) -> ClusterCapacity:
-        """Free for `job_id` if it gave back what it holds (its relaunch or growth)."""
+        """Free for `job_id` if it gave back what it holds (its relaunch or growth). A pass
+        asks this of every job, queued ones included: those hold nothing, and the answer
+        is the one `free()` computed once. When every worker held is placed on a node, a
+        job's own are simply credited back to `free()`; workers not placed yet are charged
+        first-fit, which depends on everything else, so then it is computed afresh."""
+        own = self._held.get(job_id)
+        if own is None:
+            return self.free()
+        if all(a.count <= len(a.nodes) for a in self._held.values()):
+            return credit(self.free(), own)
         return free_capacity(self.cluster, (a for jid, a in self._held.items() if jid != job_id))
 
     def workers_held(self, job_ids: Iterable[int]) -> int:
@@ -135,6 +190,9 @@ class CapacityLedger:
         return sum(a.count for jid in job_ids if (a := self._held.get(jid)) is not None)
 
     def hold(self, job_id: int, allocation: Allocation | None) -> None:
+        if self._held.get(job_id) == allocation:
+            return  # a queued job still holding nothing: the sum stands
+        self._free = None
         if allocation is None:
             self._held.pop(job_id, None)
         else:

@@ -207,6 +207,8 @@ class StartAttempt:
     world_size: int
     strategy: StrategyKind | None = None
     """What an `auto` job runs in this attempt (None: the spec's own kind)."""
+    tensor_parallel: int = 1
+    """With `strategy`: its tensor-parallel degree."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -481,15 +483,21 @@ def start(job: JobView, size: int, facts: Facts) -> list[Action]:
     if job.spec.strategy.kind != StrategyKind.auto:
         return [StartAttempt(world_size=size)]
     chosen = choose_for_auto(job.spec, size, facts.worker_memory_bytes)
-    details: dict[str, Any] = {"world_size": size, "strategy": chosen.strategy.value}
+    details: dict[str, Any] = {
+        "world_size": size,
+        "strategy": chosen.strategy.value,
+        "tensor_parallel": chosen.tensor_parallel,
+    }
     if chosen.plan is not None:
-        details["rank_bytes"] = {r.strategy.value: r.total for r in chosen.plan.rows}
+        details["rank_bytes"] = {r.label: r.total for r in chosen.plan.rows if r.total}
         details["usable_bytes"] = chosen.plan.usable_bytes
     return [
         RecordEvent(
             kind=EventKind.PLAN, reason=f"at world size {size}: {chosen.why}", details=details
         ),
-        StartAttempt(world_size=size, strategy=chosen.strategy),
+        StartAttempt(
+            world_size=size, strategy=chosen.strategy, tensor_parallel=chosen.tensor_parallel
+        ),
     ]
 
 

@@ -134,10 +134,12 @@ def apply_to_db(
             )
             spec = JobSpec.from_stored(job.spec)
             if action.strategy is not None:  # `auto`: the workers run what the plan chose
-                job.strategy = action.strategy.value
-                spec = spec.model_copy(
-                    update={"strategy": spec.strategy.model_copy(update={"kind": action.strategy})}
+                tp = action.tensor_parallel if action.tensor_parallel > 1 else None
+                chosen = spec.strategy.model_copy(
+                    update={"kind": action.strategy, "tensor_parallel": tp}
                 )
+                job.strategy = chosen.label
+                spec = spec.model_copy(update={"strategy": chosen})
             effects.append(
                 Launch(
                     LaunchRequest(

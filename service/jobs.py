@@ -64,7 +64,7 @@ def job_row_values(spec: JobSpec, *, owner: str) -> dict[str, Any]:
         "spec": spec.model_dump(mode="json"),
         "state": JobState.PENDING,
         "priority": spec.priority,
-        "strategy": spec.strategy.kind.value,
+        "strategy": spec.strategy.label,
         "min_workers": spec.scaling.min_workers,
         "max_workers": spec.scaling.max_workers,
         "max_steps": spec.training.max_steps,

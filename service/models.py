@@ -109,6 +109,8 @@ class Job(Base):
     compute_s: Mapped[float] = mapped_column(Float, default=0.0)
     kept_s: Mapped[float] = mapped_column(Float, default=0.0)
     stall_s: Mapped[float] = mapped_column(Float, default=0.0)
+    # When retention thinned this finished job's per-step metric rows (None: never).
+    metrics_thinned_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
 
     # Loaded on access only: the labels are also in `spec["labels"]`, which is what the API
     # shows, so reading a job costs one query, not two. The table is for filtering.
@@ -195,6 +197,24 @@ class Metric(Base):
     attempt: Mapped[int] = mapped_column(Integer)
     at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     values: Mapped[dict[str, Any]] = mapped_column(JSONType)
+
+
+class MetricBucket(Base):
+    """A bucket of a job's steps at one width: which steps carry its shape (lowest and
+    highest loss, slowest step, last held-out loss). See `service.metric_summary`."""
+
+    __tablename__ = "metric_buckets"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    width: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True)
+    lo_step: Mapped[int | None] = mapped_column(Integer)
+    lo_loss: Mapped[float | None] = mapped_column(Float)
+    hi_step: Mapped[int | None] = mapped_column(Integer)
+    hi_loss: Mapped[float | None] = mapped_column(Float)
+    slow_step: Mapped[int | None] = mapped_column(Integer)
+    slow_s: Mapped[float | None] = mapped_column(Float)
+    eval_step: Mapped[int | None] = mapped_column(Integer)
 
 
 class CheckpointRecord(Base):

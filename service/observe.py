@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from sqlalchemy import and_, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from contracts.messages import WorkerError
 from contracts.spec import JobSpec
@@ -25,11 +25,17 @@ def attempt_view(row: Attempt) -> AttemptView:
     )
 
 
-def job_view(job: Job, attempt: Attempt | None, failures: Sequence[PastFailure] = ()) -> JobView:
+def job_view(
+    job: Job,
+    attempt: Attempt | None,
+    failures: Sequence[PastFailure] = (),
+    *,
+    spec: JobSpec | None = None,
+) -> JobView:
     return JobView(
         id=job.id,
         state=job.state,
-        spec=JobSpec.from_stored(job.spec),
+        spec=spec if spec is not None else JobSpec.from_stored(job.spec),
         owner=job.owner,
         step=job.step,
         world_size=job.world_size,
@@ -52,23 +58,48 @@ def view_of(session: Session, job: Job) -> JobView:
     return job_view(job, attempt)
 
 
-def jobs_in(session: Session, states: Iterable[JobState]) -> list[JobView]:
-    """Jobs in `states` with their newest attempt, oldest job first (one query)."""
+class SpecCache:
+    """Parsed specs by job id. A spec never changes after submit, and a scheduler pass
+    reads every queued and running job: parsing (JSON, then validation) each of them at
+    every pass was most of a pass with a thousand jobs queued."""
+
+    def __init__(self) -> None:
+        self._specs: dict[int, JobSpec] = {}
+
+    def specs(self, session: Session, ids: Sequence[int]) -> dict[int, JobSpec]:
+        """The specs of `ids`, reading only those not seen before; forgets the others
+        (jobs that left the states asked about)."""
+        missing = [i for i in ids if i not in self._specs]
+        for start in range(0, len(missing), 500):
+            chunk = missing[start : start + 500]
+            for job_id, raw in session.execute(select(Job.id, Job.spec).where(Job.id.in_(chunk))):
+                self._specs[job_id] = JobSpec.from_stored(raw)
+        self._specs = {i: self._specs[i] for i in ids if i in self._specs}
+        return self._specs
+
+
+def jobs_in(
+    session: Session, states: Iterable[JobState], *, cache: SpecCache | None = None
+) -> list[JobView]:
+    """Jobs in `states` with their newest attempt, oldest job first: one query, and one
+    more for the specs `cache` does not hold yet (all of them without a cache)."""
     rows = session.execute(
         select(Job, Attempt)
         .outerjoin(Attempt, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt))
         .where(Job.state.in_(list(states)))
         .order_by(Job.created_at, Job.id)
+        .options(defer(Job.spec), defer(Job.seconds_in))
     ).all()
-    return [job_view(job, attempt) for job, attempt in rows]
+    specs = (cache or SpecCache()).specs(session, [job.id for job, _ in rows])
+    return [job_view(job, attempt, spec=specs[job.id]) for job, attempt in rows]
 
 
-def active_jobs(session: Session) -> list[JobView]:
-    return jobs_in(session, ACTIVE)
+def active_jobs(session: Session, *, cache: SpecCache | None = None) -> list[JobView]:
+    return jobs_in(session, ACTIVE, cache=cache)
 
 
-def pending_jobs(session: Session) -> list[JobView]:
-    return jobs_in(session, [JobState.PENDING])
+def pending_jobs(session: Session, *, cache: SpecCache | None = None) -> list[JobView]:
+    return jobs_in(session, [JobState.PENDING], cache=cache)
 
 
 def failure_history(session: Session, job_id: int) -> tuple[PastFailure, ...]:

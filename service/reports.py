@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import Row, delete, select
 from sqlalchemy.orm import Session
 
 from contracts.messages import (
@@ -26,6 +26,7 @@ from contracts.messages import (
 )
 from service.goodput import step_seconds
 from service.jobs import check_attempt, current_attempt, record_event
+from service.metric_store import POINT_COLUMNS, update_summaries
 from service.models import CheckpointRecord, Job, Metric, utcnow
 
 
@@ -137,6 +138,7 @@ def record_metrics(
         seen.add(point.step)
         stored.append(point)
         session.add(Metric(job_id=job.id, step=point.step, attempt=attempt, values=point.values))
+    update_summaries(session, job.id, ((p.step, p.values) for p in stored))
     _account(job, stored)
     last = max(typed, key=lambda p: p.step)
     job.step = max(job.step, last.step)
@@ -160,6 +162,7 @@ def backfill_metrics(
     missing = [p for p in points if p.step not in stored]
     for point in missing:
         session.add(Metric(job_id=job.id, step=point.step, attempt=attempt, values=point.values))
+    update_summaries(session, job.id, ((p.step, p.values) for p in missing))
     _account(job, missing)
     if missing:
         job.step = max(job.step, max(p.step for p in missing))
@@ -176,13 +179,19 @@ def _account(job: Job, points: Sequence[StepMetrics]) -> None:
 
 
 def list_metrics(
-    session: Session, job_id: int, *, since_step: int = 0, limit: int = 10_000
-) -> Sequence[Metric]:
-    return session.scalars(
-        select(Metric)
-        .where(Metric.job_id == job_id, Metric.step >= since_step)
-        .order_by(Metric.step)
-        .limit(limit)
+    session: Session,
+    job_id: int,
+    *,
+    since_step: int = 0,
+    until_step: int | None = None,
+    limit: int = 10_000,
+) -> Sequence[Row[Any]]:
+    """Rows of `metric_store.POINT_COLUMNS` (step, attempt, at, values), in step order."""
+    where = [Metric.job_id == job_id, Metric.step >= since_step]
+    if until_step is not None:
+        where.append(Metric.step <= until_step)
+    return session.execute(
+        select(*POINT_COLUMNS).where(*where).order_by(Metric.step).limit(limit)
     ).all()
 
 

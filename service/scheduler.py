@@ -19,12 +19,13 @@ import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import replace
+from datetime import UTC, datetime
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.messages import DriverReport, DriverStatus
 from contracts.spec import JobSpec
-from service import auth, cluster, decisions, lease, observe, packages, telemetry
+from service import auth, cluster, decisions, lease, metric_store, observe, packages, telemetry
 from service.capacity import Allocation, CapacityLedger, ClusterCapacity, WorkerShape
 from service.db import session_scope
 from service.decisions import Facts, JobView, Policy
@@ -64,6 +65,9 @@ class Scheduler:
         self._published: cluster.ClusterView | None = None
         self._published_at = 0.0
         self._swept_at = 0.0
+        # Parsed specs of the jobs each pass reads (specs never change after submit).
+        self._active_specs = observe.SpecCache()
+        self._pending_specs = observe.SpecCache()
         self.executor = Executor(
             sessions=session_factory,
             launcher=launcher,
@@ -82,8 +86,8 @@ class Scheduler:
     def _pass(self) -> None:
         capacity = self.launcher.capacity()
         with session_scope(self.sessions) as s:
-            active = observe.active_jobs(s)
-            pending = observe.pending_jobs(s)
+            active = observe.active_jobs(s, cache=self._active_specs)
+            pending = observe.pending_jobs(s, cache=self._pending_specs)
             quotas = Quotas(auth.quotas(s), self.settings.default_max_workers_per_tenant, active)
         reports = self._poll(active)
         ledger = CapacityLedger(capacity, _held(active))
@@ -105,20 +109,37 @@ class Scheduler:
                 if self.executor.execute(job, actions):
                     ledger.hold(job.id, decisions.allocation_after(job, actions))
         self._publish(capacity, ledger)
-        self._sweep_packages([*active, *pending])
+        self._sweep([*active, *pending])
 
-    def _sweep_packages(self, unfinished: list[JobView]) -> None:
-        """Now and then: delete uploaded packages nothing uses any more."""
+    def _sweep(self, unfinished: list[JobView]) -> None:
+        """Now and then: delete uploaded packages nothing uses any more, and thin the
+        metric rows of jobs finished long ago (when the settings ask for it)."""
         now = self.clock()
         if now - self._swept_at < PACKAGE_SWEEP_INTERVAL_S:
             return
         self._swept_at = now
+        self._sweep_packages(unfinished, now)
+        self._thin_metrics(now)
+
+    def _sweep_packages(self, unfinished: list[JobView], now: float) -> None:
         in_use = {p for job in unfinished if (p := job.spec.workload.package) is not None}
         keep_s = self.settings.package_keep_days * 86400
         for digest in packages.sweep(self.settings.storage_path, in_use, now=now, keep_s=keep_s):
             log.info(
                 "deleted package %s: unused for %g days", digest, self.settings.package_keep_days
             )
+
+    def _thin_metrics(self, now: float) -> None:
+        days = self.settings.metrics_thin_after_days
+        if days is None:
+            return
+        before = datetime.fromtimestamp(now - days * 86400, tz=UTC)
+        with session_scope(self.sessions) as s:
+            # A few jobs per sweep: each is a bounded amount of work under no job lock
+            # (finished jobs are written by nobody).
+            for job in metric_store.jobs_to_thin(s, finished_before=before, limit=10):
+                deleted = metric_store.thin(s, job, now=datetime.fromtimestamp(now, tz=UTC))
+                log.info("thinned job %s's metrics: %d per-step rows deleted", job.id, deleted)
 
     def _step(
         self,

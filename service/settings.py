@@ -106,6 +106,13 @@ class Settings(BaseSettings):
         description="An uploaded working directory that no unfinished job uses is deleted "
         "this long after the last job was submitted with it.",
     )
+    metrics_thin_after_days: float | None = Field(
+        default=None,
+        gt=0,
+        description="Thin the per-step metric rows of jobs finished this long ago to those "
+        "their curve needs (about 4 in 64 steps: each bucket's lowest and highest loss, "
+        "slowest step, held-out loss; unset: keep every row).",
+    )
     default_max_workers_per_tenant: int | None = Field(
         default=None,
         ge=1,

@@ -67,6 +67,9 @@ class ActivationMeter:
     def _count(self, t: torch.Tensor) -> None:
         if self._seen is None or _is_parameter(t):
             return
+        local = getattr(t, "_local_tensor", None)  # a DTensor (tensor parallel): its shard
+        if isinstance(local, torch.Tensor):
+            t = local
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key not in self._seen:

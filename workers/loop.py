@@ -105,9 +105,9 @@ def _train(
     checkpointer = make_checkpointer(ctx, spec)
     if is_rank0:
         log.info(
-            "job %s attempt %s: %s world_size=%d dp=%d pp=%d G=%d micro=%d accum=%d steps=%d",
-            ctx.job_id, ctx.attempt, spec.strategy.kind.value, ctx.world_size, layout.dp,
-            layout.pp, global_batch, micro_batch,
+            "job %s attempt %s: %s world_size=%d dp=%d pp=%d tp=%d G=%d micro=%d accum=%d "
+            "steps=%d", ctx.job_id, ctx.attempt, spec.strategy.label, ctx.world_size, layout.dp,
+            layout.pp, layout.tp, global_batch, micro_batch,
             sampler.num_microbatches(layout.dp, micro_batch), max_steps,
         )  # fmt: skip
 
@@ -118,7 +118,7 @@ def _train(
     start_step = resumed_from or 0
     ctx.step = start_step
 
-    # DDP/FSDP/pipeline average gradients over the dp replicas; each replica's summed
+    # Every strategy averages gradients over the dp replicas; each replica's summed
     # loss times dp/G makes that average the gradient of the global-batch mean loss.
     loss_scale = layout.dp / global_batch
     done = start_step  # optimizer steps completed
@@ -422,8 +422,8 @@ def save_checkpoint(
         attempt=ctx.attempt,
         state=strategy.state_dict_for_checkpoint(),
         manifest_fields={
-            "strategy": spec.strategy.kind.value,
-            "layout": {"dp": layout.dp, "pp": layout.pp},
+            "strategy": spec.strategy.label,
+            "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp},
             "data_position": {
                 "step": done,
                 "samples_consumed": done * training.global_batch_size,
@@ -487,6 +487,7 @@ def step_metrics(
         "world_size": world_size,
         "dp": layout.dp,
         "pp": layout.pp,
+        "tp": layout.tp,
         "memory": {**strategy.memory_bytes(), "rss_bytes": rss_bytes()},
         "batch_crc": crc,
         # When the step finished (wall clock): recovery and growth times are measured

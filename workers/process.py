@@ -19,11 +19,13 @@ import contextlib
 import dataclasses
 import datetime
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from contracts.messages import (
     Control,
     EventKind,
     Phase,
+    StepMetrics,
     TimelineMark,
     WorkerError,
     WorkerEvent,
@@ -45,45 +48,89 @@ log = logging.getLogger("elastrain.worker")
 
 #: Delivered pushes are forgotten every this many sends.
 _PRUNE_EVERY = 64
+#: Step metrics are sent to the runtime at most this often (in batches); the control is
+#: asked for at most this often.
+_PUSH_INTERVAL_S = 0.5
+_CONTROL_INTERVAL_S = 0.2
 #: The most an ending attempt waits for its last messages to reach the runtime.
 _FLUSH_TIMEOUT_S = 10.0
 
 
 class RuntimeHooks:
     """`TrainHooks` for rank 0: fire-and-forget calls to the runtime actor, never blocking
-    the training step (control requests are fetched one step late, asynchronously)."""
+    the training step (control requests are fetched asynchronously).
 
-    def __init__(self, runtime: Any, key: tuple[int, int]) -> None:
+    Each remote call costs rank 0 and the runtime actor CPU on the cores training runs on,
+    so step metrics are sent in batches, at most every `_PUSH_INTERVAL_S` (any other message,
+    rarer and wanted at once, goes immediately with what is pending, in order), and the
+    control is asked for at most every `_CONTROL_INTERVAL_S`. Measured on 2 cores (bench/
+    step_overhead_bench.py): a remote call per step made steps ~25 % slower than a plain
+    torchrun script."""
+
+    def __init__(
+        self,
+        runtime: Any,
+        key: tuple[int, int],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wait: Callable[..., tuple[list[Any], list[Any]]] = ray.wait,
+        get: Callable[[Any], Any] = ray.get,
+    ) -> None:
         self.runtime = runtime
         self.key = key
+        self.clock = clock
+        self._wait, self._get = wait, get  # Ray's, or a test's
         self._control_ref: Any = None
+        self._control_asked_at = -math.inf
         self._in_flight: list[Any] = []
+        self._pending: list[WorkerMessage] = []
+        self._pushed_at = -math.inf
 
     def send(self, message: WorkerMessage) -> None:
-        self._in_flight.append(self.runtime.push.remote(self.key, message))
+        self._pending.append(message)
+        now = self.clock()
+        if isinstance(message, StepMetrics) and now - self._pushed_at < _PUSH_INTERVAL_S:
+            return
+        self._push(now)
+
+    def _push(self, now: float) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        self._pushed_at = now
+        self._in_flight.append(self.runtime.push_many.remote(self.key, batch))
         if len(self._in_flight) >= _PRUNE_EVERY:  # forget the delivered ones
-            _, self._in_flight = ray.wait(
+            _, self._in_flight = self._wait(
                 self._in_flight, num_returns=len(self._in_flight), timeout=0
             )
 
     def flush(self, timeout_s: float = _FLUSH_TIMEOUT_S) -> None:
-        """Wait until the runtime has every message sent so far. The attempt's end travels
-        another way (this process's `run` returning to the driver), which could otherwise
-        overtake the last metric or checkpoint message and leave it unreported."""
+        """Send what is pending and wait until the runtime has every message sent so far.
+        The attempt's end travels another way (this process's `run` returning to the
+        driver), which could otherwise overtake the last metric or checkpoint message and
+        leave it unreported."""
+        self._push(self.clock())
         if self._in_flight:
-            ray.wait(self._in_flight, num_returns=len(self._in_flight), timeout=timeout_s)
+            self._wait(self._in_flight, num_returns=len(self._in_flight), timeout=timeout_s)
             self._in_flight = []
 
     def poll_control(self) -> Control:
         if self._control_ref is None:
-            self._control_ref = self.runtime.get_control.remote(self.key)
+            now = self.clock()
+            if now - self._control_asked_at >= _CONTROL_INTERVAL_S:
+                self._control_ref = self.runtime.get_control.remote(self.key)
+                self._control_asked_at = now
             return Control.NONE
-        ready, _ = ray.wait([self._control_ref], timeout=0)
+        ready, _ = self._wait([self._control_ref], timeout=0)
         if not ready:
             return Control.NONE
-        value = ray.get(self._control_ref)
-        self._control_ref = self.runtime.get_control.remote(self.key)
-        return Control(value)
+        value = self._get(self._control_ref)
+        self._control_ref = None  # asked again after the interval
+        control = Control(value)
+        if control != Control.NONE:
+            # Whatever follows (a checkpoint, the end) comes after the metrics before it.
+            self._push(self.clock())
+        return control
 
 
 class SilentHooks:

@@ -24,11 +24,11 @@ from api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, Metr
 from contracts.bounds import entrypoint_refusal, in_standard_library
 from contracts.datasets import data_path_problems
 from contracts.packages import OWN_PACKAGES, modules_of
-from contracts.plan import plan, shape_of
+from contracts.plan import AUTO_CHOICES, plan, shape_of
 from contracts.spec import JobSpec, StrategyKind
 from contracts.storage import JobStorage
 from contracts.workload_params import GptParams
-from service import cluster, executor
+from service import cluster, executor, metric_store
 from service.auth import Principal
 from service.jobs import (
     JobNotFound,
@@ -152,8 +152,9 @@ def check_data_paths(spec: JobSpec, storage_root: pathlib.Path) -> None:
 
 
 def check_auto_fits(spec: JobSpec, session: Session, settings: Settings) -> None:
-    """An `auto` job must fit somewhere: at its largest world size (where FSDP needs the
-    least), when the workers' memory is known. The 422 carries the plan's numbers."""
+    """An `auto` job must fit at some world size in min..max (tensor-parallel degrees need
+    sizes they divide), when the workers' memory is known. The 422 carries the plan's
+    numbers at max_workers."""
     if spec.strategy.kind != StrategyKind.auto:
         return
     memory = settings.worker_memory_bytes
@@ -162,9 +163,11 @@ def check_auto_fits(spec: JobSpec, session: Session, settings: Settings) -> None
     shape = shape_of(spec)
     if memory is None or shape is None:
         return  # planned at launch, against what the cluster then says
-    made = plan(shape, spec, spec.scaling.max_workers, memory)
-    if made.choice is None:
-        raise invalid(("body", "strategy", "kind"), f"strategy.kind: auto: {made.why}")
+    for size in reversed(spec.world_sizes):
+        if plan(shape, spec, size, memory, eligible=AUTO_CHOICES).chosen is not None:
+            return
+    made = plan(shape, spec, spec.scaling.max_workers, memory, eligible=AUTO_CHOICES)
+    raise invalid(("body", "strategy", "kind"), f"strategy.kind: auto: {made.why}")
 
 
 def _parse_labels(raw: list[str] | None) -> dict[str, str]:
@@ -293,7 +296,12 @@ def job_events(job_id: JobId, session: SessionDep, who: CurrentPrincipal) -> Res
     )
 
 
-@router.get("/{job_id}/metrics", response_model=list[MetricOut], responses=_NOT_FOUND)
+@router.get(
+    "/{job_id}/metrics",
+    response_model=list[MetricOut],
+    responses=_NOT_FOUND,
+    summary="A job's per-step metrics, whole or downsampled to max_points",
+)
 def job_metrics(
     job_id: JobId,
     session: SessionDep,
@@ -301,13 +309,36 @@ def job_metrics(
     since_step: Annotated[
         int, Query(ge=0, le=MAX_INT32, description="Only steps >= this one.")
     ] = 0,
-    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+    until_step: Annotated[
+        int, Query(ge=0, le=MAX_INT32, description="Only steps <= this one.")
+    ] = MAX_INT32,
+    limit: Annotated[
+        int, Query(ge=1, le=10_000, description="Without max_points: at most this many rows.")
+    ] = 10_000,
+    max_points: Annotated[
+        int | None,
+        Query(
+            ge=2,
+            le=10_000,
+            description="At most this many points over the range, keeping the curve's shape: "
+            "every step when they fit, else per bucket of steps the rows with the lowest and "
+            "highest loss, the slowest step and the last held-out loss, and always the first "
+            "and last step. Real rows, never averages.",
+        ),
+    ] = None,
 ) -> Response:
-    _owned_job(session, job_id, who)
+    job = _owned_job(session, job_id, who)
+    if max_points is None:
+        found = list_metrics(session, job_id, since_step=since_step, until_step=until_step,
+                             limit=limit)  # fmt: skip
+    else:
+        found = metric_store.downsampled(
+            session, job_id, since_step=since_step, until_step=until_step, max_points=max_points,
+            thinned=job.metrics_thinned_at is not None,
+        )  # fmt: skip
     # The reported values sit beside step/attempt/at (which win over a value of that name).
     rows: list[dict[str, Any]] = [
-        {**m.values, "step": m.step, "attempt": m.attempt, "at": m.at}
-        for m in list_metrics(session, job_id, since_step=since_step, limit=limit)
+        {**m.values, "step": m.step, "attempt": m.attempt, "at": m.at} for m in found
     ]
     return _json(_METRICS.dump_json(_METRICS.validate_python(rows)))
 

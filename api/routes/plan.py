@@ -46,12 +46,12 @@ def make_plan(body: PlanRequest, _: CurrentPrincipal, session: SessionDep) -> Pl
     for size in sizes:
         made = plan(shape, spec, size, memory)
         rows = [
-            RankMemoryOut(strategy=r.strategy.value, params=r.params, grads=r.grads,
+            RankMemoryOut(strategy=r.label, params=r.params, grads=r.grads,
                           optimizer=r.optimizer, extra=r.extra, activations=r.activations,
                           total=r.total, fits=r.fits, note=r.note)
             for r in made.rows
         ]  # fmt: skip
-        choice = made.choice.value if made.choice else None
+        choice = made.chosen.label if made.chosen else None
         plans.append(WorldSizePlan(world_size=size, choice=choice, why=made.why, rows=rows))
     return PlanOut(device_memory_bytes=memory, usable_bytes=int(memory * HEADROOM), memory_source=source,
                    params=shape.params, plans=plans)  # fmt: skip

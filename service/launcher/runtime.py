@@ -101,6 +101,13 @@ class Runtime:
         if driver is not None:  # else a released attempt: fenced off
             driver.push(message)
 
+    def push_many(self, key: Key, messages: list[WorkerMessage]) -> None:
+        """Several messages of rank 0, in order (what `RuntimeHooks` batches)."""
+        driver = self._driver(key)
+        if driver is not None:
+            for message in messages:
+                driver.push(message)
+
     def get_control(self, key: Key) -> Control:
         driver = self._driver(key)
         return driver.get_control() if driver is not None else Control.NONE

@@ -934,3 +934,40 @@ def showcase(srv: ServerHandle) -> Story:
                                    scaling={"min_workers": 4, "max_workers": 8}))  # fmt: skip
         sim.run_pass(run)
     return story
+
+
+def million_step_job(srv: ServerHandle, *, steps: int = 1_000_000) -> int:
+    """A RUNNING job with `steps` metric rows, written in bulk (a year of a long job is
+    what the metrics path must survive, not what the scheduler can replay in a test),
+    with the bucket summaries the scheduler would have kept."""
+    from service.jobs import create_job, set_job_state, start_attempt
+    from service.metric_store import insert_bulk
+
+    def values(step: int) -> dict[str, Any]:
+        point: dict[str, Any] = {
+            "loss": 4.0 * math.exp(-step / 200_000) + 0.05 * math.sin(step / 500),
+            "step_time_s": 0.1 + 0.01 * math.sin(step / 77),
+            "tokens_per_s": 20_000.0,
+        }
+        if step % 10_000 == 0:
+            point["eval_loss"] = point["loss"] + 0.2
+        return point
+
+    body = spec("a-million-steps", training={"max_steps": steps * 2})
+    with srv.session() as s:
+        job = create_job(s, spec=JobSpec.model_validate(body))
+        start_attempt(s, job, world_size=4, driver_name=f"driver-{job.id}-1")
+        set_job_state(s, job, JobState.STARTING, reason="admitted", world_size=4)
+        set_job_state(s, job, JobState.RUNNING, reason="first step", world_size=4)
+        job_id = job.id
+    at = datetime.now(timezone.utc)
+    chunk = 50_000
+    for start in range(1, steps + 1, chunk):
+        points = [(i, values(i)) for i in range(start, min(start + chunk, steps + 1))]
+        with srv.session() as s:
+            insert_bulk(s, job_id, points, attempt=1, at=at)
+    with srv.session() as s:
+        job = get_job(s, job_id)
+        job.step = steps
+        job.latest_loss = values(steps)["loss"]
+    return job_id

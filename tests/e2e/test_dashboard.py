@@ -89,7 +89,19 @@ def test_list_shows_jobs_and_filters(page: Any, server: ServerHandle, story: see
     assert row.locator("td.loss").inner_text() == f"{story.last_loss:.4g}"
     assert "4 / 2..4" in row.inner_text()
     assert "size:tiny" in row.locator("td.labels").inner_text()
+    assert "ddp" in row.inner_text()
+    # A 2-D job: the list and the job page name the tensor-parallel degree.
+    wide = seed.running_job(
+        server, name="wide", step=5, strategy={"kind": "fsdp", "tensor_parallel": 2}
+    )
+    wide_row = page.locator(f"#jobs-table tr[data-job-id='{wide}']")
+    wide_row.wait_for()
+    assert "fsdp+tp2" in wide_row.inner_text()
 
+    open_dashboard(page, server, f"/jobs/{wide}")
+    page.wait_for_function("() => document.body.innerText.includes('fsdp+tp2')")
+    open_dashboard(page, server, "/")
+    row.wait_for()
     page.fill("#f-label", "team:infra")
     page.wait_for_function(
         "(id) => { const r = [...document.querySelectorAll('#jobs-table tr[data-job-id]')];"

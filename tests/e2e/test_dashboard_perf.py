@@ -99,3 +99,47 @@ def test_list_with_1000_jobs(page: Any, server_factory: Any) -> None:
     # Timings are reported, not asserted: this machine is shared and noisy (figures in
     # README "Measured"). What must hold is that every poll of the big list completed.
     assert len(samples) >= 5 and all(s["rows"] > 0 for s in samples)
+
+
+def test_job_page_of_a_million_step_job(page: Any, server_factory: Any) -> None:
+    """A million steps stored: the page asks for at most 2,000 points, draws the whole
+    curve from them (its spikes included), and its polls stay small."""
+    srv = server_factory()
+    t0 = time.perf_counter()
+    job_id = seed.million_step_job(srv)
+    seed_s = time.perf_counter() - t0
+
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url) if "/metrics" in r.url else None)
+    t0 = time.perf_counter()
+    open_dashboard(page, srv, f"/jobs/{job_id}")
+    page.wait_for_function(
+        "() => { const c = window.__elastrain.charts.loss;"
+        " return c && c.steps.length > 1000 && c.steps[c.steps.length - 1] === 1000000; }",
+        timeout=30_000,
+    )
+    drawn_ms = (time.perf_counter() - t0) * 1000
+    chart = page.evaluate(
+        "() => { const c = window.__elastrain.charts.loss;"
+        " return { n: c.steps.length, first: c.steps[0], last: c.steps[c.steps.length - 1] }; }"
+    )
+    assert chart["n"] <= 2000 and chart["first"] == 1 and chart["last"] == 1_000_000
+    assert all("max_points=2000" in url for url in requests), requests
+    assert "points of 1,000,000 steps" in page.inner_text("main")
+    # Later polls ask only for steps after the last one drawn: nothing new, nothing heavy.
+    before = len(requests)
+    page.wait_for_function(
+        f"() => performance.getEntriesByType('resource').filter(e => e.name.includes('/metrics')).length > {before}",
+        timeout=15_000,
+    )
+    assert "since_step=1000001" in requests[-1]
+    perf = page.evaluate("() => window.__elastrain.perf.metrics")
+    with srv.http() as client:
+        t1 = time.perf_counter()
+        whole = client.get(f"/v1/jobs/{job_id}/metrics", params={"max_points": 2000}).json()
+        server_ms = (time.perf_counter() - t1) * 1000
+    assert len(whole) <= 2000
+    print(
+        f"\n[job page, 1,000,000 steps] seeding {seed_s:.1f}s; curve drawn {drawn_ms:.0f} ms after "
+        f"load; {chart['n']} points; GET ?max_points=2000 {server_ms:.0f} ms; last poll {perf}"
+    )

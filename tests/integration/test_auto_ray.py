@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from contracts.plan import HEADROOM, plan, shape_of
-from contracts.spec import JobSpec, StrategyKind
+from contracts.spec import JobSpec
 from tests.integration.ray_service import ray_service, submit, tiny_gpt_spec, wait_terminal
 
 pytestmark = pytest.mark.ray
@@ -19,9 +19,9 @@ def test_auto_runs_fsdp_where_ddp_does_not_fit(tmp_path: Path) -> None:
     shape = shape_of(parsed)
     assert shape is not None
     # A worker's memory between what FSDP and DDP need at world size 2 (per the plan).
-    need = {r.strategy: r.total for r in plan(shape, parsed, 2, 2**40).rows}
-    assert need[StrategyKind.fsdp] < need[StrategyKind.ddp]
-    memory = int((need[StrategyKind.fsdp] + need[StrategyKind.ddp]) / 2 / HEADROOM)
+    need = {r.label: r.total for r in plan(shape, parsed, 2, 2**40).rows}
+    assert need["fsdp"] < need["ddp"]
+    memory = int((need["fsdp"] + need["ddp"]) / 2 / HEADROOM)
     with ray_service(tmp_path, num_cpus=2, worker_memory_bytes=memory) as client:
         job_id = submit(client, spec)
         job = wait_terminal(client, job_id, timeout=300)

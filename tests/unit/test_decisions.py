@@ -736,3 +736,30 @@ def test_a_fixed_strategy_is_not_planned() -> None:
     actions = decide(job(S.PENDING), facts(admission=2, worker_memory_bytes=1))
     assert StartAttempt(world_size=2) in actions
     assert not [a for a in actions if isinstance(a, RecordEvent)]
+
+
+# A gpt whose blocks' gathers (12 bytes x 805M parameters) crowd out FSDP at two workers.
+WIDE_AUTO = spec(
+    workload={"name": "gpt", "params": {"n_layer": 4, "n_embd": 8192, "n_head": 16, "seq_len": 8}},
+    strategy={"kind": "auto"},
+    training={"activation_checkpointing": "full", "micro_batch_size": 4},
+)
+
+
+@pytest.mark.parametrize(
+    ("gib", "strategy", "tp", "label"),
+    [(64, "fsdp", 1, "fsdp"), (34, "tp", 2, "tp2"), (30, "fsdp", 2, "fsdp+tp2")],
+)
+def test_auto_splits_layers_only_when_sharding_does_not_fit(
+    gib: int, strategy: str, tp: int, label: str
+) -> None:
+    view = job(S.PENDING, spec=WIDE_AUTO)
+    actions = decide(view, facts(admission=2, worker_memory_bytes=gib * 2**30))
+    [start] = [a for a in actions if isinstance(a, StartAttempt)]
+    [event] = [a for a in actions if isinstance(a, RecordEvent)]
+    assert start.world_size == 2
+    assert start.strategy is not None and start.strategy.value == strategy
+    assert start.tensor_parallel == tp
+    assert event.reason.startswith(f"at world size 2: {label}:")
+    assert event.details is not None and event.details["tensor_parallel"] == tp
+    assert set(event.details["rank_bytes"]) >= {"ddp", "fsdp", "tp2", "fsdp+tp2"}

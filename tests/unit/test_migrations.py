@@ -55,3 +55,50 @@ def test_downgrade_to_base_and_back(db_url: str) -> None:
         assert _diff(engine) == []
     finally:
         engine.dispose()
+
+
+def test_metric_summaries_are_built_for_jobs_stored_before(db_url: str) -> None:
+    """0005 backfills the bucket summaries from the rows a database already holds."""
+    import json
+
+    from sqlalchemy import text
+
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            cfg = alembic_config(engine)
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "0004")
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (id, owner, name, spec, state, priority, strategy, "
+                    "min_workers, max_workers, max_steps, step, attempt, restarts, world_size, "
+                    "cancel_requested, checkpoint_requested, created_at, updated_at, seconds_in, "
+                    "compute_s, kept_s, stall_s) VALUES (1, 'anyone', 'old', :spec, 'SUCCEEDED', "
+                    "0, 'ddp', 1, 1, 100, 100, 1, 0, 1, false, false, :now, :now, '{}', 0, 0, 0)"
+                ),
+                {"spec": json.dumps({"name": "old"}), "now": "2026-01-01T00:00:00+00:00"},
+            )
+            loss = {s: 5.0 - s / 100 for s in range(1, 101)}
+            loss[37] = 9.0
+            conn.execute(
+                text(
+                    'INSERT INTO metrics (job_id, step, attempt, at, "values") '
+                    "VALUES (1, :step, 1, :at, :values)"
+                ),
+                [
+                    {
+                        "step": s,
+                        "at": "2026-01-01T00:00:00+00:00",
+                        "values": json.dumps({"loss": v}),
+                    }
+                    for s, v in loss.items()
+                ],
+            )
+            command.upgrade(cfg, "head")
+            rows = conn.execute(
+                text("SELECT hi_step, lo_step FROM metric_buckets WHERE job_id = 1 AND width = 512")
+            ).all()
+        assert rows == [(37, 100)]
+    finally:
+        engine.dispose()

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from contracts.plan import ORDER, gpt_shape, plan, shape_of, synthetic_shape
+from contracts.plan import ORDER, choose_for_auto, gpt_shape, plan, shape_of, synthetic_shape
 from contracts.spec import ActivationCheckpointing, JobSpec, StrategyKind
 from contracts.workload_params import GptParams, SyntheticParams
 from workers.activation import ActivationMeter, apply_activation_checkpointing
@@ -78,18 +78,25 @@ def _spec(params: dict[str, Any], **training: Any) -> JobSpec:
 BIG = {"n_layer": 24, "n_embd": 2048, "n_head": 16, "seq_len": 1024}
 
 
+WIDE = {"n_layer": 4, "n_embd": 8192, "n_head": 16, "seq_len": 8}
+
+
 @pytest.mark.parametrize(
     ("params", "world_size", "device_gib", "choice", "words"),
     [
-        pytest.param({}, 2, 16, StrategyKind.ddp, "ddp:", id="small-model-ddp"),
+        pytest.param({}, 2, 16, "ddp", "ddp:", id="small-model-ddp"),
         # 20 bytes a parameter (24 GiB) do not fit 16 GiB; sharded over 8 they do.
-        pytest.param(BIG, 8, 16, StrategyKind.fsdp, "ddp needs", id="optimizer-state-fsdp"),
+        pytest.param(BIG, 8, 16, "fsdp", "ddp needs", id="optimizer-state-fsdp"),
         # Alone, nothing shards it: 16 bytes a parameter on one worker.
         pytest.param(BIG, 1, 16, None, "nothing fits", id="one-worker-nothing-fits"),
-        # A block wider than a device: only tensor parallelism would do.
+        # A block's gathered working set (12 bytes x 805M) does not fit beside FSDP's
+        # shards: split every layer over 4 ranks, and shard those over the rest.
+        pytest.param(WIDE, 4, 16, "fsdp+tp4", "fsdp needs", id="a-layer-does-not-fit-tp"),
+        pytest.param(WIDE, 8, 16, "fsdp+tp2", "fsdp needs", id="more-ranks-less-tp"),
+        # One worker: nothing can split the layer.
         pytest.param(
-            {"n_layer": 2, "n_embd": 16384, "n_head": 16, "seq_len": 8}, 8, 16, None,
-            "tensor parallelism", id="a-block-does-not-fit",
+            {"n_layer": 2, "n_embd": 16384, "n_head": 16, "seq_len": 8}, 1, 16, None,
+            "tensor parallelism cannot split it", id="a-block-does-not-fit-one-worker",
         ),
     ],
 )  # fmt: skip
@@ -97,19 +104,48 @@ def test_plan_choices(
     params: dict[str, Any],
     world_size: int,
     device_gib: int,
-    choice: StrategyKind | None,
+    choice: str | None,
     words: str,
 ) -> None:
     spec = _spec(params)
     shape = shape_of(spec)
     assert shape is not None
     result = plan(shape, spec, world_size, device_gib * GIB)
-    assert result.choice == choice, result.why
+    assert (result.chosen.label if result.chosen else None) == choice, result.why
     assert words in result.why
-    assert [r.strategy for r in result.rows] == list(ORDER)
-    fsdp = next(r for r in result.rows if r.strategy is StrategyKind.fsdp)
-    ddp = next(r for r in result.rows if r.strategy is StrategyKind.ddp)
-    assert fsdp.total <= ddp.total  # sharding never costs a rank more
+    assert [r.strategy for r in result.rows[:3]] == list(ORDER)
+    by_label = {r.label: r for r in result.rows}
+    assert by_label["fsdp"].total <= by_label["ddp"].total  # sharding never costs a rank more
+    for r in result.rows:
+        if r.tensor_parallel > 1 and r.total:
+            # Splitting layers never costs a rank more than the same strategy unsplit.
+            assert (
+                r.total <= by_label[r.strategy.value if r.strategy.value != "tp" else "ddp"].total
+            )
+
+
+def test_tensor_parallel_rows_follow_the_degrees_that_divide() -> None:
+    spec = _spec({"n_layer": 4, "n_embd": 96, "n_head": 6})  # 6 heads: degree 2 only
+    shape = shape_of(spec)
+    assert shape is not None
+    assert [r.label for r in plan(shape, spec, 4, GIB).rows] == [
+        "ddp", "fsdp", "pipeline", "tp2", "fsdp+tp2", "pipeline+tp2",
+    ]  # fmt: skip
+    assert [r.label for r in plan(shape, spec, 3, GIB).rows] == ["ddp", "fsdp", "pipeline"]
+    synthetic = JobSpec.model_validate({"name": "s", "workload": {"name": "synthetic"}})
+    shape = shape_of(synthetic)
+    assert shape is not None
+    assert len(plan(shape, synthetic, 4, GIB).rows) == 3  # no tensor-parallel plan
+
+
+def test_auto_picks_tensor_parallel_only_where_sharding_is_not_enough() -> None:
+    spec = _spec(WIDE)
+    spec = spec.model_copy(update={"strategy": spec.strategy.model_copy(update={"kind": "auto"})})
+    assert choose_for_auto(spec, 8, 64 * GIB).label == "fsdp"
+    assert choose_for_auto(spec, 4, 16 * GIB).label == "fsdp+tp4"
+    # Three workers cannot split 16 heads; the least memory is chosen and the reason said.
+    three = choose_for_auto(spec, 3, 16 * GIB)
+    assert three.label == "fsdp" and "least memory" in three.why
 
 
 def test_activation_checkpointing_can_make_ddp_fit() -> None:
@@ -128,3 +164,19 @@ def test_activation_checkpointing_can_make_ddp_fit() -> None:
 def test_custom_workloads_have_no_shape() -> None:
     spec = JobSpec.model_validate({"name": "x", "workload": {"entrypoint": "m:f"}})
     assert shape_of(spec) is None
+
+
+def test_cpu_offload_leaves_the_device_only_the_units_in_flight() -> None:
+    body = _spec(BIG).model_dump()
+    body["strategy"] = {"kind": "fsdp", "cpu_offload": True}
+    body["scaling"] = {"min_workers": 1, "max_workers": 8, "use_gpu": True, "gpus_per_worker": 1}
+    offload = JobSpec.model_validate(body)
+    shape = shape_of(offload)
+    assert shape is not None
+    fsdp = plan(shape, offload, 1, 16 * GIB).rows[1]
+    assert (fsdp.label, fsdp.optimizer) == ("fsdp", 0)
+    assert fsdp.params == 8 * shape.unit_params and fsdp.fits  # one worker is enough now
+    assert "offloaded to host memory" in fsdp.note
+    body["strategy"] = {"kind": "fsdp"}
+    plain = plan(shape, JobSpec.model_validate(body), 1, 16 * GIB).rows[1]
+    assert not plain.fits and plain.total > 10 * fsdp.total

@@ -555,3 +555,23 @@ def test_an_auto_job_launches_what_the_plan_chose(env) -> None:  # type: ignore[
     sched.run_pass()
     assert launcher.launches[-1].job_id == roomy
     assert launcher.launches[-1].spec.strategy.kind.value == "ddp"
+
+
+def test_an_auto_job_can_be_launched_tensor_parallel(env) -> None:  # type: ignore[no-untyped-def]
+    """Where only splitting the layers fits, the workers get fsdp with a tensor-parallel
+    degree and the job row names both."""
+    factory, launcher, sched, _ = env
+    sched.settings = sched.settings.model_copy(update={"worker_memory_bytes": 30 * 2**30})
+    wide = {"n_layer": 4, "n_embd": 8192, "n_head": 16, "seq_len": 8}
+    jid = submit(
+        factory,
+        workload={"name": "gpt", "params": wide},
+        strategy={"kind": "auto"},
+        scaling={"min_workers": 2, "max_workers": 2},
+        training={"activation_checkpointing": "full", "micro_batch_size": 4},
+    )
+    sched.run_pass()
+    [request] = launcher.launches
+    assert request.spec.strategy.kind.value == "fsdp"
+    assert request.spec.strategy.tensor_parallel == 2
+    assert job(factory, jid).strategy == "fsdp+tp2"

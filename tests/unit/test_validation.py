@@ -82,6 +82,69 @@ def test_pipeline_stages_above_max_workers(api: TestClient) -> None:
     assert "strategy.pipeline_stages" in msg and "scaling.max_workers" in msg
 
 
+GPT4 = {"name": "gpt", "params": {"n_head": 4}}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "scaling", "workload", "words"),
+    [
+        ({"kind": "ddp", "tensor_parallel": 2}, {}, GPT4, ["strategy.tensor_parallel", "'tp'"]),
+        ({"kind": "tp"}, {}, {"name": "synthetic"}, ["strategy.tensor_parallel", "synthetic"]),
+        ({"kind": "fsdp", "tensor_parallel": 3}, {"max_workers": 3}, GPT4,
+         ["strategy.tensor_parallel", "n_head (4)"]),
+        ({"kind": "tp", "tensor_parallel": 4}, {"max_workers": 2}, GPT4,
+         ["strategy.tensor_parallel (a model split over 4", "scaling.max_workers (2)"]),
+        ({"kind": "tp"}, {"min_workers": 3, "max_workers": 3}, GPT4,
+         ["runs on a multiple of 2 workers", "min_workers to 2", "max_workers to 4"]),
+        ({"kind": "pipeline", "pipeline_stages": 2, "tensor_parallel": 2}, {"max_workers": 3},
+         GPT4, ["strategy.pipeline_stages x strategy.tensor_parallel", "= 4"]),
+        ({"kind": "tp", "tensor_parallel": 65}, {}, GPT4, ["strategy.tensor_parallel", "64"]),
+    ],
+)  # fmt: skip
+def test_impossible_tensor_parallel_specs(
+    api: TestClient,
+    strategy: dict[str, Any],
+    scaling: dict[str, Any],
+    workload: dict[str, Any],
+    words: list[str],
+) -> None:
+    msg = rejected(api, spec_dict(strategy=strategy, scaling=scaling, workload=workload))
+    for word in words:
+        assert word in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("strategy", "scaling", "words"),
+    [
+        ({"kind": "ddp", "cpu_offload": True}, {}, "only allowed when strategy.kind is 'fsdp'"),
+        ({"kind": "fsdp", "cpu_offload": True}, {}, "set scaling.use_gpu: true"),
+    ],
+)
+def test_cpu_offload_needs_fsdp_on_a_gpu(
+    api: TestClient, strategy: dict[str, Any], scaling: dict[str, Any], words: str
+) -> None:
+    msg = rejected(api, spec_dict(strategy=strategy, scaling=scaling))
+    assert "strategy.cpu_offload" in msg and words in msg, msg
+
+
+def test_tensor_parallel_jobs_run_at_multiples_of_the_model_size() -> None:
+    from contracts.spec import JobSpec
+
+    tp = JobSpec.model_validate(
+        spec_dict(strategy={"kind": "tp"}, scaling={"max_workers": 7}, workload=GPT4)
+    )
+    assert tp.world_sizes == [2, 4, 6] and tp.usable_world_size(5) == 4
+    assert tp.usable_world_size(1) == 0 and tp.strategy.label == "tp2"
+    three_d = JobSpec.model_validate(
+        spec_dict(
+            strategy={"kind": "pipeline", "pipeline_stages": 2, "tensor_parallel": 2},
+            scaling={"max_workers": 8},
+            workload=GPT4,
+        )
+    )
+    assert three_d.world_sizes == [4, 8] and three_d.strategy.label == "pipeline+tp2"
+
+
 def test_keep_last_below_two(api: TestClient) -> None:
     msg = rejected(api, spec_dict(checkpoint={"keep_last": 1}))
     assert "checkpoint.keep_last" in msg and "2" in msg

@@ -177,7 +177,7 @@ def test_stop_saves_and_returns(runs: dict) -> None:
     manifest = commit.manifest
     assert manifest is not None
     assert manifest["data_position"] == {"step": 3, "samples_consumed": 96}
-    assert manifest["layout"] == {"dp": 2, "pp": 1} and manifest["strategy"] == "fsdp"
+    assert manifest["layout"] == {"dp": 2, "pp": 1, "tp": 1} and manifest["strategy"] == "fsdp"
     extra = dict(manifest["extra"])
     saved = extra.pop("metrics")
     assert extra.pop("save_started_at") <= manifest["created_at"]

@@ -1,4 +1,4 @@
-"""Parallelism strategies. `make_strategy(kind)` builds one from the spec's `strategy.kind`."""
+"""Parallelism strategies (ddp, fsdp, pipeline, tp; fsdp and pipeline compose with tp). `make_strategy(kind)` builds one from the spec's `strategy.kind`."""
 
 from __future__ import annotations
 
@@ -24,4 +24,8 @@ def make_strategy(kind: StrategyKind) -> Strategy:
         from workers.strategies.pipeline import PipelineStrategy
 
         return PipelineStrategy()
+    if kind is StrategyKind.tp:
+        from workers.strategies.tensor_parallel import TensorParallelStrategy
+
+        return TensorParallelStrategy()
     raise AssertionError(f"unhandled StrategyKind {kind!r}")  # pragma: no cover

@@ -24,16 +24,20 @@ from workers.api import TrainContext, Workload
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """How the world is divided. `dp` data-parallel replicas, each of `pp` pipeline stages.
+    """How the world is divided: `dp` data-parallel replicas, each of `pp` pipeline
+    stages, each stage split over `tp` tensor-parallel ranks (world = dp * pp * tp).
 
     The loop splits the global batch over the `dp` replicas; all ranks of one replica see
-    the same share.
+    the same share. Ranks are numbered with tp innermost, then pp, then dp
+    (`workers.strategies.mesh`).
     """
 
     dp: int
     pp: int = 1
+    tp: int = 1
     dp_rank: int = 0
     pp_rank: int = 0
+    tp_rank: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,7 +130,9 @@ class Strategy(ABC):
         )
 
     def memory_bytes(self) -> dict[str, int]:
-        """Parameter, gradient and optimizer-state bytes held by this rank (local shards)."""
+        """Parameter, gradient and optimizer-state bytes held by this rank (local shards,
+        in host memory under FSDP's cpu_offload), the peak activation bytes and, on a GPU,
+        the device's peak allocation since the last call."""
 
         def local_bytes(t: torch.Tensor) -> int:
             local = t.to_local() if hasattr(t, "to_local") else t
@@ -139,13 +145,20 @@ class Strategy(ABC):
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     optim += local_bytes(value)
-        return {
+        out = {
             "param_bytes": params,
             "grad_bytes": grads,
             "optim_bytes": optim,
             # The most one micro-batch's forward kept for backward since the last report.
             "activation_bytes": self.activations.peak,
         }
+        device: torch.device | None = getattr(self, "device", None)
+        if device is not None and device.type == "cuda":
+            # What the device held at most since the last report (each report starts a
+            # new window): the measured effect of offload and activation checkpointing.
+            out["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        return out
 
 
 def microbatch_loss(

@@ -15,12 +15,14 @@ from types import EllipsisType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from contracts.spec import JobSpec, MixedPrecision
 from workers.api import TrainContext, Workload
 from workers.strategies.base import Layout, StepOutput, Strategy, microbatch_loss
+from workers.strategies.grad_norm import clip_grads_
 
 
 def grad_clip_of(spec: JobSpec, override: float | EllipsisType | None) -> float | None:
@@ -43,8 +45,11 @@ class DataParallelStrategy(Strategy):
 
     def setup(self, workload: Workload, ctx: TrainContext, spec: JobSpec) -> None:
         self.device = ctx.device
+        self.spec = spec
         self.loss_fn = workload.loss_fn
-        self.layout = Layout(dp=ctx.world_size, dp_rank=ctx.rank)
+        self.layout = self.make_layout(ctx, spec)
+        # The tensor-parallel ranks of a replica compute the same loss: one reports it.
+        self._reports_loss = self.layout.tp_rank == 0
         precision = spec.strategy.mixed_precision
         if precision is not None and ctx.device.type != "cuda":
             raise ValueError(
@@ -64,6 +69,10 @@ class DataParallelStrategy(Strategy):
             fused=False,
         )
         self.grad_clip = grad_clip_of(spec, self._grad_clip_override)
+
+    def make_layout(self, ctx: TrainContext, spec: JobSpec) -> Layout:
+        """Every rank is one replica, unless the strategy splits the model (tp)."""
+        return Layout(dp=ctx.world_size, dp_rank=ctx.rank)
 
     @abstractmethod
     def wrap(self, model: nn.Module, mixed_precision: torch.dtype | None) -> nn.Module:
@@ -92,7 +101,7 @@ class DataParallelStrategy(Strategy):
                     loss = self.scaler.scale(loss)
                 loss.backward()
             loss_sum += summed.float()
-        return StepOutput(loss_sum=loss_sum.item())
+        return StepOutput(loss_sum=loss_sum.item() if self._reports_loss else 0.0)
 
     def evaluate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         was_training = self.model.training
@@ -109,7 +118,7 @@ class DataParallelStrategy(Strategy):
                     total += self.loss_fn(self.model(inputs), targets).float() * inputs.shape[0]
         finally:
             self.model.train(was_training)
-        return float(total.item())
+        return float(total.item()) if self._reports_loss else 0.0
 
     def _autocast(self) -> AbstractContextManager[Any]:
         if self.autocast_dtype is None:
@@ -120,12 +129,26 @@ class DataParallelStrategy(Strategy):
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
         if self.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.clip_gradients(self.grad_clip)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
+
+    def clip_gradients(self, max_norm: float) -> None:
+        """Scale the gradients to a global norm of at most `max_norm`."""
+        if self.layout.tp > 1:
+            # Split parameters: one scalar all-reduce over every rank that holds a part of
+            # the model (`grad_norm`), the same bits on all of them.
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            clip_grads_(grads, max_norm, [self.norm_group], self.device)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    #: The ranks whose gradients together make the whole model's (tensor parallel: the
+    #: tp group, since replicas hold the same averaged gradients; None: every rank).
+    norm_group: dist.ProcessGroup | None = None
 
 
 class DDPStrategy(DataParallelStrategy):

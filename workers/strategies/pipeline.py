@@ -1,22 +1,24 @@
 """Pipeline parallelism with `torch.distributed.pipelining` (GPipe or 1F1B), optionally
 data-parallel across whole pipeline replicas.
 
-Layout. With `S` stages and world size `W` (a multiple of `S`; the scheduler only launches
-pipeline jobs at such sizes), there are `dp = W // S` replicas and the mapping is
-replica-major:
+Layout. With `S` stages, tensor-parallel degree `T` (`strategy.tensor_parallel`, 1 unless
+set) and world size `W` (a multiple of `S*T`; the scheduler only launches pipeline jobs at
+such sizes), there are `dp = W // (S*T)` replicas and the mapping is replica-major with
+tp innermost (`workers.strategies.mesh`):
 
-    rank = dp_rank * S + pp_rank      (pp_rank = rank % S, dp_rank = rank // S)
+    rank = (dp_rank * S + pp_rank) * T + tp_rank
 
 so the stages of one replica sit on consecutive ranks. Ray Train (like torchrun) packs
 consecutive ranks onto the same node, which keeps the latency-bound stage-to-stage
-traffic (two P2P messages per micro-batch) inside a node, while the gradient all-reduce
-between replicas (once per step, coalesced) is the only traffic that crosses nodes. It
-also means a lost node takes whole replicas with it rather than one stage of each.
+traffic (two P2P messages per micro-batch) and tensor parallelism's all-reduces inside a
+node, while the gradient all-reduce between replicas (once per step, coalesced) is the
+only traffic that crosses nodes. It also means a lost node takes whole replicas with it
+rather than one stage of each.
 
-Process groups (every rank creates every group, in the same order, as `new_group` needs):
-one pipeline group per replica (`ranks d*S .. d*S+S-1`; group rank == stage index, which
-is what `PipelineStage` assumes) and, when dp > 1, one data-parallel group per stage
-(`ranks s, S+s, 2S+s, ...`) for the gradient all-reduce.
+Process groups come from the (dp, pp, tp) device mesh: a pipeline group per (replica, tp
+rank) whose group rank is the stage index (what `PipelineStage` assumes), a data-parallel
+group per (stage, tp rank) for the gradient all-reduce, and with T > 1 a tensor-parallel
+group per (replica, stage) inside which the stage's layers are split (3-D parallelism).
 
 Data. The loop gives every rank of a replica the same share, cut into its micro-batches.
 `train_step` concatenates them in consecutive groups of up to `M` (the spec's
@@ -47,13 +49,12 @@ group) and AdamW (`fused=False`, deterministic) steps.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import EllipsisType
 from typing import cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -64,13 +65,12 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from contracts.spec import JobSpec, PipelineSchedule
 from workers.api import TrainContext, Workload
 from workers.strategies.base import Layout, StepOutput, Strategy
+from workers.strategies.collectives import all_reduce_scaled, broadcast_from_first, local
 from workers.strategies.ddp import grad_clip_of
+from workers.strategies.grad_norm import clip_grads_
+from workers.strategies.mesh import grid_layout, grid_mesh
 
 log = logging.getLogger(__name__)
-
-# Gradient all-reduce bucket: large enough to amortise per-call latency, small enough not
-# to double the gradient memory of a big stage in one temporary buffer.
-_BUCKET_BYTES = 32 * 1024 * 1024
 
 # Pipeline checkpoints flatten the optimizer state to per-FQN keys
 # (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`). The nested default keeps one
@@ -84,28 +84,11 @@ CHECKPOINT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # ---------------------------------------------------------------------------------------
 
 
-def pipeline_layout(rank: int, world_size: int, stages: int) -> Layout:
-    """Replica-major layout: `rank = dp_rank * stages + pp_rank`."""
+def pipeline_layout(rank: int, world_size: int, stages: int, tp: int = 1) -> Layout:
+    """Replica-major layout: `rank = (dp_rank * stages + pp_rank) * tp + tp_rank`."""
     if stages < 1:
         raise ValueError(f"strategy.pipeline_stages must be >= 1, got {stages}")
-    if world_size < stages or world_size % stages != 0:
-        raise ValueError(
-            f"pipeline: world size {world_size} is not a multiple of strategy.pipeline_stages "
-            f"({stages}); a pipeline job runs whole replicas of {stages} ranks only"
-        )
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} out of range for world size {world_size}")
-    return Layout(dp=world_size // stages, pp=stages, dp_rank=rank // stages, pp_rank=rank % stages)
-
-
-def replica_ranks(dp_rank: int, stages: int) -> list[int]:
-    """Global ranks of replica `dp_rank`'s stages, in stage order."""
-    return [dp_rank * stages + s for s in range(stages)]
-
-
-def stage_ranks(pp_rank: int, dp: int, stages: int) -> list[int]:
-    """Global ranks that hold stage `pp_rank`, one per replica, in replica order."""
-    return [d * stages + pp_rank for d in range(dp)]
+    return grid_layout(rank, world_size, pp=stages, tp=tp)
 
 
 def pipeline_chunks(num_samples: int, max_chunks: int) -> int:
@@ -159,18 +142,30 @@ class PipelineStrategy(Strategy):
     def setup(self, workload: Workload, ctx: TrainContext, spec: JobSpec) -> None:
         opts = PipelineOptions.from_spec(spec)
         self.options = opts
-        self.layout = pipeline_layout(ctx.rank, ctx.world_size, opts.stages)
+        self.layout = pipeline_layout(
+            ctx.rank, ctx.world_size, opts.stages, spec.strategy.tensor_parallel_degree
+        )
         self.device = ctx.device
         if not hasattr(workload.model, "pipeline_stage"):
             raise ValueError(
                 "strategy.kind 'pipeline' needs a model with "
                 "pipeline_stage(stage_index, num_stages); this workload's model has none"
             )
-        self._pp_group, self._dp_group = self._new_groups(opts.stages)
+        mesh = grid_mesh(self.device.type, self.layout)
+        # Group rank == stage index in the pp group, as `PipelineStage` assumes.
+        self._pp_group = mesh["pp"].get_group()
+        self._dp_group = mesh["dp"].get_group() if self.layout.dp > 1 else None
+        self._tp_group = mesh["tp"].get_group() if self.layout.tp > 1 else None
 
         build_stage = cast(Callable[[int, int], nn.Module], workload.model.pipeline_stage)
         stage_module = build_stage(self.layout.pp_rank, opts.stages)
         self.model = stage_module.to(self.device)
+        if self.layout.tp > 1:
+            from workers.strategies.tensor_parallel import parallelize
+
+            # Stage-to-stage messages stay plain tensors (the plan's outputs are local),
+            # each tensor-parallel rank talking to the same one of the next stage.
+            parallelize(self.model, mesh["tp"])
         self.is_first = self.layout.pp_rank == 0
         self.is_last = self.layout.pp_rank == opts.stages - 1
         self._broadcast_params()
@@ -188,23 +183,6 @@ class PipelineStrategy(Strategy):
 
     # -- process groups ----------------------------------------------------------------
 
-    def _new_groups(self, stages: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-        """Create all pipeline groups, then all dp groups, on every rank in that order;
-        keep this rank's."""
-        dp, me = self.layout.dp, self.layout
-        pp_group = dp_group = None
-        for d in range(dp):
-            group = dist.new_group(replica_ranks(d, stages))
-            if d == me.dp_rank:
-                pp_group = group
-        if dp > 1:
-            for s in range(stages):
-                group = dist.new_group(stage_ranks(s, dp, stages))
-                if s == me.pp_rank:
-                    dp_group = group
-        assert pp_group is not None
-        return pp_group, dp_group
-
     def _broadcast_params(self) -> None:
         """Replicas start identical (as DDP does): dp rank 0's stage parameters win."""
         if self._dp_group is None:
@@ -212,13 +190,7 @@ class PipelineStrategy(Strategy):
         with torch.no_grad():
             tensors = [p.data for p in self.model.parameters()]
             tensors += [b for b in self.model.buffers()]
-            for bucket in _buckets(tensors):
-                flat = torch._utils._flatten_dense_tensors(bucket)
-                dist.broadcast(flat, group=self._dp_group, group_src=0)
-                for t, synced in zip(
-                    bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True
-                ):
-                    t.copy_(synced)
+            broadcast_from_first(tensors, self._dp_group)
 
     # -- schedules ---------------------------------------------------------------------
 
@@ -254,6 +226,25 @@ class PipelineStrategy(Strategy):
 
     # -- training ----------------------------------------------------------------------
 
+    def _schedule_steps(
+        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> Iterator[tuple[PipelineScheduleSingle, int, tuple[torch.Tensor, ...], torch.Tensor]]:
+        """The schedule runs of a share: consecutive groups of up to `microbatches` loop
+        micro-batches, each as (schedule, chunks, the first stage's args, targets), on the
+        device. Empty groups are skipped: every stage of the replica has the same data, so
+        all skip together."""
+        per_step = self.options.microbatches
+        for start in range(0, len(microbatches), per_step):
+            group = microbatches[start : start + per_step]
+            inputs = torch.cat([x for x, _ in group])
+            targets = torch.cat([y for _, y in group])
+            if inputs.shape[0] == 0:
+                continue
+            chunks = pipeline_chunks(inputs.shape[0], per_step)
+            schedule = self._schedule_for(chunks, inputs, targets)
+            args = (inputs.to(self.device, non_blocking=True),) if self.is_first else ()
+            yield schedule, chunks, args, targets.to(self.device, non_blocking=True)
+
     def forward_backward(
         self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
     ) -> StepOutput:
@@ -261,34 +252,25 @@ class PipelineStrategy(Strategy):
             raise ValueError("train_step needs at least one micro-batch")
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
-        per_step = self.options.microbatches
-        for start in range(0, len(microbatches), per_step):
-            group = microbatches[start : start + per_step]
-            inputs = torch.cat([x for x, _ in group])
-            targets = torch.cat([y for _, y in group])
-            if inputs.shape[0] == 0:
-                continue  # same data on every stage of the replica: all skip together
-            chunks = pipeline_chunks(inputs.shape[0], per_step)
-            schedule = self._schedule_for(chunks, inputs, targets)
+        for schedule, chunks, args, targets in self._schedule_steps(microbatches):
             losses: list[torch.Tensor] = []
-            args = (inputs.to(self.device, non_blocking=True),) if self.is_first else ()
             # The schedule interleaves the chunks' forwards and backwards: the meter sees
             # all of them, counted per chunk (the stage's activations per micro-batch).
             with self.activations.measuring(per=chunks):
                 if self.is_last:
-                    schedule.step(
-                        *args,
-                        target=targets.to(self.device, non_blocking=True),
-                        losses=losses,
-                        return_outputs=False,
-                    )
+                    schedule.step(*args, target=targets, losses=losses, return_outputs=False)
                 else:
                     schedule.step(*args, return_outputs=False)
             if self.is_last:
                 loss_sum += torch.stack([loss.detach() for loss in losses]).sum()
         self._scale_and_sync_grads(loss_scale)
         # One host sync per step, on the last stage only.
-        return StepOutput(loss_sum=float(loss_sum.item()) if self.is_last else 0.0)
+        return StepOutput(loss_sum=float(loss_sum.item()) if self._reports_loss else 0.0)
+
+    @property
+    def _reports_loss(self) -> bool:
+        """The last stage holds the loss; its tensor-parallel ranks all hold the same one."""
+        return self.is_last and self.layout.tp_rank == 0
 
     def evaluate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """The schedule's forward-only run (`eval`) over the same chunking as training; the
@@ -296,27 +278,18 @@ class PipelineStrategy(Strategy):
         was_training = self.model.training
         self.model.eval()
         total = 0.0
-        per_step = self.options.microbatches
         try:
             with torch.no_grad():
-                for start in range(0, len(microbatches), per_step):
-                    group = microbatches[start : start + per_step]
-                    inputs = torch.cat([x for x, _ in group])
-                    targets = torch.cat([y for _, y in group])
-                    if inputs.shape[0] == 0:
-                        continue  # same data on every stage of the replica: all skip
-                    chunks = pipeline_chunks(inputs.shape[0], per_step)
-                    schedule = self._schedule_for(chunks, inputs, targets)
-                    args = (inputs.to(self.device),) if self.is_first else ()
+                for schedule, _, args, targets in self._schedule_steps(microbatches):
                     if self.is_last:
                         losses: list[torch.Tensor] = []
-                        schedule.eval(*args, target=targets.to(self.device), losses=losses)
+                        schedule.eval(*args, target=targets, losses=losses)
                         total += float(torch.stack([loss.detach() for loss in losses]).sum())
                     else:
                         schedule.eval(*args)
         finally:
             self.model.train(was_training)
-        return total
+        return total if self._reports_loss else 0.0
 
     def optimizer_step(self) -> None:
         if self.grad_clip is not None:
@@ -335,54 +308,18 @@ class PipelineStrategy(Strategy):
         if not grads:
             return
         if self._dp_group is None:
-            torch._foreach_mul_(grads, loss_scale)
+            torch._foreach_mul_([local(g) for g in grads], loss_scale)
             return
-        factor = loss_scale / self.layout.dp
-        for bucket in _buckets(grads):
-            flat = torch._utils._flatten_dense_tensors(bucket)
-            flat.mul_(factor)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._dp_group)
-            for g, synced in zip(
-                bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True
-            ):
-                g.copy_(synced)
+        all_reduce_scaled(grads, loss_scale / self.layout.dp, self._dp_group)
 
     def _clip_grads(self, max_norm: float) -> None:
         """`clip_grad_norm_` over the whole model: each stage holds a disjoint part of the
-        parameters, so the squared norms are summed over the pipeline group."""
+        parameters, so the squared norms are summed over the tensor-parallel ranks of the
+        stage, then over the pipeline group."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if grads:
-            norms = torch._foreach_norm(grads, 2.0)
-            sq = torch.stack([n.float() for n in norms]).square().sum()
-        else:
-            sq = torch.zeros((), device=self.device)
+        groups = [self._tp_group] if self._tp_group is not None else []
         if self.options.stages > 1:
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self._pp_group)
-        total = sq.sqrt()
-        # Same formula as torch.nn.utils.clip_grad_norm_ (no host sync).
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+            groups.append(self._pp_group)
+        clip_grads_(grads, max_norm, groups, self.device)
 
     # -- checkpoints -------------------------------------------------------------------
-
-
-def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Consecutive runs of same-dtype, same-device tensors of at most ~_BUCKET_BYTES."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        last = buckets[-1] if buckets else None
-        if (
-            last is None
-            or size + nbytes > _BUCKET_BYTES
-            or last[0].dtype != t.dtype
-            or last[0].device != t.device
-        ):
-            buckets.append([t])
-            size = nbytes
-        else:
-            last.append(t)
-            size += nbytes
-    return buckets

@@ -8,7 +8,7 @@ first `seq_len` are the input, the last `seq_len` the next-token targets. Sample
 always the same window, which is what the elastic sampler's determinism rests on.
 
 Blocks live in an `nn.ModuleDict` keyed by their index as a string ("0", "1", ...). That
-keeps parameter names (`blocks.3.attn.qkv.weight`) identical when a pipeline stage keeps
+keeps parameter names (`blocks.3.attn.in_proj.weight`) identical when a pipeline stage keeps
 only some of the blocks, so a checkpoint saved under one split loads under any other.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 from importlib import resources
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,9 @@ from contracts.workload_params import GptParams
 from workers.api import Workload
 from workers.workloads import WorkloadError, stage_block_range
 from workers.workloads.token_data import TokenWindows, char_vocab, encode_chars, load_token_data
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 CORPUS = "tinyshakespeare.txt"
 
@@ -51,25 +55,35 @@ def load_corpus() -> tuple[torch.Tensor, tuple[str, ...]]:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused input projection.
+
+    `in_proj`'s output rows are grouped by head, `[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`
+    (Megatron's fused layout) rather than `[q | k | v]`: tensor parallelism splits the
+    rows into contiguous blocks, and this order gives each rank whole heads with their
+    queries, keys and values, so attention needs no communication. The head count a rank
+    runs is read from the projection's output, which is why it is not stored.
+    """
+
     def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
         super().__init__()
         if n_embd % n_head != 0:
             raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
-        self.n_head = n_head
+        self.head_dim = n_embd // n_head
         self.dropout = dropout
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.in_proj = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        # (B, T, C) -> (B, heads, T, head_dim), the layout SDPA expects.
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # (B, T, heads*3*hd) -> three (B, heads, T, hd), the layout SDPA expects; `heads`
+        # is this rank's share under tensor parallelism.
+        qkv = self.in_proj(x).view(b, t, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        q, k, v = qkv.unbind(0)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
 class MLP(nn.Module):
@@ -150,6 +164,35 @@ class GPT(nn.Module):
     def shard_units(self) -> list[nn.Module]:
         """FSDP shards these one by one (per block), then the root (embeddings, head)."""
         return list(self.blocks.values())
+
+    def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
+        """How tensor parallelism splits this model (Megatron-style, on DTensor).
+
+        In each block the attention's fused input projection and the MLP's first layer
+        are split by output features (column parallel) and their output projections by
+        input features (row parallel): a rank computes whole heads and a slice of the
+        MLP's hidden units, and each block costs one all-reduce in the forward for
+        attention and one for the MLP (and two in the backward). The embeddings are split
+        by rows (token / position ids; the partial sums are all-reduced) and the LM head
+        by vocabulary, its logits gathered for the loss. The layer norms are not split;
+        the strategy replicates them. Only the modules this (pipeline stage) model holds
+        are named.
+        """
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan: dict[str, ParallelStyle] = {}
+        if self.tok_emb is not None:
+            plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate())
+            plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate())
+        for name in self.blocks:
+            plan[f"blocks.{name}.attn.in_proj"] = ColwiseParallel()
+            plan[f"blocks.{name}.attn.proj"] = RowwiseParallel()
+            plan[f"blocks.{name}.mlp.fc"] = ColwiseParallel()
+            plan[f"blocks.{name}.mlp.proj"] = RowwiseParallel()
+        if self.head is not None:
+            plan["head"] = ColwiseParallel(output_layouts=Replicate())
+        return plan
 
     def pipeline_stage(self, stage_index: int, num_stages: int) -> GPT:
         """The part of the model pipeline stage `stage_index` of `num_stages` runs.

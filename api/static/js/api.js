@@ -126,7 +126,8 @@ export const api = {
   cancel: (id) => request(`/v1/jobs/${enc(id)}/cancel`, { method: "POST" }),
   checkpoint: (id) => request(`/v1/jobs/${enc(id)}/checkpoint`, { method: "POST" }),
   events: (id) => request(`/v1/jobs/${enc(id)}/events`),
-  metrics: (id, sinceStep = 0) => request(`/v1/jobs/${enc(id)}/metrics?since_step=${sinceStep}`),
+  metrics: (id, sinceStep = 0, maxPoints = 2000) =>
+    request(`/v1/jobs/${enc(id)}/metrics?since_step=${sinceStep}&max_points=${maxPoints}`),
   checkpoints: (id) => request(`/v1/jobs/${enc(id)}/checkpoints`),
   logs: (id, offset = "0", attempt = null) => request(
     `/v1/jobs/${enc(id)}/logs?offset=${enc(offset)}${attempt === null ? "" : `&attempt=${attempt}`}`),

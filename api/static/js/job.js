@@ -13,6 +13,8 @@ import {
 
 const POLL_MS = 2000;
 const POLL_DONE_MS = 10000;
+// Points per metrics request: about one per pixel of a wide chart, twice over.
+const MAX_POINTS = 2000;
 const LOG_KEEP_CHARS = 256 * 1024;
 // The phases of a start after its detection (contracts.messages.Phase), in order.
 const PHASES = ["old_group_stopped", "placed", "processes_up", "group_formed", "state_restored", "first_step"];
@@ -192,24 +194,31 @@ class JobView {
   }
 
   async fetchMetrics() {
-    // Up to 10,000 points per call; keep reading while full pages come back.
-    for (let i = 0; i < 20; i++) {
-      const t0 = performance.now();
-      const points = await api.metrics(this.id, this.nextStep);
-      if (!points.length) return;
-      this.lossChart.append(points);
-      this.tputChart.append(points);
-      for (const p of points) {
-        if (p.step_time_s != null) this.recentStepTimes.push(Number(p.step_time_s));
-      }
-      this.lastPoint = points[points.length - 1];
-      // Where the MFU's peak comes from (or why there is none): sent with an attempt's first step.
-      for (const p of points) if (p.mfu_basis) this.mfuBasis = p.mfu_basis;
-      if (this.recentStepTimes.length > 50) this.recentStepTimes.splice(0, this.recentStepTimes.length - 50);
-      this.nextStep = points[points.length - 1].step + 1;
-      debug.perf.metrics = { points: points.length, ms: performance.now() - t0, total: this.lossChart.steps.length };
-      if (points.length < 10000) return;
+    // The server keeps at most MAX_POINTS per request, downsampled with the curve's shape
+    // (each bucket's lowest and highest loss, slowest step, held-out loss): a job of a
+    // million steps arrives as ~2,000 real points. New steps then arrive as they are.
+    // When the chart has gathered twice the budget, it is read again whole, downsampled.
+    const whole = this.nextStep === 0 || this.lossChart.steps.length > 2 * MAX_POINTS;
+    const since = whole ? 0 : this.nextStep;
+    const t0 = performance.now();
+    const points = await api.metrics(this.id, since, MAX_POINTS);
+    if (whole) {
+      this.lossChart.reset();
+      this.tputChart.reset();
+      this.recentStepTimes = [];
     }
+    if (!points.length) return;
+    this.lossChart.append(points);
+    this.tputChart.append(points);
+    for (const p of points) {
+      if (p.step_time_s != null) this.recentStepTimes.push(Number(p.step_time_s));
+    }
+    this.lastPoint = points[points.length - 1];
+    // Where the MFU's peak comes from (or why there is none): sent with an attempt's first step.
+    for (const p of points) if (p.mfu_basis) this.mfuBasis = p.mfu_basis;
+    if (this.recentStepTimes.length > 50) this.recentStepTimes.splice(0, this.recentStepTimes.length - 50);
+    this.nextStep = points[points.length - 1].step + 1;
+    debug.perf.metrics = { points: points.length, ms: performance.now() - t0, total: this.lossChart.steps.length };
   }
 
   slowDown() {
@@ -273,13 +282,21 @@ class JobView {
     return mean * (job.max_steps - job.step);
   }
 
+  pointsText() {
+    const drawn = this.lossChart.steps.length;
+    const steps = this.job ? this.job.step : 0;
+    // Fewer points than steps: the server kept the curve's shape in MAX_POINTS.
+    if (steps > drawn) return `${drawn.toLocaleString()} points of ${steps.toLocaleString()} steps`;
+    return `${drawn.toLocaleString()} points`;
+  }
+
   renderReadouts() {
     const loss = this.lossChart.last("loss");
     const held = this.lossChart.last("eval_loss");
     this.lossReadout.textContent = loss === null ? "" : [
       `last ${fmtNum(loss, 5)}`,
       held === null ? "" : `held-out ${fmtNum(held, 5)}`,
-      `${this.lossChart.steps.length.toLocaleString()} points`,
+      this.pointsText(),
     ].filter(Boolean).join(" · ");
     this.lossReadout.dataset.last = loss ?? "";
     const p = this.lastPoint || {};
@@ -460,7 +477,10 @@ function phaseName(phase) {
 function strategyText(spec, running) {
   const s = spec.strategy || {};
   // auto: what the memory plan chose at the current attempt's launch (the events say why).
-  const kind = s.kind === "auto" ? `auto → ${running && running !== "auto" ? running : "not planned yet"}` : s.kind || "ddp";
-  if (kind !== "pipeline") return s.mixed_precision ? `${kind} · ${s.mixed_precision}` : kind;
-  return `pipeline · ${s.pipeline_stages ?? 2} stages · ${s.schedule ?? "1f1b"} · ${s.microbatches ?? 4} µb`;
+  // tp2, fsdp+tp2, pipeline+tp2: the job's strategy field names the tensor-parallel degree.
+  const fixed = running && running !== "auto" ? running : s.kind || "ddp";
+  const kind = s.kind === "auto" ? `auto → ${running && running !== "auto" ? running : "not planned yet"}` : fixed;
+  const extras = [s.mixed_precision, s.cpu_offload ? "cpu offload" : null].filter(Boolean);
+  if (s.kind !== "pipeline") return [kind, ...extras].join(" · ");
+  return [kind, `${s.pipeline_stages ?? 2} stages`, s.schedule ?? "1f1b", `${s.microbatches ?? 4} µb`, ...extras].join(" · ");
 }

@@ -150,7 +150,9 @@ function makeRow() {
 function updateRow(row, job, now) {
   const spec = job.spec || {};
   const scaling = spec.scaling || {};
-  const strategy = (spec.strategy && spec.strategy.kind) || job.strategy || "—";
+  // The job's strategy names a tensor-parallel degree (fsdp+tp2) and an auto job's choice.
+  const kind = spec.strategy && spec.strategy.kind;
+  const strategy = kind === "auto" ? `auto → ${job.strategy && job.strategy !== "auto" ? job.strategy : "…"}` : job.strategy || kind || "—";
   const labels = job.labels || spec.labels || {};
   const maxSteps = job.max_steps ?? (spec.training && spec.training.max_steps) ?? 0;
   const sig = JSON.stringify([job.name, job.state, job.state_reason, job.world_size, job.step,

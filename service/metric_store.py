@@ -1,0 +1,206 @@
+"""A job's metric curve at any length: bucket summaries kept as rows arrive, downsampled
+reads from them, and retention that thins old finished jobs to the rows their curve
+needs (`service.metric_summary` holds the pure part). Like `service.jobs`, no commits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Row, and_, delete, func, insert, select, tuple_
+from sqlalchemy.orm import Session
+
+from service.metric_summary import (
+    WIDTHS,
+    Summary,
+    merge,
+    representative_steps,
+    summarize,
+    width_for,
+)
+from service.models import Job, Metric, MetricBucket
+from service.states import TERMINAL
+
+_KEY = ["job_id", "width", "bucket"]
+_FIELDS = ("lo_step", "lo_loss", "hi_step", "hi_loss", "slow_step", "slow_s", "eval_step")
+#: Retention keeps each finished job's representative rows at this width (and the first
+#: and last): about 4 rows in 64, every held-out loss up to one per 64 steps.
+THIN_WIDTH = 64
+#: Steps handled per delete when thinning, buckets looked up per query (bounded statement
+#: sizes on any database).
+_THIN_WINDOW = 8192
+_KEYS_PER_QUERY = 500
+
+
+def _summary(row: Sequence[Any]) -> Summary:
+    """A row of `MetricBucket`'s `_FIELDS` columns, in that order."""
+    lo_step, lo_loss, hi_step, hi_loss, slow_step, slow_s, eval_step = row
+    return Summary(lo_step=lo_step, lo_loss=lo_loss, hi_step=hi_step, hi_loss=hi_loss,
+                   slow_step=slow_step, slow_s=slow_s, eval_step=eval_step)  # fmt: skip
+
+
+#: What a metric read returns per row (plain rows, not ORM objects: a read of thousands
+#: of rows spent most of its time building objects nobody changes).
+POINT_COLUMNS = (Metric.step, Metric.attempt, Metric.at, Metric.values)
+
+
+def update_summaries(
+    session: Session, job_id: int, points: Iterable[tuple[int, Mapping[str, Any]]]
+) -> None:
+    """Fold newly stored (step, values) into the job's bucket summaries: one read of the
+    buckets they touch, the merge here (`metric_summary.merge`), one upsert of those that
+    changed. One writer per job (the scheduler, under the job's row lock), so
+    read-merge-write is safe."""
+    fresh = summarize(points)
+    if not fresh:
+        return
+    keys = list(fresh)
+    stored: dict[tuple[int, int], Summary] = {}
+    for start in range(0, len(keys), _KEYS_PER_QUERY):
+        for row in session.execute(
+            select(
+                MetricBucket.width,
+                MetricBucket.bucket,
+                *(getattr(MetricBucket, f) for f in _FIELDS),
+            ).where(
+                MetricBucket.job_id == job_id,
+                tuple_(MetricBucket.width, MetricBucket.bucket).in_(
+                    keys[start : start + _KEYS_PER_QUERY]
+                ),
+            )
+        ):
+            stored[(row[0], row[1])] = _summary(row[2:])
+    changed = []
+    for key, summary in fresh.items():
+        old = stored.get(key)
+        merged = summary if old is None else merge(old, summary)
+        if merged != old:  # most points set no new extreme in a coarse bucket
+            changed.append({"job_id": job_id, "width": key[0], "bucket": key[1],
+                            **{f: getattr(merged, f) for f in _FIELDS}})  # fmt: skip
+    for start in range(0, len(changed), _KEYS_PER_QUERY):
+        _upsert(session, changed[start : start + _KEYS_PER_QUERY])
+
+
+def _upsert(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Insert the bucket rows, or overwrite their summary columns where they exist."""
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    dialect = session.get_bind().dialect.name
+    # Both dialects spell the upsert alike (ON CONFLICT ... DO UPDATE with `excluded`).
+    dialect_insert: Any = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}[dialect]
+    stmt = dialect_insert(MetricBucket).values(rows)
+    session.execute(
+        stmt.on_conflict_do_update(index_elements=_KEY, set_={f: stmt.excluded[f] for f in _FIELDS})
+    )
+
+
+def _buckets(session: Session, job_id: int, width: int, first: int, last: int) -> list[Summary]:
+    """The summaries at `width` of the buckets holding steps first..last, in step order."""
+    rows = session.execute(
+        select(*(getattr(MetricBucket, name) for name in _FIELDS))
+        .where(
+            MetricBucket.job_id == job_id,
+            MetricBucket.width == width,
+            MetricBucket.bucket >= first // width,
+            MetricBucket.bucket <= last // width,
+        )
+        .order_by(MetricBucket.bucket)
+    )
+    return [_summary(row) for row in rows]
+
+
+def insert_bulk(
+    session: Session,
+    job_id: int,
+    points: Sequence[tuple[int, dict[str, Any]]],
+    *,
+    attempt: int,
+    at: datetime,
+) -> None:
+    """Insert (step, values) rows of steps the job has no row for yet, and their summaries,
+    in one statement: for loaders (benches, imports, test seeds), not for what attempts
+    report (that is `service.reports.record_metrics`, with its fencing and goodput)."""
+    rows = [
+        {"job_id": job_id, "step": step, "attempt": attempt, "at": at, "values": values}
+        for step, values in points
+    ]
+    if rows:
+        session.execute(insert(Metric), rows)
+        update_summaries(session, job_id, points)
+
+
+def downsampled(
+    session: Session,
+    job_id: int,
+    *,
+    since_step: int,
+    until_step: int,
+    max_points: int,
+    thinned: bool = False,
+) -> Sequence[Row[Any]]:
+    """At most `max_points` real rows (`POINT_COLUMNS`) of steps since..until that keep the
+    curve's shape: all of them when they fit, else each bucket group's lowest and highest
+    loss, slowest step and last held-out loss, and the range's first and last rows."""
+    in_range = and_(Metric.job_id == job_id, Metric.step >= since_step, Metric.step <= until_step)
+    first, last = session.execute(
+        select(func.min(Metric.step), func.max(Metric.step)).where(in_range)
+    ).one()
+    if first is None:
+        return []
+    width = width_for(first, last, max_points, THIN_WIDTH if thinned else WIDTHS[0])
+    if width is None:  # at most one row per step: all of them fit
+        return session.execute(select(*POINT_COLUMNS).where(in_range).order_by(Metric.step)).all()
+    buckets = _buckets(session, job_id, width, first, last)
+    steps = representative_steps(buckets, max_points, first, last)
+    return session.execute(
+        select(*POINT_COLUMNS)
+        .where(Metric.job_id == job_id, Metric.step.in_(steps))
+        .order_by(Metric.step)
+    ).all()
+
+
+def jobs_to_thin(session: Session, *, finished_before: datetime, limit: int = 10) -> list[Job]:
+    """Finished jobs, done before `finished_before`, whose rows were never thinned."""
+    return list(
+        session.scalars(
+            select(Job)
+            .where(
+                Job.state.in_(list(TERMINAL)),
+                Job.finished_at.is_not(None),
+                Job.finished_at < finished_before,
+                Job.metrics_thinned_at.is_(None),
+            )
+            .order_by(Job.finished_at)
+            .limit(limit)
+        )
+    )
+
+
+def thin(session: Session, job: Job, *, now: datetime) -> int:
+    """Delete the job's per-step rows that no summary at `THIN_WIDTH` names (keeping the
+    first and last); returns how many. Every coarser summary names only kept rows, so a
+    downsampled read at any zoom coarser than `THIN_WIDTH` is unchanged."""
+    in_job = Metric.job_id == job.id
+    first, last = session.execute(
+        select(func.min(Metric.step), func.max(Metric.step)).where(in_job)
+    ).one()
+    deleted = 0
+    if first is not None:
+        for lo in range(first - first % _THIN_WINDOW, last + 1, _THIN_WINDOW):
+            hi = lo + _THIN_WINDOW - 1
+            keep = {first, last}
+            for summary in _buckets(session, job.id, THIN_WIDTH, lo, hi):
+                keep |= summary.steps()
+            result = session.execute(
+                delete(Metric).where(
+                    in_job, Metric.step >= lo, Metric.step <= hi, Metric.step.not_in(sorted(keep))
+                )
+            )
+            deleted += int(getattr(result, "rowcount", 0) or 0)
+    # The finer summaries would name rows that are gone; the coarser ones answer.
+    session.execute(
+        delete(MetricBucket).where(MetricBucket.job_id == job.id, MetricBucket.width < THIN_WIDTH)
+    )
+    job.metrics_thinned_at = now
+    return deleted

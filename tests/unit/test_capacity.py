@@ -1,0 +1,54 @@
+"""The capacity ledger's shortcuts give the answers of computing from scratch."""
+
+from __future__ import annotations
+
+import random
+
+from service.capacity import (
+    Allocation,
+    CapacityLedger,
+    ClusterCapacity,
+    NodeCapacity,
+    WorkerShape,
+    free_capacity,
+)
+
+CPU = WorkerShape(cpus=1, gpus=0)
+GPU = WorkerShape(cpus=2, gpus=1)
+
+
+def cluster(n: int, *, dead: int = -1) -> ClusterCapacity:
+    return ClusterCapacity(
+        nodes=tuple(
+            NodeCapacity(node_id=f"n{i}", cpus=4, gpus=2, alive=i != dead) for i in range(n)
+        )
+    )
+
+
+def test_free_for_a_placed_job_credits_its_workers_back() -> None:
+    rng = random.Random(7)
+    nodes = cluster(12, dead=5)
+    held = {}
+    for job in range(20):
+        shape = rng.choice([CPU, GPU])
+        placed = tuple(f"n{rng.randrange(12)}" for _ in range(rng.randint(1, 3)))
+        held[job] = Allocation(shape=shape, count=len(placed), nodes=placed)
+    ledger = CapacityLedger(nodes, held)
+    for job in held:
+        others = [a for j, a in held.items() if j != job]
+        assert ledger.free_for(job) == free_capacity(nodes, others), job
+    assert ledger.free_for(999) == ledger.free() == free_capacity(nodes, held.values())
+
+
+def test_unplaced_workers_are_computed_afresh_and_answers_follow_holds() -> None:
+    nodes = cluster(3)
+    ledger = CapacityLedger(
+        nodes, {1: Allocation(shape=CPU, count=3, nodes=("n0",)), 2: Allocation(shape=CPU, count=2)}
+    )
+    assert ledger.free_for(1) == free_capacity(nodes, [Allocation(shape=CPU, count=2)])
+    before = ledger.free()
+    assert before.workers_that_fit(1, 0) == 12 - 5
+    ledger.hold(3, Allocation(shape=CPU, count=4, nodes=("n2",) * 4))
+    assert ledger.free().workers_that_fit(1, 0) == 12 - 9  # not the cached answer
+    ledger.hold(4, None)  # a queued job still holding nothing: nothing changes
+    assert ledger.free() is ledger.free()

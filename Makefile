@@ -38,5 +38,10 @@ test-fast: $(BIN)/elastrain
 lint: $(BIN)/elastrain
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
 
+# Every steady-state benchmark (issue 14), one after another: docs/benchmarks.md gets the
+# run record, docs/bench-*.md each part's full report. PARTS=scheduler,metrics for some.
+bench: test-deps $(BIN)/elastrain
+	$(BIN)/python bench/all.py $(if $(PARTS),--parts $(PARTS))
+
 clean:
 	rm -rf $(VENV) .elastrain .pytest_cache

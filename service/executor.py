@@ -249,6 +249,37 @@ class Executor:
             self._carry_out(effect)
         return True
 
+    def execute_steady(self, batch: Sequence[tuple[JobView, PersistReport]]) -> None:
+        """Store the steady reports (`reports.is_steady`) of many running jobs in one
+        transaction, under their row locks, each only if its job is still where its
+        decision saw it; one slow commit per pass instead of one per job. Steady reports
+        have no effects to carry out. If the batch fails as a whole, each job is tried
+        alone, so one bad report cannot hold back the others' progress."""
+        if not batch:
+            return
+        samples: list[telemetry.Sample] = []
+        try:
+            with session_scope(self.sessions) as session:
+                locked = jobs.lock_jobs(session, [view.id for view, _ in batch])
+                attempts = jobs.current_attempts(session, locked.values())
+                todo = []
+                for view, action in batch:
+                    job = locked.get(view.id)
+                    seen = (view.state, view.attempt.number if view.attempt else 0)
+                    if job is None or (job.state, job.attempt) != seen:
+                        log.info("job %s moved since it was observed; deciding again", view.id)
+                        continue
+                    if (attempt := attempts.get(job.id)) is not None:
+                        todo.append((job, attempt, action.report))
+                        samples += telemetry.samples_for(job, [action], now=utcnow())
+                reports.persist_steady_reports(session, todo)
+        except Exception:
+            log.exception("storing %d jobs' reports together failed; one by one", len(batch))
+            for view, action in batch:
+                self.execute(view, [action])
+            return
+        telemetry.record(samples)
+
     def _carry_out(self, effect: Effect) -> None:
         try:
             if isinstance(effect, Launch):

@@ -48,35 +48,46 @@ POINT_COLUMNS = (Metric.step, Metric.attempt, Metric.at, Metric.values)
 def update_summaries(
     session: Session, job_id: int, points: Iterable[tuple[int, Mapping[str, Any]]]
 ) -> None:
-    """Fold newly stored (step, values) into the job's bucket summaries: one read of the
-    buckets they touch, the merge here (`metric_summary.merge`), one upsert of those that
-    changed. One writer per job (the scheduler, under the job's row lock), so
-    read-merge-write is safe."""
-    fresh = summarize(points)
+    """Fold newly stored (step, values) of one job into its bucket summaries."""
+    update_summaries_of(session, {job_id: points})
+
+
+def update_summaries_of(
+    session: Session, points_by_job: Mapping[int, Iterable[tuple[int, Mapping[str, Any]]]]
+) -> None:
+    """Fold newly stored (step, values) of each job into its bucket summaries: one read of
+    the buckets they touch (all jobs at once), the merge here (`metric_summary.merge`), one
+    upsert of those that changed. One writer per job (the scheduler, under the job's row
+    lock), so read-merge-write is safe."""
+    fresh = {
+        (job_id, *key): summary
+        for job_id, points in points_by_job.items()
+        for key, summary in summarize(points).items()
+    }
     if not fresh:
         return
     keys = list(fresh)
-    stored: dict[tuple[int, int], Summary] = {}
+    stored: dict[tuple[int, int, int], Summary] = {}
     for start in range(0, len(keys), _KEYS_PER_QUERY):
         for row in session.execute(
             select(
+                MetricBucket.job_id,
                 MetricBucket.width,
                 MetricBucket.bucket,
                 *(getattr(MetricBucket, f) for f in _FIELDS),
             ).where(
-                MetricBucket.job_id == job_id,
-                tuple_(MetricBucket.width, MetricBucket.bucket).in_(
+                tuple_(MetricBucket.job_id, MetricBucket.width, MetricBucket.bucket).in_(
                     keys[start : start + _KEYS_PER_QUERY]
                 ),
             )
         ):
-            stored[(row[0], row[1])] = _summary(row[2:])
+            stored[(row[0], row[1], row[2])] = _summary(row[3:])
     changed = []
     for key, summary in fresh.items():
         old = stored.get(key)
         merged = summary if old is None else merge(old, summary)
         if merged != old:  # most points set no new extreme in a coarse bucket
-            changed.append({"job_id": job_id, "width": key[0], "bucket": key[1],
+            changed.append({"job_id": key[0], "width": key[1], "bucket": key[2],
                             **{f: getattr(merged, f) for f in _FIELDS}})  # fmt: skip
     for start in range(0, len(changed), _KEYS_PER_QUERY):
         _upsert(session, changed[start : start + _KEYS_PER_QUERY])

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, delete, select
+from sqlalchemy import Row, delete, insert, select
 from sqlalchemy.orm import Session
 
 from contracts.messages import (
@@ -26,8 +26,8 @@ from contracts.messages import (
 )
 from service.goodput import step_seconds
 from service.jobs import check_attempt, current_attempt, record_event
-from service.metric_store import POINT_COLUMNS, update_summaries
-from service.models import CheckpointRecord, Job, Metric, utcnow
+from service.metric_store import POINT_COLUMNS, update_summaries, update_summaries_of
+from service.models import Attempt, CheckpointRecord, Job, Metric, utcnow
 
 
 def persist_report(session: Session, job: Job, report: DriverReport) -> None:
@@ -109,6 +109,60 @@ def persist_report(session: Session, job: Job, report: DriverReport) -> None:
     attempt.report_seq = max(attempt.report_seq, report.seq)
 
 
+def is_steady(report: DriverReport, *, placed: bool) -> bool:
+    """A report of training steps only, from an attempt whose placement is stored: what
+    every running job sends every pass, and what `persist_steady_reports` stores in bulk."""
+    return (report.placement is None or placed) and all(
+        isinstance(m, StepMetrics) for m in report.messages
+    )
+
+
+def persist_steady_reports(
+    session: Session, reports: Sequence[tuple[Job, Attempt, DriverReport]]
+) -> None:
+    """Store many jobs' steady reports (`is_steady`) as `persist_report` would, in a fixed
+    number of statements whatever the number of jobs: one insert of every new metric row,
+    one read and one upsert of the bucket summaries they touch; the jobs' and attempts'
+    changed columns are flushed with the transaction. A report that may replace stored
+    rows (a step at or below the job's last stored step: a recomputation after a resume)
+    takes `record_metrics`' path, which reads what it replaces."""
+    rows: list[dict[str, Any]] = []
+    fresh: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for job, attempt, report in reports:
+        points = [m for m in report.messages if isinstance(m, StepMetrics)]
+        if points:
+            check_attempt(job, attempt.number)
+            if min(p.step for p in points) <= job.step:
+                record_metrics(session, job, attempt=attempt.number, points=points)
+            else:
+                stored = _last_of_each_step(points)
+                rows.extend(
+                    {"job_id": job.id, "step": p.step, "attempt": attempt.number,
+                     "values": p.values}
+                    for p in stored
+                )  # fmt: skip
+                fresh[job.id] = [(p.step, p.values) for p in stored]
+                _advance(job, stored)
+        attempt.report_seq = max(attempt.report_seq, report.seq)
+    if rows:
+        session.execute(insert(Metric), rows)
+    update_summaries_of(session, fresh)
+
+
+def _last_of_each_step(points: Sequence[StepMetrics]) -> list[StepMetrics]:
+    """One point per step, the last reported winning (a step re-sent after a retry)."""
+    return list({p.step: p for p in points}.values())
+
+
+def _advance(job: Job, stored: Sequence[StepMetrics]) -> None:
+    """The job's goodput sums, last step and last loss after storing `stored`."""
+    _account(job, stored)
+    last = max(stored, key=lambda p: p.step)
+    job.step = max(job.step, last.step)
+    if last.loss is not None:
+        job.latest_loss = last.loss
+
+
 def record_metrics(
     session: Session,
     job: Job,
@@ -130,21 +184,12 @@ def record_metrics(
     if replaced:
         session.execute(delete(Metric).where(*where))
         job.kept_s = (job.kept_s or 0.0) - sum(step_seconds(v)[0] for v in replaced)
-    seen: set[int] = set()
-    stored: list[StepMetrics] = []
-    for point in reversed(typed):  # the last report of a step wins
-        if point.step in seen:
-            continue
-        seen.add(point.step)
-        stored.append(point)
+    stored = _last_of_each_step(typed)
+    for point in stored:
         session.add(Metric(job_id=job.id, step=point.step, attempt=attempt, values=point.values))
     update_summaries(session, job.id, ((p.step, p.values) for p in stored))
-    _account(job, stored)
-    last = max(typed, key=lambda p: p.step)
-    job.step = max(job.step, last.step)
-    if last.loss is not None:
-        job.latest_loss = last.loss
-    return len(seen)
+    _advance(job, stored)
+    return len(stored)
 
 
 def backfill_metrics(

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -25,10 +25,20 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.messages import DriverReport, DriverStatus
 from contracts.spec import JobSpec
-from service import auth, cluster, decisions, lease, metric_store, observe, packages, telemetry
+from service import (
+    auth,
+    cluster,
+    decisions,
+    lease,
+    metric_store,
+    observe,
+    packages,
+    reports,
+    telemetry,
+)
 from service.capacity import Allocation, CapacityLedger, ClusterCapacity, WorkerShape
 from service.db import session_scope
-from service.decisions import Facts, JobView, Policy
+from service.decisions import Action, Facts, JobView, PersistReport, Policy
 from service.executor import Executor, Timers
 from service.launcher.base import AttemptKey, Launcher
 from service.logs import job_context
@@ -89,13 +99,19 @@ class Scheduler:
             active = observe.active_jobs(s, cache=self._active_specs)
             pending = observe.pending_jobs(s, cache=self._pending_specs)
             quotas = Quotas(auth.quotas(s), self.settings.default_max_workers_per_tenant, active)
-        reports = self._poll(active)
+        polled = self._poll(active)
         ledger = CapacityLedger(capacity, _held(active))
+        steady: list[tuple[JobView, PersistReport]] = []
         for job in active:
             with _about(job):
-                self._step(
-                    job, ledger, reports.get(job.id), others_waiting=bool(pending), quotas=quotas
+                actions = self._decide_active(
+                    job, ledger, polled.get(job.id), others_waiting=bool(pending), quotas=quotas
                 )
+                if (report := _steady_report(job, actions)) is not None:
+                    steady.append((job, report))  # stored with the others' below
+                elif self.executor.execute(job, actions):
+                    ledger.hold(job.id, decisions.allocation_after(job, actions))
+        self.executor.execute_steady(steady)
         admissions, waiting = decisions.plan_admissions(
             pending, ledger.free(), capacity, quotas.left(ledger, {j.owner for j in pending})
         )
@@ -141,7 +157,7 @@ class Scheduler:
                 deleted = metric_store.thin(s, job, now=datetime.fromtimestamp(now, tz=UTC))
                 log.info("thinned job %s's metrics: %d per-step rows deleted", job.id, deleted)
 
-    def _step(
+    def _decide_active(
         self,
         job: JobView,
         ledger: CapacityLedger,
@@ -149,15 +165,13 @@ class Scheduler:
         *,
         others_waiting: bool,
         quotas: Quotas,
-    ) -> None:
+    ) -> list[Action]:
         if report is not None and report.status in (DriverStatus.FAILED, DriverStatus.LOST):
             with session_scope(self.sessions) as s:  # read only when a failure needs it
                 job = replace(job, failures=observe.failure_history(s, job.id))
         facts = self._facts(job, ledger, report=report, others_waiting=others_waiting)
         facts = replace(facts, worker_limit=quotas.limit_for(job, ledger))
-        actions = decisions.decide(job, facts)
-        if self.executor.execute(job, actions):
-            ledger.hold(job.id, decisions.allocation_after(job, actions))
+        return decisions.decide(job, facts)
 
     def _facts(
         self,
@@ -210,6 +224,16 @@ class Scheduler:
                 return
             cluster.publish(s, view)
         self._published, self._published_at = replace(view, updated_at=None), self.clock()
+
+
+def _steady_report(job: JobView, actions: Sequence[Action]) -> PersistReport | None:
+    """The report, when storing it is all there is to do about `job` this pass and it holds
+    training steps only (what a running job sends every pass): those are stored together."""
+    if len(actions) != 1 or not isinstance(action := actions[0], PersistReport):
+        return None
+    attempt = job.live_attempt
+    placed = attempt is not None and bool(attempt.nodes)
+    return action if reports.is_steady(action.report, placed=placed) else None
 
 
 def _about(job: JobView) -> AbstractContextManager[None]:

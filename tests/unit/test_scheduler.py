@@ -575,3 +575,42 @@ def test_an_auto_job_can_be_launched_tensor_parallel(env) -> None:  # type: igno
     assert request.spec.strategy.kind.value == "fsdp"
     assert request.spec.strategy.tensor_parallel == 2
     assert job(factory, jid).strategy == "fsdp+tp2"
+
+
+def test_running_jobs_reports_are_stored_together_or_one_by_one(env, monkeypatch) -> None:
+    """Steady reports (steps only) of every running job go to the DB in one transaction
+    per pass; if that transaction fails, each job's report is stored alone, once."""
+    factory, launcher, sched, _ = env
+    ids = [submit(factory, scaling={"min_workers": 1, "max_workers": 1}) for _ in range(3)]
+    sched.run_pass()
+    for n, jid in enumerate(ids, start=1):
+        d = launcher.driver(jid)
+        d.status, d.placement = DriverStatus.RUNNING, {0: f"n{n}"}
+        d.metrics = [{"step": 1, "loss": 2.0}]
+    sched.run_pass()  # the placement is news: stored job by job
+    batches: list[int] = []
+    together = reports.persist_steady_reports
+
+    def counted(session, items):  # type: ignore[no-untyped-def]
+        batches.append(len(items))
+        together(session, items)
+
+    monkeypatch.setattr(reports, "persist_steady_reports", counted)
+    for jid in ids:
+        launcher.driver(jid).metrics = [{"step": 2, "loss": 1.5}]
+    sched.run_pass()
+    assert batches == [3]
+    assert [job(factory, jid).step for jid in ids] == [2, 2, 2]
+
+    def fail(session, items):  # type: ignore[no-untyped-def]
+        together(session, items)
+        raise RuntimeError("the database went away mid-transaction")
+
+    monkeypatch.setattr(reports, "persist_steady_reports", fail)
+    for jid in ids:
+        launcher.driver(jid).metrics = [{"step": 3, "loss": 1.2}]
+    sched.run_pass()
+    with session_scope(factory) as s:
+        for jid in ids:
+            assert [m.step for m in reports.list_metrics(s, jid)] == [1, 2, 3]
+            assert jobs.current_attempt(s, jobs.get_job(s, jid)).report_seq == 3

@@ -12,11 +12,14 @@ import time
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import httpx
 import typer
 import yaml
+
+if TYPE_CHECKING:
+    from service.settings import Settings
 
 app = typer.Typer(
     name="elastrain",
@@ -169,6 +172,16 @@ def serve(
             "can run code on the cluster. Only behind something that authenticates.",
         ),
     ] = False,
+    api_workers: Annotated[
+        int,
+        typer.Option(
+            "--api-workers",
+            min=1,
+            max=64,
+            help="API processes on the one port (uvicorn workers); the scheduler still runs "
+            "once, in this process.",
+        ),
+    ] = 1,
 ) -> None:
     """Run the API (and the scheduler); applies database migrations first."""
     import logging
@@ -204,14 +217,36 @@ def serve(
         )
     if demo:
         _submit_demo_when_up(f"http://{host}:{port}")
-    uvicorn.run(
-        create_app(settings, start_scheduler=not no_scheduler),
-        host=host,
-        port=port,
-        log_level="info",
-        access_log=False,
-        log_config=None,  # our handlers (text or JSON), not uvicorn's
-    )
+    # log_config None: our handlers (text or JSON), not uvicorn's.
+    served: dict[str, Any] = {"host": host, "port": port, "log_level": "info",
+                              "access_log": False, "log_config": None}  # fmt: skip
+    if api_workers == 1:
+        uvicorn.run(create_app(settings, start_scheduler=not no_scheduler), **served)
+        return
+    _serve_api_workers(settings, api_workers, schedule=not no_scheduler, served=served)
+
+
+def _serve_api_workers(
+    settings: Settings, workers: int, *, schedule: bool, served: dict[str, Any]
+) -> None:
+    """`workers` API processes (uvicorn's supervisor forks them; each builds the app from
+    the same environment) and, in this process, the one scheduler. Migrations run here
+    first, so the workers find the schema ready."""
+    import uvicorn
+
+    from service.db import make_engine, make_session_factory, migrate
+    from service.scheduler import start_scheduler_thread
+
+    settings.ensure_dirs()
+    engine = make_engine(settings.database_url)
+    migrate(engine)
+    scheduler = start_scheduler_thread(settings, make_session_factory(engine)) if schedule else None
+    try:
+        uvicorn.run("api.main:create_app", factory=True, workers=workers, **served)
+    finally:
+        if scheduler is not None:
+            scheduler.stop()
+        engine.dispose()
 
 
 def is_loopback(host: str) -> bool:

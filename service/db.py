@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
@@ -61,9 +62,34 @@ def alembic_config(engine: Engine) -> Config:
     return cfg
 
 
+#: The PostgreSQL advisory lock key migrations hold (any constant unique to us).
+_MIGRATION_LOCK = 0x656C6173  # "elas"
+
+
 def migrate(engine: Engine) -> None:
-    """Bring the schema to the newest revision (idempotent)."""
-    with engine.begin() as conn:
+    """Bring the schema to the newest revision (idempotent). Several processes starting
+    at once (API workers, replicas) take turns: the first migrates, the others find the
+    schema at head."""
+    with _migration_lock(engine), engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            # Held until this transaction ends, the upgrade's own statements included.
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
         cfg = alembic_config(engine)
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
+
+
+@contextmanager
+def _migration_lock(engine: Engine) -> Iterator[None]:
+    """SQLite has no advisory locks: an exclusive lock on a file beside the database (none
+    for an in-memory one, which only this process sees)."""
+    path = engine.url.database if engine.dialect.name == "sqlite" else None
+    if not path or path == ":memory:":
+        yield
+        return
+    with open(f"{path}.migrate-lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, and_, delete, func, insert, select, tuple_
+from sqlalchemy import Row, and_, delete, func, insert, select, text, tuple_
 from sqlalchemy.orm import Session
 
 from service.metric_summary import (
@@ -66,22 +66,7 @@ def update_summaries_of(
     }
     if not fresh:
         return
-    keys = list(fresh)
-    stored: dict[tuple[int, int, int], Summary] = {}
-    for start in range(0, len(keys), _KEYS_PER_QUERY):
-        for row in session.execute(
-            select(
-                MetricBucket.job_id,
-                MetricBucket.width,
-                MetricBucket.bucket,
-                *(getattr(MetricBucket, f) for f in _FIELDS),
-            ).where(
-                tuple_(MetricBucket.job_id, MetricBucket.width, MetricBucket.bucket).in_(
-                    keys[start : start + _KEYS_PER_QUERY]
-                ),
-            )
-        ):
-            stored[(row[0], row[1], row[2])] = _summary(row[3:])
+    stored = _stored_summaries(session, list(fresh))
     changed = []
     for key, summary in fresh.items():
         old = stored.get(key)
@@ -89,21 +74,54 @@ def update_summaries_of(
         if merged != old:  # most points set no new extreme in a coarse bucket
             changed.append({"job_id": key[0], "width": key[1], "bucket": key[2],
                             **{f: getattr(merged, f) for f in _FIELDS}})  # fmt: skip
-    for start in range(0, len(changed), _KEYS_PER_QUERY):
-        _upsert(session, changed[start : start + _KEYS_PER_QUERY])
+    if changed:
+        _upsert(session, changed)
+
+
+#: One (job, width, bucket) per element of three arrays: a read of many buckets in one
+#: statement whose text never changes (PostgreSQL; a tuple IN list of hundreds of keys
+#: cost more to compile than to run).
+_STORED_BY_ARRAYS = text(
+    f"SELECT b.job_id, b.width, b.bucket, {', '.join('b.' + f for f in _FIELDS)} "
+    "FROM metric_buckets AS b JOIN unnest(CAST(:jobs AS bigint[]), CAST(:widths AS integer[]), "
+    "CAST(:buckets AS integer[])) AS k(job_id, width, bucket) "
+    "ON b.job_id = k.job_id AND b.width = k.width AND b.bucket = k.bucket"
+)
+
+
+def _stored_summaries(
+    session: Session, keys: list[tuple[int, int, int]]
+) -> dict[tuple[int, int, int], Summary]:
+    """The stored summaries of those (job, width, bucket) keys that have a row."""
+    if session.get_bind().dialect.name == "postgresql":
+        jobs, widths, buckets = (list(column) for column in zip(*keys, strict=True))
+        rows = session.execute(
+            _STORED_BY_ARRAYS, {"jobs": jobs, "widths": widths, "buckets": buckets}
+        ).all()
+    else:
+        key_columns = tuple_(MetricBucket.job_id, MetricBucket.width, MetricBucket.bucket)
+        columns = (*key_columns.clauses, *(getattr(MetricBucket, f) for f in _FIELDS))
+        rows = []
+        for start in range(0, len(keys), _KEYS_PER_QUERY):
+            chunk = keys[start : start + _KEYS_PER_QUERY]
+            rows += session.execute(select(*columns).where(key_columns.in_(chunk))).all()
+    return {(row[0], row[1], row[2]): _summary(row[3:]) for row in rows}
 
 
 def _upsert(session: Session, rows: list[dict[str, Any]]) -> None:
-    """Insert the bucket rows, or overwrite their summary columns where they exist."""
+    """Insert the bucket rows, or overwrite their summary columns where they exist: one
+    statement text, executed for many rows (the driver batches them), so it is compiled
+    once per process rather than once per call."""
     from sqlalchemy.dialects import postgresql, sqlite
 
     dialect = session.get_bind().dialect.name
     # Both dialects spell the upsert alike (ON CONFLICT ... DO UPDATE with `excluded`).
     dialect_insert: Any = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}[dialect]
-    stmt = dialect_insert(MetricBucket).values(rows)
-    session.execute(
-        stmt.on_conflict_do_update(index_elements=_KEY, set_={f: stmt.excluded[f] for f in _FIELDS})
+    stmt = dialect_insert(MetricBucket)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=_KEY, set_={f: stmt.excluded[f] for f in _FIELDS}
     )
+    session.execute(stmt, rows)
 
 
 def _buckets(session: Session, job_id: int, width: int, first: int, last: int) -> list[Summary]:

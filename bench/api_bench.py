@@ -205,7 +205,7 @@ def bench_backend(backend: str, args: argparse.Namespace) -> tuple[Phase, Phase]
                 return client.post("/v1/jobs", json=SPEC).status_code
 
             rng = random.Random(0)
-            picks = [rng.choice(ids) for _ in range(args.requests)]
+            picks = [rng.choice(ids) for _ in range(max(args.requests, 200))]  # warm-up: 200
 
             def get(client: httpx.Client, i: int) -> int:
                 return client.get(f"/v1/jobs/{picks[i]}").status_code

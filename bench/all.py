@@ -3,8 +3,9 @@
 Each part is its own script (it writes its full report to `docs/bench-<part>.md`); this
 runs the chosen parts one after another, records the machine, the versions, the load
 average before and after each part, its command and its wall time, and writes that run
-record, with each part's headline table, into `docs/benchmarks.md` between its markers
-(the status and the analysis written around them stay).
+record and each part's headline table into `docs/benchmarks.md`, each between its own
+markers (a part run alone replaces its block only; the status and the analysis written
+around the blocks stay).
 
     .venv/bin/python bench/all.py                        # every part (about 40 minutes)
     .venv/bin/python bench/all.py --parts scheduler,metrics
@@ -94,7 +95,8 @@ def run_part(part: Part, *, quick: bool, out: Path) -> list[str]:
     lines = [
         f"### {part.title}",
         "",
-        f"`{shown}` — {seconds:.0f} s, load average {before[0]:.1f} before, {after[0]:.1f} after"
+        f"`{shown}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {seconds:.0f} s, "
+        f"load average {before[0]:.1f} before, {after[0]:.1f} after"
         + ("" if done.returncode == 0 else f"; **exited with {done.returncode}**"),
         "",
     ]
@@ -120,22 +122,21 @@ def main() -> None:
     parts = [BY_NAME[p] for p in args.parts.split(",")]
     scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f"elastrain-bench-{os.getpid()}"
     scratch.mkdir(parents=True, exist_ok=True)
-    record = [
-        f"Run of {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-        + (" (--quick: small sizes, not figures)" if args.quick else "")
-        + f": `python bench/all.py --parts {','.join(p.name for p in parts)}`",
+    header = [
+        f"Last run of `python bench/all.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"parts {', '.join(p.name for p in parts)})"
+        + (" with --quick: small sizes, not figures" if args.quick else ""),
         "",
         f"- Machine: {machine()}",
         f"- Versions: {versions()}",
-        "",
     ]
-    for part in parts:
-        out = scratch / part.doc.name if args.quick else part.doc
-        record += run_part(part, quick=args.quick, out=out)
-        record.append("")
     target = scratch / args.out.name if args.quick else args.out
     text = args.out.read_text() if args.out.exists() else "# Benchmarks\n"
-    target.write_text(replace_block(text, "\n".join(record)))
+    text = replace_block(text, "run", "\n".join(header))
+    for part in parts:
+        out = scratch / part.doc.name if args.quick else part.doc
+        text = replace_block(text, part.name, "\n".join(run_part(part, quick=args.quick, out=out)))
+        target.write_text(text)  # after each part: a long run that stops keeps what it did
     print(f"wrote {target}")
 
 

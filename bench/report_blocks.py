@@ -1,9 +1,11 @@
-"""Markdown helpers for the bench reports: a report's headline table, and a generated block
-between markers in a hand-written document (the text around the markers stays)."""
+"""Markdown helpers for the bench reports: a report's headline table, and generated blocks
+between named markers in a hand-written document (the text around the markers stays)."""
 
 from __future__ import annotations
 
-BEGIN, END = "<!-- bench:all:begin -->", "<!-- bench:all:end -->"
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
 
 
 def first_table(markdown: str) -> str | None:
@@ -19,11 +21,13 @@ def first_table(markdown: str) -> str | None:
     return None
 
 
-def replace_block(document: str, block: str) -> str:
-    """`document` with what is between the markers replaced by `block`; the markers and
-    the block appended at the end where the document has none."""
-    wrapped = f"{BEGIN}\n{block.strip()}\n{END}"
-    if BEGIN in document and END in document:
-        head, rest = document.split(BEGIN, 1)
-        return head + wrapped + rest.split(END, 1)[1]
+def replace_block(document: str, name: str, block: str) -> str:
+    """`document` with what is between the markers of `name` replaced by `block`; the
+    markers and the block appended at the end where the document has none. Other blocks
+    (parts not run this time) stay as they were."""
+    begin, end = markers(name)
+    wrapped = f"{begin}\n{block.strip()}\n{end}"
+    if begin in document and end in document:
+        head, rest = document.split(begin, 1)
+        return head + wrapped + rest.split(end, 1)[1]
     return document.rstrip("\n") + "\n\n" + wrapped + "\n"

@@ -7,7 +7,9 @@ what an older attempt sends is refused. Like `service.jobs`, functions never com
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, cast
 
@@ -112,6 +114,35 @@ def persist_report(session: Session, job: Job, report: DriverReport) -> None:
     attempt.report_seq = max(attempt.report_seq, report.seq)
 
 
+def storable(point: StepMetrics) -> StepMetrics:
+    """`point` with its non-finite numbers as null: JSON has no NaN or Infinity and
+    PostgreSQL refuses them, so one diverged loss would otherwise fail every transaction
+    that stores its report, and the job's metrics would stop there. The chart shows a gap."""
+    if _finite(point.values):
+        return point
+    return replace(point, values=_nulled(point.values))
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_finite(v) for v in value)
+    return True
+
+
+def _nulled(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _nulled(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_nulled(v) for v in value]
+    return value
+
+
 def is_steady(report: DriverReport, *, placed: bool) -> bool:
     """A report of training steps only, from an attempt whose placement is stored: what
     every running job sends every pass, and what `persist_steady_reports` stores in bulk."""
@@ -132,7 +163,7 @@ def persist_steady_reports(
     rows: list[dict[str, Any]] = []
     fresh: dict[int, list[tuple[int, dict[str, Any]]]] = {}
     for job, attempt, report in reports:
-        points = [m for m in report.messages if isinstance(m, StepMetrics)]
+        points = [storable(m) for m in report.messages if isinstance(m, StepMetrics)]
         if points:
             check_attempt(job, attempt.number)
             if min(p.step for p in points) <= job.step:
@@ -180,7 +211,9 @@ def record_metrics(
     if not points:
         return 0
     check_attempt(job, attempt)
-    typed = [p if isinstance(p, StepMetrics) else StepMetrics.from_point(p) for p in points]
+    typed = [
+        storable(p if isinstance(p, StepMetrics) else StepMetrics.from_point(p)) for p in points
+    ]
     steps = [p.step for p in typed]
     # A recomputed step (after a resume) replaces what an earlier attempt reported: its
     # seconds stop counting as kept training (goodput).
@@ -205,6 +238,7 @@ def backfill_metrics(
     attempt was stopped). Steps already stored are left alone. Returns how many."""
     if not points:
         return 0
+    points = [storable(p) for p in points]
     steps = {p.step for p in points}
     stored = set(
         session.scalars(select(Metric.step).where(Metric.job_id == job.id, Metric.step.in_(steps)))

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Path, Query, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BeforeValidator, TypeAdapter
+from pydantic_core import to_json
 from sqlalchemy import Row
 from sqlalchemy.orm import Session
 
@@ -66,7 +67,8 @@ _ACTIVE_NAMES = ", ".join(s.value for s in JobState if s in ACTIVE)
 
 
 _EVENTS = TypeAdapter(list[EventOut])
-_METRICS = TypeAdapter(list[MetricOut])
+#: Keys of a metric point that come from its row, not from what the workers reported.
+_POINT_KEYS = frozenset({"step", "attempt", "at"})
 _CHECKPOINTS = TypeAdapter(list[CheckpointOut])
 
 
@@ -337,10 +339,15 @@ def job_metrics(
             thinned=job.metrics_thinned_at is not None,
         )  # fmt: skip
     # The reported values sit beside step/attempt/at (which win over a value of that name).
+    # Rows of our own table need no validation: serialised as they are, the shape of
+    # `MetricOut` (non-finite numbers as null, as pydantic writes them), a third of the
+    # CPU of validating thousands of points first.
     rows: list[dict[str, Any]] = [
-        {**m.values, "step": m.step, "attempt": m.attempt, "at": m.at} for m in found
-    ]
-    return _json(_METRICS.dump_json(_METRICS.validate_python(rows)))
+        {"step": m.step, "attempt": m.attempt, "at": m.at,
+         **{k: v for k, v in m.values.items() if k not in _POINT_KEYS}}
+        for m in found
+    ]  # fmt: skip
+    return _json(to_json(rows, inf_nan_mode="null"))
 
 
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut], responses=_NOT_FOUND)

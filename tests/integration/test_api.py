@@ -6,6 +6,7 @@ database the way the scheduler would (through `set_job_state`).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -267,6 +268,25 @@ def test_metrics_flattened_and_since_step(client: TestClient, app_sessions: Sess
     got = client.get(f"/v1/jobs/{job['id']}").json()
     assert (got["step"], got["latest_loss"]) == (10, 3.0)
     assert client.get(f"/v1/jobs/{job['id']}/metrics", params={"since_step": -1}).status_code == 422
+
+
+def test_a_diverged_step_is_stored_and_served_with_nulls(
+    client: TestClient, app_sessions: Sessions
+) -> None:
+    """JSON has no NaN or Infinity (PostgreSQL refuses them in a JSON column): a diverged
+    loss must not fail the transaction that stores the report, or the job's metrics stop."""
+    job = submit(client)
+    run(app_sessions, job["id"])
+    points = [{"step": 1, "loss": 2.5}, {"step": 2, "loss": math.nan, "grad_norm": math.inf},
+              {"step": 3, "loss": 2.4, "attempt": 99}]  # fmt: skip
+    with session_scope(app_sessions) as s:
+        record_metrics(s, get_job(s, job["id"]), attempt=1, points=points)
+    metrics = client.get(f"/v1/jobs/{job['id']}/metrics").json()
+    assert [(m["step"], m["loss"]) for m in metrics] == [(1, 2.5), (2, None), (3, 2.4)]
+    assert metrics[1]["grad_norm"] is None
+    assert metrics[2]["attempt"] == 1  # the row's own fields win over a reported value
+    shaped = client.get(f"/v1/jobs/{job['id']}/metrics", params={"max_points": 2}).json()
+    assert [m["step"] for m in shaped] == [1, 3]
 
 
 def test_checkpoints_newest_first(client: TestClient, app_sessions: Sessions) -> None:

@@ -15,48 +15,10 @@ from service.models import Attempt, Job, as_utc
 from service.states import ACTIVE, JobState
 
 
-def attempt_view(row: Attempt) -> AttemptView:
-    return AttemptView(
-        number=row.number,
-        world_size=row.world_size,
-        nodes=tuple(row.nodes or ()),
-        ended=row.ended_at is not None,
-        stop_requested=row.stop_requested,
-        report_seq=row.report_seq,
-    )
-
-
-def job_view(
-    job: Job,
-    attempt: Attempt | None,
-    failures: Sequence[PastFailure] = (),
-    *,
-    spec: JobSpec | None = None,
-) -> JobView:
-    return JobView(
-        id=job.id,
-        state=job.state,
-        spec=spec if spec is not None else JobSpec.from_stored(job.spec),
-        owner=job.owner,
-        step=job.step,
-        world_size=job.world_size,
-        restarts=job.restarts,
-        state_reason=job.state_reason,
-        attempt=attempt_view(attempt) if attempt is not None else None,
-        cancel_requested=job.cancel_requested,
-        checkpoint_requested=job.checkpoint_requested,
-        below_min_since=as_utc(job.below_min_since).timestamp()
-        if job.below_min_since is not None
-        else None,
-        failures=tuple(failures),
-    )
-
-
 def view_of(session: Session, job: Job) -> JobView:
-    attempt = session.scalars(
-        select(Attempt).where(Attempt.job_id == job.id, Attempt.number == job.attempt)
-    ).one_or_none()
-    return job_view(job, attempt)
+    """The view of one job as it stands in this session (its pending changes flushed)."""
+    row = session.execute(_VIEWS.where(Job.id == job.id)).one()
+    return _view_of_row(row, JobSpec.from_stored(job.spec))
 
 
 class SpecCache:
@@ -90,16 +52,19 @@ _VIEW_COLUMNS = (
 )  # fmt: skip
 
 
+#: Each job with its newest attempt, if any.
+_VIEWS = select(*_VIEW_COLUMNS).outerjoin(
+    Attempt, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt)
+)
+
+
 def jobs_in(
     session: Session, states: Iterable[JobState], *, cache: SpecCache | None = None
 ) -> list[JobView]:
     """Jobs in `states` with their newest attempt, oldest job first: one query, and one
     more for the specs `cache` does not hold yet (all of them without a cache)."""
     rows = session.execute(
-        select(*_VIEW_COLUMNS)
-        .outerjoin(Attempt, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt))
-        .where(Job.state.in_(list(states)))
-        .order_by(Job.created_at, Job.id)
+        _VIEWS.where(Job.state.in_(list(states))).order_by(Job.created_at, Job.id)
     ).all()
     specs = (cache or SpecCache()).specs(session, [row.id for row in rows])
     return [_view_of_row(row, specs[row.id]) for row in rows]

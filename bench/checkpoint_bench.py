@@ -9,10 +9,13 @@ per-rank time is the max over ranks (collectives make the slowest rank everyone'
 Writes the markdown table to docs/bench-checkpoint.md.
 
 Definitions:
-- blocked: seconds `ShardedCheckpointer.save` kept the training loop from its next step
-  (sync: DCP write with fsync + rank 0's sha256 of every file + manifest).
-- extra: how much longer the K steps right after save() took than K steps without a save
-  (the background write and hashing competing with training for CPU and memory bandwidth).
+- blocked: seconds the training loop waited for the checkpointer: in save() (sync: DCP
+  write with fsync, sha256 taken while writing, manifest) plus, for async saves with
+  overlapped staging, `wait_staged()` before the next optimizer step (as workers/loop.py
+  does) until the staging copy is made.
+- extra: how much longer the K steps right after save() took than K steps without a save,
+  less the staging wait counted in blocked (the background copy, write and hashing
+  competing with training for CPU and memory bandwidth).
 - tail: seconds finalize() still waited after those K steps (a sync save has none).
 """
 
@@ -40,7 +43,6 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from checkpoints.dcp import ShardedCheckpointer  # noqa: E402
-from checkpoints.integrity import describe_files  # noqa: E402
 from tests.unit.dist_utils import run_distributed  # noqa: E402
 
 MB = 1024 * 1024
@@ -60,13 +62,20 @@ def build(strategy: str, width: int, layers: int) -> tuple[nn.Module, torch.opti
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def train_step(model: nn.Module, optim: torch.optim.Optimizer, width: int) -> float:
-    started = time.perf_counter()
+def train_step(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    width: int,
+    ckpt: ShardedCheckpointer | None = None,
+) -> float:
+    """One step; returns the seconds waited for an async save's staging copy (before the
+    optimizer step, as workers/loop.py waits)."""
     x = torch.randn(8, width)
     optim.zero_grad()
     F.mse_loss(model(x), x).backward()
+    waited = ckpt.wait_staged() if ckpt is not None else 0.0
     optim.step()
-    return time.perf_counter() - started
+    return waited
 
 
 def max_over_ranks(value: float) -> float:
@@ -122,9 +131,8 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
         m, o = get_state_dict(model, optim)
         return {"model": m, "optim": o}
 
-    def steps(n: int) -> None:
-        for _ in range(n):
-            train_step(model, optim, width)
+    def steps(n: int, ckpt: ShardedCheckpointer | None = None) -> float:
+        return sum(train_step(model, optim, width, ckpt) for _ in range(n))
 
     results: dict[str, list[float]] = {}
 
@@ -136,7 +144,7 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
             work / "sync", rank=rank, world_size=world_size, async_save=False
         ),
         "async": ShardedCheckpointer(
-            work / "async", rank=rank, world_size=world_size, async_save=True
+            work / "async", rank=rank, world_size=world_size, async_save=True, async_staging=True
         ),
     }
     step = 0
@@ -153,7 +161,7 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
             dist.barrier()
             started = time.perf_counter()
             blocked = ckpt.save(step=step, attempt=0, state=state(), manifest_fields=fields)
-            steps(STEPS_AFTER_SAVE)
+            blocked += steps(STEPS_AFTER_SAVE, ckpt)
             window = time.perf_counter() - started
             started = time.perf_counter()
             commits = ckpt.finalize()
@@ -171,8 +179,7 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
                         shutil.rmtree(old)
             dist.barrier()
 
-    # Throughput: a sync save end to end, and its parts measured separately.
-    shares = [0.0]
+    # Throughput: a sync save end to end against plain file I/O of the same bytes.
     for _ in range(repeats):
         step += 1
         ckpt = checkpointers["sync"]
@@ -181,11 +188,6 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
         ckpt.save(step=step, attempt=0, state=state(), manifest_fields={})
         record("save.commit", max_over_ranks(time.perf_counter() - started))
         folder = work / "sync" / f"step_{step:09d}-a0"
-        if rank == 0:
-            started = time.perf_counter()
-            describe_files(folder)  # from page cache: the hashing cost alone
-            shares[0] = time.perf_counter() - started
-        record("save.sha256", max_over_ranks(shares[0]))
 
         for verify in (True, False):
             ckpt.verify_digests = verify
@@ -217,6 +219,7 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
 
 def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
     r = {k: statistics.median(v) for k, v in out["results"].items()}
+    spread = {k: (min(v), max(v)) for k, v in out["results"].items()}
     mb = out["total_bytes"] / MB
     base = r["baseline"]
 
@@ -226,23 +229,48 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
     def extra(mode: str) -> float:
         return r[f"{mode}.window"] - base - r[f"{mode}.blocked"]
 
+    def target(name: str, value: float, goal: str, ok: bool) -> str:
+        return f"| {name} | {value:.2f} | {goal} | {'met' if ok else 'not met'} |"
+
+    blocked_ratio = r["async.blocked"] / r["sync.blocked"]
+    stall_ratio = stall("async") / stall("sync")
+    write_ratio = r["plain.write"] / r["save.commit"]  # throughputs: same bytes
+    load_ratio = r["plain.read"] / r["load.verify"]
     lines = [
         "# Checkpoint benchmark",
         "",
-        f"`bench/checkpoint_bench.py{' --quick' if cfg['quick'] else ''}`: "
+        f"`{cfg['command']}`: "
         f"{cfg['strategy'].upper()}, 2 gloo ranks on CPU "
         f"({os.cpu_count()} cores, torch {torch.__version__}), "
         f"{cfg['layers']} x Linear({cfg['width']}, {cfg['width']}) + AdamW: "
-        f"checkpoint of {mb:.0f} MB. Medians of {cfg['repeats']}; each time is the max over ranks.",
+        f"checkpoint of {mb:.0f} MB. Medians of {cfg['repeats']} interleaved runs "
+        "(baseline, sync and async alternate; so do save, load and plain I/O); each time is "
+        "the max over ranks. Load average (1, 5, 15 min) at the start "
+        f"{fmt_load(cfg['load_before'])}, at the end {fmt_load(cfg['load_after'])}.",
         f"{STEPS_AFTER_SAVE} training steps without a save take {base:.3f} s; total stall = "
         f"(save() + the next {STEPS_AFTER_SAVE} steps) - those {STEPS_AFTER_SAVE} steps "
         "without a save + the wait at finalize().",
         "",
+        "## Targets (issue 14, part 2)",
+        "",
+        "| ratio | measured | target | |",
+        "| --- | ---: | ---: | --- |",
+        target("async blocked / sync blocked", blocked_ratio, "<= 0.05", blocked_ratio <= 0.05),
+        target("async total stall / sync total stall", stall_ratio, "<= 0.50", stall_ratio <= 0.5),
+        target(
+            "committed save MB/s / plain write + fsync MB/s",
+            write_ratio,
+            ">= 0.70",
+            write_ratio >= 0.7,
+        ),
+        target("verified load MB/s / plain read MB/s", load_ratio, ">= 0.70", load_ratio >= 0.7),
+        "",
         "## Training stall per checkpoint",
         "",
-        "| | sync `dcp.save` | async `dcp.async_save` (thread) |",
+        "| | sync save | async save (threads, overlapped staging) |",
         "| --- | ---: | ---: |",
-        f"| blocked in save() (s) | {r['sync.blocked']:.3f} | {r['async.blocked']:.3f} |",
+        f"| blocked: in save() + waiting for the staging copy (s) "
+        f"| {r['sync.blocked']:.3f} | {r['async.blocked']:.3f} |",
         f"| extra time of the next {STEPS_AFTER_SAVE} steps (s) "
         f"| {extra('sync'):+.3f} | {extra('async'):+.3f} |",
         f"| still waiting at finalize() after them (s) | {r['sync.tail']:.3f} | {r['async.tail']:.3f} |",
@@ -250,21 +278,25 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
         "",
         "## Throughput",
         "",
-        "| operation | seconds | MB/s |",
-        "| --- | ---: | ---: |",
+        "| operation | seconds (median) | min - max | MB/s |",
+        "| --- | ---: | ---: | ---: |",
     ]
     rows = [
-        ("sync save, committed (DCP write + fsync, sha256, manifest)", "save.commit"),
-        ("  of which sha256 of every file on rank 0 (page cache)", "save.sha256"),
+        ("sync save, committed (DCP write + fsync, sha256 while writing, manifest)", "save.commit"),
         ("plain sequential write + fsync, same bytes, both ranks at once", "plain.write"),
         ("load_latest, verifying digests (cold cache)", "load.verify"),
         ("load_latest, sizes only (cold cache)", "load.noverify"),
         ("plain sequential read, same bytes, both ranks at once (cold cache)", "plain.read"),
     ]
     for label, key in rows:
-        lines.append(f"| {label} | {r[key]:.3f} | {mb / r[key]:.0f} |")
+        low, high = spread[key]
+        lines.append(f"| {label} | {r[key]:.3f} | {low:.3f} - {high:.3f} | {mb / r[key]:.0f} |")
     lines.append("")
     return "\n".join(lines)
+
+
+def fmt_load(load: tuple[float, float, float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in load)
 
 
 def main() -> None:
@@ -287,11 +319,14 @@ def main() -> None:
         "layers": layers,
         "repeats": repeats,
         "dir": str(scratch),
+        "command": " ".join([".venv/bin/python", "bench/checkpoint_bench.py", *sys.argv[1:]]),
+        "load_before": os.getloadavg(),
     }
     try:
         out = run_distributed(bench_body, 2, cfg, timeout_s=3600, pg_timeout_s=600)[0]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    cfg["load_after"] = os.getloadavg()
     table = render(cfg, out)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)

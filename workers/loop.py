@@ -143,7 +143,7 @@ def _train(
     # A newer attempt of the job exists (this one's node was declared lost but its
     # processes live on): stop before doing or writing anything more (checkpoints/fence.py).
     fence = FenceWatcher(ctx.checkpoint_root.parent, ctx.attempt)
-    with stops_when_superseded(ctx):
+    with stops_when_superseded(ctx), settles_staging(checkpointer):
         for step in range(start_step, max_steps):
             if ctx.abort is not None and ctx.abort.is_set():
                 raise AttemptAborted(f"attempt {ctx.attempt} released at step {step}")
@@ -155,6 +155,10 @@ def _train(
             # Every rank agrees on the step before any updates its weights: a peer lost in
             # here leaves all survivors at the same step boundary, their memory consistent.
             loss_sum, control = reduce_loss_and_control(out.loss_sum, polled, ctx.device)
+            # An async save's staging copy may still be in the making (it overlaps this
+            # step's forward and backward): it must be done before the update, or this
+            # step would leak into the previous step's checkpoint.
+            stalled += checkpointer.wait_staged()
             strategy.set_lr(lr_at(step, training))  # a function of the step: resumes agree
             strategy.optimizer_step()
             done = ctx.step = memory.step = step + 1
@@ -288,6 +292,19 @@ def stops_when_superseded(ctx: TrainContext) -> Iterator[None]:
         raise AttemptAborted(str(cause)) from exc
 
 
+@contextlib.contextmanager
+def settles_staging(checkpointer: Any) -> Iterator[None]:
+    """Leaving by an exception, first let an async save's staging copy finish: this
+    process's state may live on for the next attempt (ReplicaMemory), which must not
+    change it under the copy."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # the failure being raised says more
+            checkpointer.wait_staged()
+        raise
+
+
 def make_checkpointer(ctx: TrainContext, spec: JobSpec) -> Any:
     # Imported here so the rest of `workers` imports without the DCP machinery loaded.
     from checkpoints.dcp import ShardedCheckpointer
@@ -297,6 +314,8 @@ def make_checkpointer(ctx: TrainContext, spec: JobSpec) -> Any:
         rank=ctx.rank,
         world_size=ctx.world_size,
         async_save=spec.checkpoint.async_save,
+        # The loop waits for the staging copy before each optimizer step (`_train`).
+        async_staging=spec.checkpoint.async_save,
     )
 
 

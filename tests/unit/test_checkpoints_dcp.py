@@ -126,7 +126,7 @@ def load_into_fresh(strategy: str, root: str, world_size: int) -> dict[str, Any]
 class CrashBeforeManifest(ShardedCheckpointer):
     """Dies (raises) after every shard and `.metadata` are written, before the manifest."""
 
-    def _commit(self, path: Path, manifest: Any) -> dict[str, Any]:
+    def _commit(self, path: Path, manifest: Any, *streamed: Any) -> dict[str, Any]:
         raise RuntimeError("simulated crash before manifest")
 
 

@@ -1,0 +1,307 @@
+"""Digests taken while writing, and async saves whose staging copy overlaps training.
+
+- the sha256 the writer streams into the manifest is the sha256 of the file on disk, and
+  the coordinator does not read any shard back to get it (not even another rank's);
+- a shard corrupted after the commit is still refused on load;
+- a save at step s holds the step-s values even when the tensors change in place right
+  after save() returns (staging before return) or right after `wait_staged()` (staging
+  overlapped with the next step, as the training loop runs it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict_saver
+
+import checkpoints.integrity as integrity
+from checkpoints import find_latest_good, list_committed, read_manifest
+from checkpoints.dcp import ShardedCheckpointer, _DigestingFileSystem
+from tests.unit.dist_utils import run_distributed
+from tests.unit.test_checkpoints_dcp import (
+    FIELDS,
+    assert_same,
+    build,
+    ckpt_state,
+    full_state,
+    load_into_fresh,
+    train,
+)
+
+torch.set_num_threads(1)
+
+
+class HashSpy:
+    """Records which files the committer hashes from disk."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._original = integrity.digest_file
+
+    def __call__(self, path: str | os.PathLike[str]) -> str:
+        self.names.append(Path(path).name)
+        return self._original(path)
+
+    def install(self) -> None:
+        integrity.digest_file = self  # type: ignore[assignment]
+
+    def remove(self) -> None:
+        integrity.digest_file = self._original
+
+
+def disk_digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file of a checkpoint folder but its manifest."""
+    return {
+        p.name: integrity.digest_file(p)
+        for p in folder.iterdir()
+        if p.is_file() and p.name != "manifest.json"
+    }
+
+
+# -- one process ------------------------------------------------------------------------
+
+
+def test_streamed_digests_equal_the_files_on_disk(tmp_path: Path) -> None:
+    model, optim = build("plain")
+    train(model, optim, 2, seed=0)
+    spy = HashSpy()
+    spy.install()
+    try:
+        ckpt = ShardedCheckpointer(tmp_path, rank=0, world_size=1, async_save=False)
+        ckpt.save(step=2, attempt=0, state=ckpt_state(model, optim), manifest_fields=FIELDS,
+                  rank_extra={"rng": torch.get_rng_state()})  # fmt: skip
+    finally:
+        spy.remove()
+    folder = tmp_path / "step_000000002-a0"
+    manifest = read_manifest(folder)
+    on_disk = disk_digests(folder)
+    shards = [n for n in manifest.files if n.endswith(".distcp")]
+    assert shards, manifest.files
+    for name, entry in manifest.files.items():
+        assert entry["sha256"] == on_disk[name], name
+        assert entry["size"] == (folder / name).stat().st_size
+    # Only the small files were read back: the shards' digests came from the write.
+    assert sorted(spy.names) == sorted([".metadata", "rank_0.extra.pt"])
+
+
+def test_corrupt_shard_after_streamed_commit_is_refused(tmp_path: Path) -> None:
+    model, optim = build("plain")
+    ckpt = ShardedCheckpointer(tmp_path, rank=0, world_size=1, async_save=True)
+    train(model, optim, 1, seed=0)
+    ckpt.save(step=1, attempt=0, state=ckpt_state(model, optim), manifest_fields={})
+    ref = full_state(model, optim)
+    train(model, optim, 1, seed=1)
+    ckpt.save(step=2, attempt=0, state=ckpt_state(model, optim), manifest_fields={})
+    assert [c.step for c in ckpt.close()] == [1, 2]
+
+    shard = tmp_path / "step_000000002-a0" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x40  # same size: only the digest can tell
+    shard.write_bytes(bytes(data))
+
+    info, skipped = find_latest_good(tmp_path)
+    assert info is not None and info.step == 1
+    assert "digest mismatch: __0_0.distcp" in dict(skipped)[str(shard.parent)]
+    got = load_into_fresh("plain", str(tmp_path), 1)
+    assert got["step"] == 1
+    assert_same(got["full"], ref)
+
+
+def test_a_stream_that_seeks_gives_no_digest(tmp_path: Path) -> None:
+    fs = _DigestingFileSystem()
+    with fs.create_stream(tmp_path / "__0_0.distcp", "wb") as stream:
+        stream.write(b"abcdef")
+        stream.seek(0)
+        stream.write(b"X")
+    with fs.create_stream(tmp_path / "__0_1.distcp", "wb") as stream:
+        stream.write(b"abcdef")
+    with fs.create_stream(tmp_path / "other.bin", "wb") as stream:
+        stream.write(b"abcdef")
+    digests = {d.name: d for d in fs.take_digests()}
+    assert set(digests) == {"__0_1.distcp"}  # the seeked file is hashed from disk instead
+    assert digests["__0_1.distcp"].sha256 == integrity.digest_file(tmp_path / "__0_1.distcp")
+    assert digests["__0_1.distcp"].size == 6
+
+
+def test_streamed_digest_of_a_wrong_size_is_not_trusted(tmp_path: Path) -> None:
+    (tmp_path / "__0_0.distcp").write_bytes(b"0123456789")
+    (tmp_path / ".metadata").write_bytes(b"meta")
+    stale = {"__0_0.distcp": integrity.FileEntry(size=4, sha256="0" * 64)}
+    files = integrity.describe_files(tmp_path, known=stale)
+    assert files["__0_0.distcp"] == {
+        "size": 10,
+        "sha256": integrity.digest_file(tmp_path / "__0_0.distcp"),
+    }
+
+
+def test_async_staging_needs_async_save(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="async_staging"):
+        ShardedCheckpointer(tmp_path, rank=0, world_size=1, async_save=False, async_staging=True)
+
+
+# -- two FSDP ranks -----------------------------------------------------------------------
+
+
+def _mutate(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    """Change every parameter and the optimizer state in place, as a training step does."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    train(model, optim, 1, seed=99)
+
+
+def _hold_writes() -> tuple[threading.Event, Any]:
+    """Hold DCP's write (in the checkpointer's thread) until the event is set, so the
+    test changes the live tensors before a single byte is written."""
+    gate = threading.Event()
+    original = state_dict_saver.save
+
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(60)
+        return original(*args, **kwargs)
+
+    state_dict_saver.save = gated  # the checkpointer looks it up at call time
+    return gate, original
+
+
+def _fsdp_streaming(rank: int, world_size: int, base: str) -> dict[str, Any]:
+    model, optim = build("fsdp")
+    train(model, optim, 2, seed=1)
+    out: dict[str, Any] = {"refs": {}}
+
+    # Sync: rank 0 commits with both ranks' streamed digests and reads no shard back.
+    spy = HashSpy()
+    spy.install()
+    try:
+        sync = ShardedCheckpointer(Path(base, "sync"), rank=rank, world_size=world_size,
+                                   async_save=False)  # fmt: skip
+        sync.save(step=2, attempt=0, state=ckpt_state(model, optim), manifest_fields=FIELDS)
+    finally:
+        spy.remove()
+    out["hashed_from_disk"] = spy.names
+
+    # Async: "staged" mutates right after save() returns, "overlapped" right after
+    # wait_staged(); in both, DCP's write starts only after the mutation.
+    for mode, overlap in (("staged", False), ("overlapped", True)):
+        step = 3 if mode == "staged" else 4
+        train(model, optim, 1, seed=step)
+        out["refs"][mode] = full_state(model, optim)
+        ckpt = ShardedCheckpointer(Path(base, mode), rank=rank, world_size=world_size,
+                                   async_save=True, async_staging=overlap)  # fmt: skip
+        gate, original = _hold_writes()
+        try:
+            ckpt.save(step=step, attempt=0, state=ckpt_state(model, optim), manifest_fields=FIELDS)
+            if overlap:
+                ckpt.wait_staged()  # what the training loop does before the optimizer step
+            assert ckpt.poll_commits() == []  # the write is still held
+            _mutate(model, optim)
+            gate.set()
+            commits = ckpt.close()
+        finally:
+            state_dict_saver.save = original
+        assert len(commits) == (1 if rank == 0 else 0)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_streamed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    base = tmp_path_factory.mktemp("stream")
+    results = run_distributed(_fsdp_streaming, 2, str(base), timeout_s=240)
+    return base, results[0]
+
+
+def test_coordinator_reads_no_shard_back(fsdp_streamed: tuple[Path, dict[str, Any]]) -> None:
+    base, saved = fsdp_streamed
+    # Rank 1's shard too: its digest came with its DCP write results.
+    assert saved["hashed_from_disk"] == [".metadata"]
+    folder = base / "sync" / "step_000000002-a0"
+    manifest = read_manifest(folder)
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(manifest.files)
+    on_disk = disk_digests(folder)
+    assert {n: e["sha256"] for n, e in manifest.files.items()} == on_disk
+
+
+def _load_modes(rank: int, world_size: int, base: str) -> dict[str, Any]:
+    return {m: load_into_fresh("fsdp", str(Path(base, m)), world_size) for m in MODES}
+
+
+MODES = ("staged", "overlapped")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_async_save_holds_the_values_of_its_step(
+    fsdp_streamed: tuple[Path, dict[str, Any]], mode: str
+) -> None:
+    base, saved = fsdp_streamed
+    got = run_distributed(_load_modes, 1, str(base), timeout_s=120)[0][mode]
+    assert got["step"] == (3 if mode == "staged" else 4)
+    assert_same(got["full"], saved["refs"][mode])
+
+
+# -- the training loop ------------------------------------------------------------------
+
+
+def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Train with async saves every 2 steps, each save's write held until the next
+    optimizer step has begun (so the save cannot finish, and clear its staging, on its
+    own first); record at every optimizer step whether a staging copy was still pending."""
+    import time
+
+    import workers.loop as loop
+    from contracts.spec import JobSpec
+    from workers.api import NullHooks, TrainContext
+
+    made: list[ShardedCheckpointer] = []
+    pending_at_update: list[bool] = []
+    original_make_checkpointer, original_make_strategy = loop.make_checkpointer, loop.make_strategy
+    original_save = state_dict_saver.save
+
+    def make_checkpointer(ctx: Any, spec: Any) -> Any:
+        made.append(original_make_checkpointer(ctx, spec))
+        return made[-1]
+
+    def make_strategy(kind: Any) -> Any:
+        strategy = original_make_strategy(kind)
+        update = strategy.optimizer_step
+
+        def optimizer_step() -> None:
+            pending_at_update.append(made[0]._staging is not None)
+            update()
+
+        strategy.optimizer_step = optimizer_step  # type: ignore[method-assign]
+        return strategy
+
+    def held_save(*args: Any, **kwargs: Any) -> Any:
+        seen, deadline = len(pending_at_update), time.monotonic() + 3
+        while len(pending_at_update) == seen and time.monotonic() < deadline:
+            time.sleep(0.005)  # the last save has no next step: it goes after 3 s
+        return original_save(*args, **kwargs)
+
+    loop.make_checkpointer, loop.make_strategy = make_checkpointer, make_strategy
+    state_dict_saver.save = held_save
+    spec = JobSpec.model_validate(
+        {"name": "s", "workload": {"name": "synthetic", "params": {"num_samples": 64}},
+         "training": {"global_batch_size": 8, "micro_batch_size": 4, "max_steps": 6},
+         "checkpoint": {"every_steps": 2, "async_save": True}}
+    )  # fmt: skip
+    job = Path(root)
+    ctx = TrainContext(
+        rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
+        job_id=1, attempt=0, checkpoint_root=job / "checkpoints", log_path=job / "rank0.log",
+    )  # fmt: skip
+    loop.train(ctx, spec, NullHooks())
+    return {"pending": pending_at_update, "async_staging": made[0].async_staging}
+
+
+def test_the_loop_never_updates_while_a_staging_copy_is_pending(tmp_path: Path) -> None:
+    [out] = run_distributed(_loop_with_async_saves, 1, str(tmp_path), timeout_s=120)
+    assert out["async_staging"] is True
+    assert len(out["pending"]) == 6 and not any(out["pending"])
+    assert [i.step for i in list_committed(tmp_path / "checkpoints")] == [6, 4, 2]

@@ -40,7 +40,8 @@ lint: $(BIN)/elastrain
 
 # Every steady-state benchmark (issue 14), one after another: docs/benchmarks.md gets the
 # run record, docs/bench-*.md each part's full report. PARTS=scheduler,metrics for some.
-bench: test-deps $(BIN)/elastrain
+bench: $(BIN)/elastrain
+	@.ci/setup-system postgresql
 	$(BIN)/python bench/all.py $(if $(PARTS),--parts $(PARTS))
 
 clean:

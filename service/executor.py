@@ -213,6 +213,12 @@ def _timestamp(moment: datetime) -> float:
     return aware.timestamp()
 
 
+def _moved(job: Job, view: JobView) -> bool:
+    """The job is no longer where its decision saw it (another state or attempt): a
+    user's cancel or another scheduler got there first, and the next pass decides again."""
+    return (job.state, job.attempt) != (view.state, view.attempt.number if view.attempt else 0)
+
+
 class Executor:
     def __init__(
         self,
@@ -232,11 +238,10 @@ class Executor:
         since `view` was read, or the transaction failed (the next pass decides again)."""
         if not actions:
             return True
-        seen = (view.state, view.attempt.number if view.attempt else 0)
         try:
             with session_scope(self.sessions) as session:
                 job = jobs.get_job(session, view.id, for_update=True)
-                if (job.state, job.attempt) != seen:
+                if _moved(job, view):
                     log.info("job %s moved since it was observed; deciding again", view.id)
                     return False
                 samples = telemetry.samples_for(job, actions, now=utcnow())
@@ -265,8 +270,7 @@ class Executor:
                 todo = []
                 for view, action in batch:
                     job = locked.get(view.id)
-                    seen = (view.state, view.attempt.number if view.attempt else 0)
-                    if job is None or (job.state, job.attempt) != seen:
+                    if job is None or _moved(job, view):
                         log.info("job %s moved since it was observed; deciding again", view.id)
                         continue
                     if (attempt := attempts.get(job.id)) is not None:

@@ -46,7 +46,8 @@ class Assignment:
     spec: JobSpec
     storage_path: str
     runtime_name: str
-    """The runtime actor that rank 0 reports to (`push`, `get_control`)."""
+    """The runtime actor that rank 0 reports to (`push_many`); controls come the other way,
+    pushed to rank 0's process (`control`)."""
     namespace: str
     collective_timeout_s: float
 

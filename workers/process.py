@@ -48,22 +48,21 @@ log = logging.getLogger("elastrain.worker")
 
 #: Delivered pushes are forgotten every this many sends.
 _PRUNE_EVERY = 64
-#: Step metrics are sent to the runtime at most this often (in batches); the control is
-#: asked for at most this often.
+#: Step metrics are sent to the runtime at most this often (in batches).
 _PUSH_INTERVAL_S = 0.5
-_CONTROL_INTERVAL_S = 0.2
 #: The most an ending attempt waits for its last messages to reach the runtime.
 _FLUSH_TIMEOUT_S = 10.0
 
 
 class RuntimeHooks:
     """`TrainHooks` for rank 0: fire-and-forget calls to the runtime actor, never blocking
-    the training step (control requests are fetched asynchronously).
+    the training step.
 
     Each remote call costs rank 0 and the runtime actor CPU on the cores training runs on,
     so step metrics are sent in batches, at most every `_PUSH_INTERVAL_S` (any other message,
-    rarer and wanted at once, goes immediately with what is pending, in order), and the
-    control is asked for at most every `_CONTROL_INTERVAL_S`. Measured on 2 cores (bench/
+    rarer and wanted at once, goes immediately with what is pending, in order). Controls
+    are not asked for: the runtime pushes them into this process (`WorkerProcess.control`)
+    and `take_control` reads them from memory. Measured on 2 cores (bench/
     step_overhead_bench.py): a remote call per step made steps ~25 % slower than a plain
     torchrun script."""
 
@@ -71,17 +70,16 @@ class RuntimeHooks:
         self,
         runtime: Any,
         key: tuple[int, int],
+        take_control: Callable[[], Control],
         *,
         clock: Callable[[], float] = time.monotonic,
         wait: Callable[..., tuple[list[Any], list[Any]]] = ray.wait,
-        get: Callable[[Any], Any] = ray.get,
     ) -> None:
         self.runtime = runtime
         self.key = key
+        self.take_control = take_control
         self.clock = clock
-        self._wait, self._get = wait, get  # Ray's, or a test's
-        self._control_ref: Any = None
-        self._control_asked_at = -math.inf
+        self._wait = wait  # Ray's, or a test's
         self._in_flight: list[Any] = []
         self._pending: list[WorkerMessage] = []
         self._pushed_at = -math.inf
@@ -115,18 +113,7 @@ class RuntimeHooks:
             self._in_flight = []
 
     def poll_control(self) -> Control:
-        if self._control_ref is None:
-            now = self.clock()
-            if now - self._control_asked_at >= _CONTROL_INTERVAL_S:
-                self._control_ref = self.runtime.get_control.remote(self.key)
-                self._control_asked_at = now
-            return Control.NONE
-        ready, _ = self._wait([self._control_ref], timeout=0)
-        if not ready:
-            return Control.NONE
-        value = self._get(self._control_ref)
-        self._control_ref = None  # asked again after the interval
-        control = Control(value)
+        control = self.take_control()
         if control != Control.NONE:
             # Whatever follows (a checkpoint, the end) comes after the metrics before it.
             self._push(self.clock())
@@ -174,6 +161,9 @@ class WorkerProcess:
         self._lock = threading.Lock()
         self._busy = False
         self._abort = threading.Event()
+        # Controls pushed by the runtime, by attempt, until that attempt's rank 0 takes them
+        # (one can arrive before the rank it is for has started).
+        self._controls: dict[tuple[int, int], list[Control]] = {}
 
     def describe(self) -> WorkerInfo:
         with self._lock:
@@ -199,6 +189,19 @@ class WorkerProcess:
             if self._busy:
                 self._abort.set()
 
+    def control(self, key: tuple[int, int], controls: list[Control]) -> None:
+        """The runtime's requests for an attempt whose rank 0 runs here (or will)."""
+        job_id, attempt = key
+        with self._lock:
+            self._controls.setdefault((int(job_id), int(attempt)), []).extend(
+                Control(c) for c in controls
+            )
+
+    def _take_control(self, key: tuple[int, int]) -> Control:
+        with self._lock:
+            queued = self._controls.get(key)
+            return queued.pop(0) if queued else Control.NONE
+
     def forget(self) -> None:
         """Drop the held state (its job ended); no-op while training."""
         with self._lock:
@@ -214,11 +217,15 @@ class WorkerProcess:
                 )
             self._busy = True
             self._abort.clear()
+            key = (assignment.job_id, assignment.attempt)
+            # Requests for attempts that ended here (or never started) are moot now.
+            self._controls = {k: v for k, v in self._controls.items() if k == key}
         try:
             outcome = self._run(assignment)
         finally:
             with self._lock:
                 self._busy = False
+                self._controls.pop(key, None)
         return dataclasses.replace(outcome, held=self.memory.describe())
 
     def _use_package(self, a: Assignment) -> WorkerEvent | None:
@@ -286,7 +293,8 @@ class WorkerProcess:
             hooks: Any = SilentHooks()
             if a.rank == 0:
                 runtime = ray.get_actor(a.runtime_name, namespace=a.namespace)
-                hooks = RuntimeHooks(runtime, (a.job_id, a.attempt))
+                key = (a.job_id, a.attempt)
+                hooks = RuntimeHooks(runtime, key, lambda: self._take_control(key))
                 hooks.send(TimelineMark(phase=Phase.GROUP_FORMED, at=time.time()))
                 if package is not None:
                     hooks.send(package)

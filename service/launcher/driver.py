@@ -89,7 +89,8 @@ class AttemptDriver:
         self._placement: Placement | None = None
         self._resumed_from: int | None = None
         self._error: WorkerError | None = None
-        self._control: list[Control] = []  # queued one-shot requests
+        self._control: list[Control] = []  # one-shot requests not yet sent to rank 0
+        self._rank0: Any = None  # rank 0's process once it has its rank: controls go there
         self._stopping = False
         self._released = threading.Event()
         self._marks: dict[Phase, TimelineMark] = {}
@@ -128,10 +129,6 @@ class AttemptDriver:
         marks = sorted(self._marks.values(), key=lambda m: order.index(m.phase))
         return Timeline(cause=self.request.cause, marks=tuple(marks))
 
-    def get_control(self) -> Control:
-        with self._lock:
-            return self._control.pop(0) if self._control else Control.NONE
-
     # -- called by the scheduler (through the runtime) ----------------------------------------
     def request_control(self, control: Control) -> None:
         with self._lock:
@@ -141,6 +138,17 @@ class AttemptDriver:
                 self._stopping = True
             if control not in self._control:
                 self._control.append(control)
+            self._send_controls()
+
+    def _send_controls(self) -> None:
+        """Hand the queued requests to rank 0's process (lock held). Pushed, not polled:
+        rank 0 asking the runtime every few steps cost a remote call's CPU on both sides
+        on the cores the ranks train on; a push costs one call per request and reaches
+        rank 0 at once. Rank 0's process keeps requests by attempt, so one that arrives
+        before its rank has started is not lost."""
+        if self._rank0 is not None and self._control:
+            self._rank0.control.remote(self.key, self._control)
+            self._control = []
 
     def drain(self, ack: int) -> DriverReport:
         """Forget the messages up to `ack` (stored by the scheduler); report the rest."""
@@ -219,6 +227,9 @@ class AttemptDriver:
             )
             for rank, w in enumerate(self.workers)
         ]
+        with self._lock:
+            self._rank0 = rank0.handle
+            self._send_controls()
         self.push(
             Placement(
                 nodes={r: w.node_id for r, w in enumerate(self.workers)},

@@ -108,10 +108,6 @@ class Runtime:
             for message in messages:
                 driver.push(message)
 
-    def get_control(self, key: Key) -> Control:
-        driver = self._driver(key)
-        return driver.get_control() if driver is not None else Control.NONE
-
     def _driver(self, key: Key) -> AttemptDriver | None:
         with self._lock:
             return self.drivers.get(_key(key))

@@ -1,12 +1,14 @@
-"""Rank 0's messages to the runtime: batched, in order, never lost at the end; the
-control asked for at a bounded rate (what keeps a step's cost close to torchrun's)."""
+"""Rank 0's messages to the runtime: batched, in order, never lost at the end; controls
+read from what the runtime pushed into the process, with no remote call (what keeps a
+step's cost close to torchrun's)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from contracts.messages import Control, EventKind, StepMetrics, WorkerEvent
-from workers.process import _CONTROL_INTERVAL_S, _PUSH_INTERVAL_S, RuntimeHooks
+from workers.process import _PUSH_INTERVAL_S, RuntimeHooks, WorkerProcess
 
 
 class Clock:
@@ -32,16 +34,18 @@ class Method:
 class Runtime:
     def __init__(self) -> None:
         self.push_many = Method()
-        self.get_control = Method()
-        self.control = Control.NONE
         self.ready = True
+        self.controls: list[Control] = []
+
+    def take_control(self) -> Control:
+        return self.controls.pop(0) if self.controls else Control.NONE
 
 
 def hooks_for(runtime: Runtime, clock: Clock) -> RuntimeHooks:
     def wait(refs: list[Any], **_: Any) -> tuple[list[Any], list[Any]]:
         return (list(refs), []) if runtime.ready else ([], list(refs))
 
-    return RuntimeHooks(runtime, (7, 2), clock=clock, wait=wait, get=lambda _: runtime.control)
+    return RuntimeHooks(runtime, (7, 2), runtime.take_control, clock=clock, wait=wait)
 
 
 def point(step: int) -> StepMetrics:
@@ -72,19 +76,31 @@ def test_metrics_go_in_batches_and_other_messages_at_once_in_order() -> None:
     assert all(key == (7, 2) for key, _ in runtime.push_many.calls)
 
 
-def test_control_is_asked_at_most_every_interval_and_flushes_metrics_first() -> None:
+def test_a_control_costs_no_remote_call_and_flushes_metrics_first() -> None:
     runtime, clock = Runtime(), Clock()
     hooks = hooks_for(runtime, clock)
-    for _ in range(50):  # fifty fast steps: one question in flight at a time
+    for _ in range(50):  # fifty fast steps with nothing requested: nothing sent
         assert hooks.poll_control() == Control.NONE
-        clock.now += _CONTROL_INTERVAL_S / 10
-    assert 4 <= len(runtime.get_control.calls) <= 6
+        clock.now += 0.01
+    assert runtime.push_many.calls == []
     hooks.send(point(1))
     clock.now += 0.01
     hooks.send(point(2))  # pending
-    runtime.control = Control.CHECKPOINT
-    clock.now += _CONTROL_INTERVAL_S
-    got = [hooks.poll_control() for _ in range(3)]
-    assert Control.CHECKPOINT in got
+    runtime.controls = [Control.CHECKPOINT, Control.STOP]
+    assert [hooks.poll_control() for _ in range(3)] == [
+        Control.CHECKPOINT,
+        Control.STOP,
+        Control.NONE,
+    ]
     # The steps before the checkpoint request reached the runtime before its checkpoint.
     assert [m.step for m in sent(runtime)] == [1, 2]
+
+
+def test_the_process_keeps_pushed_controls_by_attempt_until_its_rank_0_takes_them() -> None:
+    process = WorkerProcess.__new__(WorkerProcess)  # no Ray, no torch: only the mailbox
+    process._lock, process._controls = threading.Lock(), {}
+    process.control((7, 2), [Control.CHECKPOINT])  # before rank 0 of attempt 2 started
+    process.control([7, 1], ["stop"])  # keys and values as Ray may unpickle them
+    assert process._take_control((7, 1)) == Control.STOP
+    assert process._take_control((7, 2)) == Control.CHECKPOINT
+    assert process._take_control((7, 2)) == Control.NONE

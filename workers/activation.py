@@ -36,6 +36,9 @@ class ActivationMeter:
     def __init__(self) -> None:
         self.peak = 0
         """The most bytes one micro-batch's forward kept, since the last `reset`."""
+        self.armed = True
+        """Off: `measuring` counts nothing (the loop measures memory every few seconds, not
+        every step)."""
         self._seen: set[int] | None = None
         self._bytes = 0
 
@@ -46,6 +49,9 @@ class ActivationMeter:
     def measuring(self, per: int = 1) -> Iterator[None]:
         """Around one forward (or `per` micro-batches' forwards): the bytes saved, divided
         by `per`, count towards `peak`."""
+        if not self.armed:
+            yield
+            return
         self._seen, self._bytes = set(), 0
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):

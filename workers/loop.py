@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import random
 import resource
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,13 @@ LOG_EVERY_STEPS = 10
 #: when an attempt is stopped are then not lost to the job's history: the attempt that
 #: resumes from the checkpoint hands them back.
 METRICS_KEPT_WITH_CHECKPOINT = 256
+
+#: Memory figures (parameter/gradient/optimizer bytes, activation peak, RSS) are measured on
+#: the first step of an attempt and then at most this often; the steps between carry the
+#: latest measurement. Measuring walks every parameter and optimizer state and hooks every
+#: tensor autograd saves: ~1 ms a step on the 2-core bench, 5 % of a small model's step
+#: (bench/step_overhead_bench.py), for figures that do not change from step to step.
+MEMORY_EVERY_S = 2.0
 
 # Control travels as a float in the per-step all-reduce (only rank 0 adds its code).
 _CONTROL_CODES = {Control.NONE: 0, Control.CHECKPOINT: 1, Control.STOP: 2}
@@ -143,24 +151,29 @@ def _train(
     # A newer attempt of the job exists (this one's node was declared lost but its
     # processes live on): stop before doing or writing anything more (checkpoints/fence.py).
     fence = FenceWatcher(ctx.checkpoint_root.parent, ctx.attempt)
+    memory_meter = MemoryMeter(strategy)
     with stops_when_superseded(ctx), settles_staging(checkpointer):
         for step in range(start_step, max_steps):
             if ctx.abort is not None and ctx.abort.is_set():
                 raise AttemptAborted(f"attempt {ctx.attempt} released at step {step}")
             fence.check()
             t0 = time.perf_counter()
+            memory_meter.start_step()
             ids = sampler.microbatches(step, layout.dp_rank, layout.dp, micro_batch)
             out = strategy.forward_backward([collate(mb) for mb in ids], loss_scale)
             polled = hooks.poll_control() if is_rank0 else Control.NONE
             # Every rank agrees on the step before any updates its weights: a peer lost in
             # here leaves all survivors at the same step boundary, their memory consistent.
-            loss_sum, control = reduce_loss_and_control(out.loss_sum, polled, ctx.device)
+            # The agreement's round trip overlaps the clipping (gradients only).
+            agreement = agree_on_step(out.loss_sum, polled, ctx.device)
+            strategy.prepare_update()
+            loss_sum, control = agreement.wait()
             # An async save's staging copy may still be in the making (it overlaps this
             # step's forward and backward): it must be done before the update, or this
             # step would leak into the previous step's checkpoint.
             stalled += checkpointer.wait_staged()
             strategy.set_lr(lr_at(step, training))  # a function of the step: resumes agree
-            strategy.optimizer_step()
+            strategy.apply_update()
             done = ctx.step = memory.step = step + 1
             step_time = time.perf_counter() - t0
             loss = loss_sum / global_batch
@@ -175,12 +188,11 @@ def _train(
                 done, loss, step_time, strategy, workload.tokens_per_sample, global_batch,
                 ctx.world_size, batch_crc(sampler.global_batch(step)), checkpoint_stall_s=stalled,
                 flops_per_sample=workload.flops_per_sample, peak=peak,
-                first_of_attempt=step == start_step,
+                first_of_attempt=step == start_step, memory=memory_meter.read(),
             )  # fmt: skip
             if eval_loss is not None:
                 point.values["eval_loss"] = eval_loss
             stalled = 0.0
-            strategy.activations.reset()  # activation_bytes is per step
             recent.append(point)
             if is_rank0:
                 hooks.send(point)
@@ -411,16 +423,23 @@ def resume(
     return restored
 
 
-def reduce_loss_and_control(
-    loss_sum: float, control: Control, device: torch.device
-) -> tuple[float, Control]:
-    """One collective per step: the global summed loss, and rank 0's control decision, so
-    every rank acts on it at the same step."""
+class StepAgreement:
+    """One collective per step, started at once and waited for later: the global summed
+    loss, and rank 0's control decision, so every rank acts on it at the same step."""
+
+    def __init__(self, packed: torch.Tensor, work: Any) -> None:
+        self._packed, self._work = packed, work
+
+    def wait(self) -> tuple[float, Control]:
+        self._work.wait()
+        total, code = self._packed.tolist()
+        return total, _CONTROL_BY_CODE[round(code)]
+
+
+def agree_on_step(loss_sum: float, control: Control, device: torch.device) -> StepAgreement:
     packed = torch.tensor([loss_sum, float(_CONTROL_CODES[control])], dtype=torch.float64)
     packed = packed.to(device)
-    dist.all_reduce(packed)
-    total, code = packed.tolist()
-    return total, _CONTROL_BY_CODE[round(code)]
+    return StepAgreement(packed, dist.all_reduce(packed, async_op=True))
 
 
 def save_checkpoint(
@@ -488,6 +507,7 @@ def step_metrics(
     flops_per_sample: float | None = None,
     peak: tuple[float | None, str] = (None, ""),
     first_of_attempt: bool = False,
+    memory: dict[str, int] | None = None,
 ) -> StepMetrics:
     samples_per_s = global_batch / step_time
     layout = strategy.layout
@@ -507,7 +527,7 @@ def step_metrics(
         "dp": layout.dp,
         "pp": layout.pp,
         "tp": layout.tp,
-        "memory": {**strategy.memory_bytes(), "rss_bytes": rss_bytes()},
+        "memory": memory if memory is not None else measure_memory(strategy),
         "batch_crc": crc,
         # When the step finished (wall clock): recovery and growth times are measured
         # from it, not from when the scheduler happened to persist the point.
@@ -518,6 +538,42 @@ def step_metrics(
             peak[1] if flops_per_sample else "the workload gives no flops_per_sample"
         )
     return StepMetrics(step=done, values=values)
+
+
+class MemoryMeter:
+    """Measures a rank's memory on the first step and then every `MEMORY_EVERY_S`, arming
+    the activation meter only for the steps it measures (its hooks cost every saved
+    tensor a call). Each rank decides alone: the figures are per rank, no peer waits."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        every_s: float = MEMORY_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.strategy = strategy
+        self.every_s = every_s
+        self.clock = clock
+        self._measured_at = -math.inf
+        self._latest: dict[str, int] | None = None
+        self._due = True
+
+    def start_step(self) -> None:
+        self._due = self.clock() - self._measured_at >= self.every_s
+        self.strategy.activations.armed = self._due
+
+    def read(self) -> dict[str, int]:
+        """This step's figures if it was measured, else the latest (the same dict: never
+        mutated once made)."""
+        if self._due or self._latest is None:
+            self._latest = measure_memory(self.strategy)
+            self.strategy.activations.reset()  # the activation peak is per measured step
+            self._measured_at = self.clock()
+        return self._latest
+
+
+def measure_memory(strategy: Strategy) -> dict[str, int]:
+    return {**strategy.memory_bytes(), "rss_bytes": rss_bytes()}
 
 
 def rss_bytes() -> int:

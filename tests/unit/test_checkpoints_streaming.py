@@ -269,13 +269,13 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
 
     def make_strategy(kind: Any) -> Any:
         strategy = original_make_strategy(kind)
-        update = strategy.optimizer_step
+        update = strategy.apply_update
 
-        def optimizer_step() -> None:
+        def apply_update() -> None:
             pending_at_update.append(made[0]._staging is not None)
             update()
 
-        strategy.optimizer_step = optimizer_step  # type: ignore[method-assign]
+        strategy.apply_update = apply_update  # type: ignore[method-assign]
         return strategy
 
     def held_save(*args: Any, **kwargs: Any) -> Any:

@@ -104,9 +104,19 @@ class Strategy(ABC):
         lost during the step leaves every survivor at the same step boundary.
         """
 
-    @abstractmethod
     def optimizer_step(self) -> None:
         """Clip and apply the synchronised gradients."""
+        self.prepare_update()
+        self.apply_update()
+
+    @abstractmethod
+    def prepare_update(self) -> None:
+        """What comes before the weights change (unscale, clip): it touches gradients only,
+        so the loop runs it while its step agreement is in flight."""
+
+    @abstractmethod
+    def apply_update(self) -> None:
+        """The optimizer step: the only part that changes weights and optimizer state."""
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """Model and optimizer state keyed by FQN, as `torch.distributed.checkpoint` wants

@@ -125,11 +125,13 @@ class DataParallelStrategy(Strategy):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def optimizer_step(self) -> None:
+    def prepare_update(self) -> None:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
         if self.grad_clip is not None:
             self.clip_gradients(self.grad_clip)
+
+    def apply_update(self) -> None:
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

@@ -291,9 +291,11 @@ class PipelineStrategy(Strategy):
             self.model.train(was_training)
         return total if self._reports_loss else 0.0
 
-    def optimizer_step(self) -> None:
+    def prepare_update(self) -> None:
         if self.grad_clip is not None:
             self._clip_grads(self.grad_clip)
+
+    def apply_update(self) -> None:
         self.optimizer.step()
 
     def _scale_and_sync_grads(self, loss_scale: float) -> None:

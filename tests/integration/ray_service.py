@@ -51,11 +51,13 @@ def ray_service(tmp: Path, *, num_cpus: int = 4, **settings_kw: Any) -> Iterator
     """Start a local Ray with `num_cpus` logical CPUs and the service on top of it."""
     ray.init(num_cpus=num_cpus, namespace="elastrain-test", include_dashboard=False)
     settings = Settings(
-        database_url=f"sqlite:///{tmp / 'elastrain.db'}",
-        storage_path=tmp / "storage",
-        ray_namespace="elastrain-test",
-        scheduler_interval_s=0.3,
-        **settings_kw,
+        **{
+            "database_url": f"sqlite:///{tmp / 'elastrain.db'}",
+            "storage_path": tmp / "storage",
+            "ray_namespace": "elastrain-test",
+            "scheduler_interval_s": 0.3,  # tests: quicker reactions than the default
+            **settings_kw,
+        }
     )
     try:
         with TestClient(create_app(settings, start_scheduler=True)) as client:
@@ -77,6 +79,7 @@ def wait_for(
     *,
     timeout: float = 300,
     what: str = "condition",
+    poll_s: float = 0.5,
 ) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     job: dict[str, Any] = {}
@@ -86,14 +89,21 @@ def wait_for(
             return job
         if job["state"] in TERMINAL:
             break
-        time.sleep(0.5)
+        time.sleep(poll_s)
     events = client.get(f"/v1/jobs/{job_id}/events").json()
     raise AssertionError(f"job {job_id}: {what} not reached; job={job}\nevents={events}")
 
 
-def wait_terminal(client: httpx.Client, job_id: int, timeout: float = 300) -> dict[str, Any]:
+def wait_terminal(
+    client: httpx.Client, job_id: int, timeout: float = 300, poll_s: float = 0.5
+) -> dict[str, Any]:
     return wait_for(
-        client, job_id, lambda j: j["state"] in TERMINAL, timeout=timeout, what="terminal state"
+        client,
+        job_id,
+        lambda j: j["state"] in TERMINAL,
+        timeout=timeout,
+        what="terminal state",
+        poll_s=poll_s,
     )
 
 

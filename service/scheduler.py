@@ -72,6 +72,7 @@ class Scheduler:
             restart_backoff_s=settings.restart_backoff_s,
         )
         self.timers = Timers()
+        self.lease = lease.LeaseKeeper(session_factory, holder=self.holder, ttl_s=LEASE_TTL_S)
         self._published: cluster.ClusterView | None = None
         self._published_at = 0.0
         self._swept_at = 0.0
@@ -87,7 +88,7 @@ class Scheduler:
 
     def run_pass(self) -> bool:
         """One pass. Returns False when another scheduler holds the lease."""
-        if not lease.try_acquire(self.sessions, holder=self.holder, ttl_s=LEASE_TTL_S):
+        if not self.lease.hold():
             return False
         with telemetry.SCHEDULER_PASS.time():
             self._pass()
@@ -310,7 +311,7 @@ class SchedulerThread:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
-        lease.release(self.scheduler.sessions, holder=self.scheduler.holder)
+        self.scheduler.lease.release()
 
 
 def start_scheduler_thread(

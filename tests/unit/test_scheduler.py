@@ -274,10 +274,13 @@ def test_driver_lost_after_control_plane_restart_is_relaunched(env) -> None:
     jid = submit(factory)
     sched.run_pass()
     launcher.driver(jid).killed = True  # the driver died with its node while we were down
-    fresh = Scheduler(
-        session_factory=factory, launcher=launcher, settings=sched.settings, clock=clock
+    fresh = Scheduler(  # the same replica, restarted
+        session_factory=factory,
+        launcher=launcher,
+        settings=sched.settings,
+        clock=clock,
+        holder=sched.holder,
     )
-    fresh.holder = sched.holder  # same replica restarted
     fresh.run_pass()
     assert job(factory, jid).attempt == 2
     assert len([r for r in launcher.launches if r.job_id == jid]) == 2

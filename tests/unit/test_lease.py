@@ -1,0 +1,47 @@
+"""The scheduler lease: held by one scheduler at a time, renewed in the database only once a
+third of its time has passed (not on every pass), handed over on release."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import select
+
+from service import lease
+from service.db import make_engine, make_session_factory, migrate
+from service.models import SchedulerLease
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_renewed_once_a_third_of_its_time_has_passed_and_exclusive(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    migrate(engine)
+    factory = make_session_factory(engine)
+
+    def expires_at() -> object:
+        with factory() as s:
+            return s.scalars(select(SchedulerLease.expires_at)).one()
+
+    clock = Clock()
+    a = lease.LeaseKeeper(factory, holder="a", ttl_s=30.0, clock=clock)
+    b = lease.LeaseKeeper(factory, holder="b", ttl_s=30.0, clock=clock)
+    assert a.hold()
+    first = expires_at()
+    clock.now += 9.9  # passes within a third of the TTL: no write
+    assert a.hold()
+    assert expires_at() == first
+    assert not b.hold()  # the row is a's and has not expired
+    clock.now += 0.2
+    assert a.hold()
+    assert expires_at() > first  # type: ignore[operator]
+    a.release()
+    assert b.hold()
+    clock.now += 100
+    assert not a.hold()  # b renews it

@@ -8,9 +8,10 @@ capacity promised to one job is not offered to the next.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from contracts.spec import JobSpec
 
@@ -63,20 +64,53 @@ class ClusterCapacity:
     def workers_that_fit(self, cpus_per_worker: float, gpus_per_worker: float) -> int:
         """How many workers of this shape the alive nodes hold in total (per-node packing:
         a worker never spans nodes)."""
+        return self._memoized(
+            ("fit", cpus_per_worker, gpus_per_worker),
+            lambda: sum(_fit(n, cpus_per_worker, gpus_per_worker) for n in self.alive_nodes),
+        )
 
-        def count() -> int:
-            total = 0
-            for node in self.alive_nodes:
-                by_cpu = (
-                    int(node.cpus // cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 1 << 30
-                )
-                by_gpu = (
-                    int(node.gpus // gpus_per_worker + 1e-9) if gpus_per_worker > 0 else 1 << 30
-                )
-                total += max(min(by_cpu, by_gpu), 0)
-            return total
+    def nodes_of(self, ids: Iterable[str]) -> list[NodeCapacity]:
+        """The nodes of these ids that this capacity has."""
+        position = self._position()
+        return [self.nodes[i] for node_id in ids if (i := position.get(node_id)) is not None]
 
-        return self._memoized(("fit", cpus_per_worker, gpus_per_worker), count)
+    def _position(self) -> dict[str, int]:
+        return self._memoized(
+            ("position",), lambda: {n.node_id: i for i, n in enumerate(self.nodes)}
+        )
+
+    def with_resources_of(self, changed: Iterable[NodeCapacity]) -> ClusterCapacity:
+        """This capacity with the nodes of the same ids as `changed` (those it has) as
+        `changed` has them. What was already counted here is carried over, adjusted for
+        those nodes alone: a pass credits every running job's workers back to the free
+        capacity, and counting every node again for each job was O(jobs x nodes)."""
+        position = self._position()
+        nodes = list(self.nodes)
+        swapped = []
+        for node in changed:
+            if (i := position.get(node.node_id)) is not None:
+                swapped.append((nodes[i], node))
+                nodes[i] = node
+        out = replace(self, nodes=tuple(nodes))
+        same_alive = all(old.alive == new.alive for old, new in swapped)
+        for key, known in self._memo.items():
+            if key[0] == "fit":
+                cpus, gpus = cast(tuple[float, float], key[1:])
+                out._memo[key] = cast(int, known) + sum(
+                    [_fit(new, cpus, gpus) - _fit(old, cpus, gpus) for old, new in swapped]
+                )
+            elif key[0] == "position" or (key[0] == "alive_ids" and same_alive):
+                out._memo[key] = known
+        return out
+
+
+def _fit(node: NodeCapacity, cpus_per_worker: float, gpus_per_worker: float) -> int:
+    """Workers of this shape the node holds (none when it is dead)."""
+    if not node.alive:
+        return 0
+    by_cpu = int(node.cpus // cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 1 << 30
+    by_gpu = int(node.gpus // gpus_per_worker + 1e-9) if gpus_per_worker > 0 else 1 << 30
+    return max(min(by_cpu, by_gpu), 0)
 
 
 def memory_share(nodes: Iterable[tuple[int, float]], cpus_per_worker: float) -> int | None:
@@ -137,17 +171,16 @@ def free_capacity(cluster: ClusterCapacity, allocations: Iterable[Allocation]) -
 
 def credit(free: ClusterCapacity, allocation: Allocation) -> ClusterCapacity:
     """`free` with the allocation's placed workers given back to their (alive) nodes."""
-    back: dict[str, int] = {}
-    for node_id in allocation.nodes:
-        back[node_id] = back.get(node_id, 0) + 1
+    back = Counter(allocation.nodes)
     shape = allocation.shape
-    nodes = tuple(
+    # Counted once on `free`, then carried over to each job's credited copy (the job is
+    # asked how many of its own workers would fit).
+    free.workers_that_fit(shape.cpus, shape.gpus)
+    return free.with_resources_of(
         replace(n, cpus=n.cpus + shape.cpus * k, gpus=n.gpus + shape.gpus * k)
-        if (k := back.get(n.node_id, 0))
-        else n
-        for n in free.nodes
+        for n in free.nodes_of(back)
+        if (k := back[n.node_id])
     )
-    return replace(free, nodes=nodes)
 
 
 def target_world_size(spec: JobSpec, free: ClusterCapacity, *, limit: int | None = None) -> int:
@@ -165,6 +198,7 @@ class CapacityLedger:
         self.cluster = cluster
         self._held = dict(held)
         self._free: ClusterCapacity | None = None  # until the next `hold`
+        self._all_placed: bool | None = None  # likewise
 
     def free(self) -> ClusterCapacity:
         """Free for a newcomer: the cluster less every job's workers."""
@@ -181,7 +215,9 @@ class CapacityLedger:
         own = self._held.get(job_id)
         if own is None:
             return self.free()
-        if all(a.count <= len(a.nodes) for a in self._held.values()):
+        if self._all_placed is None:  # asked of every running job: once per change
+            self._all_placed = all(a.count <= len(a.nodes) for a in self._held.values())
+        if self._all_placed:
             return credit(self.free(), own)
         return free_capacity(self.cluster, (a for jid, a in self._held.items() if jid != job_id))
 
@@ -192,7 +228,7 @@ class CapacityLedger:
     def hold(self, job_id: int, allocation: Allocation | None) -> None:
         if self._held.get(job_id) == allocation:
             return  # a queued job still holding nothing: the sum stands
-        self._free = None
+        self._free = self._all_placed = None
         if allocation is None:
             self._held.pop(job_id, None)
         else:

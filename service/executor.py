@@ -25,7 +25,7 @@ from checkpoints.retention import delete_checkpoints, retention_plan
 from contracts.messages import Control, EventKind
 from contracts.spec import JobSpec
 from contracts.storage import JobStorage
-from service import jobs, observe, reports, telemetry
+from service import jobs, metric_store, observe, reports, telemetry
 from service.db import session_scope
 from service.decisions import (
     Action,
@@ -213,7 +213,7 @@ def _timestamp(moment: datetime) -> float:
     return aware.timestamp()
 
 
-def _moved(job: Job, view: JobView) -> bool:
+def _moved(job: Job | reports.Running, view: JobView) -> bool:
     """The job is no longer where its decision saw it (another state or attempt): a
     user's cancel or another scheduler got there first, and the next pass decides again."""
     return (job.state, job.attempt) != (view.state, view.attempt.number if view.attempt else 0)
@@ -232,12 +232,17 @@ class Executor:
         self.launcher = launcher
         self.storage_path = storage_path
         self.timers = timers
+        #: Running jobs' open bucket summaries, as this executor stored them; the scheduler
+        #: clears them whenever its hold on the lease may have lapsed.
+        self.buckets = metric_store.OpenBuckets()
 
     def execute(self, view: JobView, actions: Sequence[Action]) -> bool:
         """Apply what was decided on `view`. False when nothing was done: the job moved
         since `view` was read, or the transaction failed (the next pass decides again)."""
         if not actions:
             return True
+        # Whatever this writes of the job's bucket summaries, the cache does not see it.
+        self.buckets.forget(view.id)
         try:
             with session_scope(self.sessions) as session:
                 job = jobs.get_job(session, view.id, for_update=True)
@@ -258,31 +263,36 @@ class Executor:
         """Store the steady reports (`reports.is_steady`) of many running jobs in one
         transaction, under their row locks, each only if its job is still where its
         decision saw it; one slow commit per pass instead of one per job. Steady reports
-        have no effects to carry out. If the batch fails as a whole, each job is tried
-        alone, so one bad report cannot hold back the others' progress."""
+        have no effects to carry out. A report that recomputes stored steps is stored
+        alone afterwards (`execute`), and so is each one if the batch fails as a whole:
+        one bad report cannot hold back the others' progress."""
         if not batch:
             return
         samples: list[telemetry.Sample] = []
+        alone: list[tuple[JobView, PersistReport]] = []
         try:
             with session_scope(self.sessions) as session:
-                locked = jobs.lock_jobs(session, [view.id for view, _ in batch])
-                attempts = jobs.current_attempts(session, locked.values())
+                locked = reports.lock_running(session, [view.id for view, _ in batch])
                 todo = []
                 for view, action in batch:
                     job = locked.get(view.id)
                     if job is None or _moved(job, view):
                         log.info("job %s moved since it was observed; deciding again", view.id)
-                        continue
-                    if (attempt := attempts.get(job.id)) is not None:
-                        todo.append((job, attempt, action.report))
-                        samples += telemetry.samples_for(job, [action], now=utcnow())
-                reports.persist_steady_reports(session, todo)
+                    elif not reports.appends_only(job, action.report):
+                        alone.append((view, action))
+                    else:
+                        todo.append((job, action.report))
+                        samples += telemetry.report_samples(action.report, tenant=view.owner)
+                stored = reports.persist_steady_reports(session, todo, buckets=self.buckets)
         except Exception:
             log.exception("storing %d jobs' reports together failed; one by one", len(batch))
             for view, action in batch:
                 self.execute(view, [action])
             return
+        stored.remember(self.buckets)  # committed: what the next pass need not read
         telemetry.record(samples)
+        for view, action in alone:
+            self.execute(view, [action])
 
     def _carry_out(self, effect: Effect) -> None:
         try:

@@ -80,6 +80,11 @@ class LeaseKeeper:
         self.ttl_s = ttl_s
         self.clock = clock
         self._renew_at = -math.inf
+        self._expires_at = -math.inf
+        #: How many times the hold began anew (first taken, or taken again after it was lost
+        #: or may have lapsed): another scheduler may have written in between, so whatever
+        #: this one remembers of the database must be read again.
+        self.tenure = 0
 
     def hold(self) -> bool:
         """True while this scheduler holds the lease (renewed in the database when due)."""
@@ -87,12 +92,19 @@ class LeaseKeeper:
         if started < self._renew_at:
             return True
         self._renew_at = -math.inf  # an error below leaves it so: asked again next time
+        # Not held until now without a break: past the row's expiry, even a row still ours
+        # may have been another scheduler's meanwhile.
+        lapsed = started >= self._expires_at
+        self._expires_at = -math.inf
         if not try_acquire(self.factory, holder=self.holder, ttl_s=self.ttl_s):
             return False
+        if lapsed:
+            self.tenure += 1
         # Counted from before the renewal: the row expires no earlier than started + ttl.
         self._renew_at = started + self.ttl_s / 3
+        self._expires_at = started + self.ttl_s
         return True
 
     def release(self) -> None:
-        self._renew_at = -math.inf
+        self._renew_at = self._expires_at = -math.inf
         release(self.factory, holder=self.holder)

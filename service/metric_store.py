@@ -52,30 +52,102 @@ def update_summaries(
     update_summaries_of(session, {job_id: points})
 
 
+#: A bucket summary's key: (job id, width, bucket).
+BucketKey = tuple[int, int, int]
+
+
 def update_summaries_of(
-    session: Session, points_by_job: Mapping[int, Iterable[tuple[int, Mapping[str, Any]]]]
-) -> None:
+    session: Session,
+    points_by_job: Mapping[int, Iterable[tuple[int, Mapping[str, Any]]]],
+    *,
+    known: Mapping[BucketKey, Summary | None] | None = None,
+) -> dict[BucketKey, Summary]:
     """Fold newly stored (step, values) of each job into its bucket summaries: one read of
-    the buckets they touch (all jobs at once), the merge here (`metric_summary.merge`), one
-    upsert of those that changed. One writer per job (the scheduler, under the job's row
-    lock), so read-merge-write is safe."""
+    the buckets they touch (all jobs at once) that `known` does not answer (None there: no
+    row), the merge here (`metric_summary.merge`), one upsert of those that changed.
+    Returns every touched bucket's summary as stored now. One writer per job (the
+    scheduler, under the job's row lock), so read-merge-write is safe."""
     fresh = {
         (job_id, *key): summary
         for job_id, points in points_by_job.items()
         for key, summary in summarize(points).items()
     }
     if not fresh:
-        return
-    stored = _stored_summaries(session, list(fresh))
+        return {}
+    known = known or {}
+    stored = {key: known[key] for key in fresh if key in known}
+    if missing := [key for key in fresh if key not in known]:
+        stored.update(_stored_summaries(session, missing))
+    merged_all: dict[BucketKey, Summary] = {}
     changed = []
     for key, summary in fresh.items():
         old = stored.get(key)
         merged = summary if old is None else merge(old, summary)
+        merged_all[key] = merged
         if merged != old:  # most points set no new extreme in a coarse bucket
             changed.append({"job_id": key[0], "width": key[1], "bucket": key[2],
                             **{f: getattr(merged, f) for f in _FIELDS}})  # fmt: skip
     if changed:
         _upsert(session, changed)
+    return merged_all
+
+
+class OpenBuckets:
+    """Each running job's summaries of the buckets that hold its last stored step (one per
+    width), as this process stored them, so that storing the job's next steps reads no
+    summary: the scheduler is the one writer of a running job's summaries while it holds
+    the lease, and steps arrive in order, so every bucket a new step (above the last) falls
+    in is either one of these or has no row yet (summaries exist only for stored steps).
+
+    An entry is tied to the job's attempt and last step when it was stored: if the job's
+    row says otherwise, something else stored steps and the entry is not used. Whoever
+    writes a job's summaries another way (a report that recomputes steps, a backfill)
+    must `forget` the job; losing the lease must `clear` all (another scheduler may have
+    written meanwhile)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[int, tuple[tuple[int, int], dict[int, Summary | None]]] = {}
+
+    def known(
+        self, job_id: int, *, attempt: int, step: int, new_steps: Iterable[int]
+    ) -> dict[BucketKey, Summary | None] | None:
+        """What is stored (None: no row) of the buckets that `new_steps` fall in, steps
+        after `step`, the job's last stored one with `attempt` current; or None when this
+        cache cannot say (it has no entry tied to that attempt and step)."""
+        entry = self._jobs.get(job_id)
+        if entry is None or entry[0] != (attempt, step):
+            return None
+        steps = set(new_steps)
+        if min(steps, default=step + 1) <= step:  # not steps after `step`: not this cache's
+            return None
+        open_ = entry[1]
+        out: dict[BucketKey, Summary | None] = {}
+        for width in WIDTHS:
+            last = step // width  # the open bucket; those after it have no row yet
+            for bucket in {s // width for s in steps}:
+                out[(job_id, width, bucket)] = open_.get(width) if bucket == last else None
+        return out
+
+    def remember(
+        self, job_id: int, *, attempt: int, step: int, stored: Mapping[BucketKey, Summary]
+    ) -> None:
+        """After a commit: the job's summaries now stored (`update_summaries_of`'s answer)
+        of the buckets holding `step`, its last stored step."""
+        self._jobs[job_id] = (
+            (attempt, step),
+            {width: stored.get((job_id, width, step // width)) for width in WIDTHS},
+        )
+
+    def forget(self, job_id: int) -> None:
+        self._jobs.pop(job_id, None)
+
+    def keep_only(self, job_ids: Iterable[int]) -> None:
+        """Drop the jobs not in `job_ids` (no longer running: they will send no steps)."""
+        keep = set(job_ids)
+        self._jobs = {k: v for k, v in self._jobs.items() if k in keep}
+
+    def clear(self) -> None:
+        self._jobs.clear()
 
 
 #: One (job, width, bucket) per element of three arrays: a read of many buckets in one

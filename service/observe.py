@@ -21,24 +21,39 @@ def view_of(session: Session, job: Job) -> JobView:
     return _view_of_row(row, JobSpec.from_stored(job.spec))
 
 
-class SpecCache:
-    """Parsed specs by job id. A spec never changes after submit, and a scheduler pass
-    reads every queued and running job: parsing (JSON, then validation) each of them at
-    every pass was most of a pass with a thousand jobs queued."""
+class ViewCache:
+    """The views of the jobs a scheduler pass reads, by job id, built anew only from rows
+    that changed since the last pass, and their parsed specs (a spec never changes after
+    submit). A pass reads every queued and running job: parsing each spec (JSON, then
+    validation) was most of a pass with a thousand jobs queued, and building a thousand
+    views from rows that mostly did not change then was the largest part of reading them."""
 
     def __init__(self) -> None:
         self._specs: dict[int, JobSpec] = {}
+        self._views: dict[int, tuple[tuple[Any, ...], JobView]] = {}
 
     def specs(self, session: Session, ids: Sequence[int]) -> dict[int, JobSpec]:
         """The specs of `ids`, reading only those not seen before; forgets the others
-        (jobs that left the states asked about)."""
+        (jobs that left the states asked about), and their views."""
         missing = [i for i in ids if i not in self._specs]
         for start in range(0, len(missing), 500):
             chunk = missing[start : start + 500]
             for job_id, raw in session.execute(select(Job.id, Job.spec).where(Job.id.in_(chunk))):
                 self._specs[job_id] = JobSpec.from_stored(raw)
         self._specs = {i: self._specs[i] for i in ids if i in self._specs}
+        self._views = {i: v for i, v in self._views.items() if i in self._specs}
         return self._specs
+
+    def view(self, row: Any) -> JobView:
+        """The view of a `_VIEW_COLUMNS` row whose job's spec `specs` has read: the last
+        one built when the row is the same (views are immutable)."""
+        values = tuple(row)
+        seen = self._views.get(values[0])
+        if seen is not None and seen[0] == values:
+            return seen[1]
+        view = _view_of_row(row, self._specs[values[0]])
+        self._views[values[0]] = (values, view)
+        return view
 
 
 #: What a decision reads of a job and of its newest attempt: plain columns, no ORM objects
@@ -59,15 +74,16 @@ _VIEWS = select(*_VIEW_COLUMNS).outerjoin(
 
 
 def jobs_in(
-    session: Session, states: Iterable[JobState], *, cache: SpecCache | None = None
+    session: Session, states: Iterable[JobState], *, cache: ViewCache | None = None
 ) -> list[JobView]:
     """Jobs in `states` with their newest attempt, oldest job first: one query, and one
     more for the specs `cache` does not hold yet (all of them without a cache)."""
     rows = session.execute(
         _VIEWS.where(Job.state.in_(list(states))).order_by(Job.created_at, Job.id)
     ).all()
-    specs = (cache or SpecCache()).specs(session, [row.id for row in rows])
-    return [_view_of_row(row, specs[row.id]) for row in rows]
+    cache = cache or ViewCache()
+    cache.specs(session, [row.id for row in rows])
+    return [cache.view(row) for row in rows]
 
 
 def _view_of_row(row: Any, spec: JobSpec) -> JobView:
@@ -99,11 +115,11 @@ def _view_of_row(row: Any, spec: JobSpec) -> JobView:
     )
 
 
-def active_jobs(session: Session, *, cache: SpecCache | None = None) -> list[JobView]:
+def active_jobs(session: Session, *, cache: ViewCache | None = None) -> list[JobView]:
     return jobs_in(session, ACTIVE, cache=cache)
 
 
-def pending_jobs(session: Session, *, cache: SpecCache | None = None) -> list[JobView]:
+def pending_jobs(session: Session, *, cache: ViewCache | None = None) -> list[JobView]:
     return jobs_in(session, [JobState.PENDING], cache=cache)
 
 

@@ -76,9 +76,10 @@ class Scheduler:
         self._published: cluster.ClusterView | None = None
         self._published_at = 0.0
         self._swept_at = 0.0
-        # Parsed specs of the jobs each pass reads (specs never change after submit).
-        self._active_specs = observe.SpecCache()
-        self._pending_specs = observe.SpecCache()
+        self._tenure = 0
+        # The views (and parsed specs) of the jobs each pass reads, kept between passes.
+        self._active_views = observe.ViewCache()
+        self._pending_views = observe.ViewCache()
         self.executor = Executor(
             sessions=session_factory,
             launcher=launcher,
@@ -90,6 +91,11 @@ class Scheduler:
         """One pass. Returns False when another scheduler holds the lease."""
         if not self.lease.hold():
             return False
+        if self.lease.tenure != self._tenure:
+            # Another scheduler may have held the lease meanwhile: what the executor
+            # remembers of jobs' metric summaries may no longer be what is stored.
+            self.executor.buckets.clear()
+            self._tenure = self.lease.tenure
         with telemetry.SCHEDULER_PASS.time():
             self._pass()
         return True
@@ -97,9 +103,10 @@ class Scheduler:
     def _pass(self) -> None:
         capacity = self.launcher.capacity()
         with session_scope(self.sessions) as s:
-            active = observe.active_jobs(s, cache=self._active_specs)
-            pending = observe.pending_jobs(s, cache=self._pending_specs)
+            active = observe.active_jobs(s, cache=self._active_views)
+            pending = observe.pending_jobs(s, cache=self._pending_views)
             quotas = Quotas(auth.quotas(s), self.settings.default_max_workers_per_tenant, active)
+        self.executor.buckets.keep_only(job.id for job in active)
         polled = self._poll(active)
         ledger = CapacityLedger(capacity, _held(active))
         steady: list[tuple[JobView, PersistReport]] = []
@@ -119,12 +126,14 @@ class Scheduler:
         sizes = {a.job_id: a.world_size for a in admissions}
         reasons = {w.job_id: w.reason for w in waiting}
         for job in pending:
-            facts = self._facts(job, ledger, admission=sizes.get(job.id))
-            facts = replace(facts, waiting_reason=reasons.get(job.id))
-            actions = decisions.decide(job, facts)
-            with _about(job):
-                if self.executor.execute(job, actions):
-                    ledger.hold(job.id, decisions.allocation_after(job, actions))
+            facts = self._facts(
+                job, ledger, admission=sizes.get(job.id), waiting_reason=reasons.get(job.id)
+            )
+            # Most queued jobs wait on, for the same reason: nothing to carry out or hold.
+            if actions := decisions.decide(job, facts):
+                with _about(job):
+                    if self.executor.execute(job, actions):
+                        ledger.hold(job.id, decisions.allocation_after(job, actions))
         self._publish(capacity, ledger)
         self._sweep([*active, *pending])
 
@@ -170,8 +179,13 @@ class Scheduler:
         if report is not None and report.status in (DriverStatus.FAILED, DriverStatus.LOST):
             with session_scope(self.sessions) as s:  # read only when a failure needs it
                 job = replace(job, failures=observe.failure_history(s, job.id))
-        facts = self._facts(job, ledger, report=report, others_waiting=others_waiting)
-        facts = replace(facts, worker_limit=quotas.limit_for(job, ledger))
+        facts = self._facts(
+            job,
+            ledger,
+            report=report,
+            others_waiting=others_waiting,
+            worker_limit=quotas.limit_for(job, ledger),
+        )
         return decisions.decide(job, facts)
 
     def _facts(
@@ -182,7 +196,11 @@ class Scheduler:
         report: DriverReport | None = None,
         others_waiting: bool = False,
         admission: int | None = None,
+        waiting_reason: str | None = None,
+        worker_limit: int | None = None,
     ) -> Facts:
+        # Built once with every field (not copied with `replace` for the last ones): a pass
+        # builds the facts of every queued job.
         return Facts(
             now=self.clock(),
             policy=self.policy,
@@ -193,6 +211,8 @@ class Scheduler:
             spare_since=self.timers.spare_since.get(job.id),
             others_waiting=others_waiting,
             admission=admission,
+            waiting_reason=waiting_reason,
+            worker_limit=worker_limit,
             worker_memory_bytes=self._worker_memory(job.spec, ledger.cluster),
         )
 

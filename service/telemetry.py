@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
-from contracts.messages import CheckpointCommitted, Phase, StepMetrics, Timeline
+from contracts.messages import CheckpointCommitted, DriverReport, Phase, StepMetrics, Timeline
 from service import goodput
 from service.decisions import Action, AttemptOutcome, EndAttempt, PersistReport, Transition
 from service.models import Job, as_utc, utcnow
@@ -116,8 +116,13 @@ def samples_for(job: Job, actions: Sequence[Action], *, now: datetime) -> list[S
             elif action.count_restart:
                 out.append(Sample(RESTARTS, (tenant,), 1))
         elif isinstance(action, PersistReport):
-            out.extend(_report_samples(action.report.messages, tenant))
+            out.extend(report_samples(action.report, tenant=tenant))
     return out
+
+
+def report_samples(report: DriverReport, *, tenant: str) -> list[Sample]:
+    """What storing `report` of a job of `tenant` counts."""
+    return list(_report_samples(report.messages, tenant))
 
 
 def _report_samples(messages: Iterable[object], tenant: str) -> Iterator[Sample]:

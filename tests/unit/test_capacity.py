@@ -36,7 +36,11 @@ def test_free_for_a_placed_job_credits_its_workers_back() -> None:
     ledger = CapacityLedger(nodes, held)
     for job in held:
         others = [a for j, a in held.items() if j != job]
-        assert ledger.free_for(job) == free_capacity(nodes, others), job
+        afresh = free_capacity(nodes, others)
+        assert ledger.free_for(job) == afresh, job
+        for shape in (CPU, GPU):  # counts carried over from the ledger's, and counted anew
+            fit = ledger.free_for(job).workers_that_fit(shape.cpus, shape.gpus)
+            assert fit == afresh.workers_that_fit(shape.cpus, shape.gpus), (job, shape)
     assert ledger.free_for(999) == ledger.free() == free_capacity(nodes, held.values())
 
 
@@ -52,3 +56,25 @@ def test_unplaced_workers_are_computed_afresh_and_answers_follow_holds() -> None
     assert ledger.free().workers_that_fit(1, 0) == 12 - 9  # not the cached answer
     ledger.hold(4, None)  # a queued job still holding nothing: nothing changes
     assert ledger.free() is ledger.free()
+
+
+def test_counts_carried_over_to_a_copy_with_some_nodes_changed() -> None:
+    rng = random.Random(11)
+    for _ in range(50):
+        before = cluster(8, dead=rng.randrange(-1, 8))
+        for shape in (CPU, GPU):
+            before.workers_that_fit(shape.cpus, shape.gpus)
+        changed = [
+            NodeCapacity(node_id=f"n{rng.randrange(10)}", cpus=rng.choice([0, 1.5, 3, 8]),
+                         gpus=rng.choice([0, 1, 2]), alive=rng.random() < 0.8)
+            for _ in range(rng.randint(0, 3))
+        ]  # fmt: skip
+        after = before.with_resources_of(changed)
+        by_id = {n.node_id: n for n in changed}
+        afresh = ClusterCapacity(nodes=tuple(by_id.get(n.node_id, n) for n in before.nodes))
+        assert after == afresh
+        assert after.alive_ids() == afresh.alive_ids()
+        for shape in (CPU, GPU):
+            assert after.workers_that_fit(shape.cpus, shape.gpus) == afresh.workers_that_fit(
+                shape.cpus, shape.gpus
+            )

@@ -45,3 +45,27 @@ def test_renewed_once_a_third_of_its_time_has_passed_and_exclusive(tmp_path: Pat
     assert b.hold()
     clock.now += 100
     assert not a.hold()  # b renews it
+
+
+def test_a_new_tenure_whenever_the_hold_may_have_lapsed(tmp_path: Path) -> None:
+    """`tenure` changes when the lease is first taken and whenever it is taken again after
+    it was lost or may have expired (another scheduler may have acted in between), not
+    when it is renewed in time."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    migrate(engine)
+    factory = make_session_factory(engine)
+    clock = Clock()
+    a = lease.LeaseKeeper(factory, holder="a", ttl_s=30.0, clock=clock)
+    b = lease.LeaseKeeper(factory, holder="b", ttl_s=30.0, clock=clock)
+    assert a.hold() and a.tenure == 1
+    for _ in range(5):  # renewed (in the database every third pass) before it expires
+        clock.now += 5
+        assert a.hold() and a.tenure == 1
+    clock.now += 31  # past its expiry: the row is still a's, but was it all along?
+    assert a.hold() and a.tenure == 2
+    a.release()
+    assert b.hold()
+    clock.now += 100
+    assert not a.hold()  # b renews it
+    b.release()
+    assert a.hold() and a.tenure == 3

@@ -6,17 +6,18 @@ Real DB (SQLite file), no Ray: each test runs in milliseconds.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
-from contracts.messages import DriverStatus
+from contracts.messages import DriverReport, DriverStatus, StepMetrics
 from contracts.spec import JobSpec
-from service import jobs, reports
+from service import jobs, lease, reports
 from service.db import make_engine, make_session_factory, migrate, session_scope
 from service.launcher.fake import FakeLauncher
-from service.models import Attempt
+from service.models import Attempt, MetricBucket, utcnow
 from service.scheduler import Scheduler
 from service.settings import Settings
 from service.states import JobState
@@ -594,9 +595,9 @@ def test_running_jobs_reports_are_stored_together_or_one_by_one(env, monkeypatch
     batches: list[int] = []
     together = reports.persist_steady_reports
 
-    def counted(session, items):  # type: ignore[no-untyped-def]
+    def counted(session, items, **kw):  # type: ignore[no-untyped-def]
         batches.append(len(items))
-        together(session, items)
+        return together(session, items, **kw)
 
     monkeypatch.setattr(reports, "persist_steady_reports", counted)
     for jid in ids:
@@ -605,8 +606,8 @@ def test_running_jobs_reports_are_stored_together_or_one_by_one(env, monkeypatch
     assert batches == [3]
     assert [job(factory, jid).step for jid in ids] == [2, 2, 2]
 
-    def fail(session, items):  # type: ignore[no-untyped-def]
-        together(session, items)
+    def fail(session, items, **kw):  # type: ignore[no-untyped-def]
+        together(session, items, **kw)
         raise RuntimeError("the database went away mid-transaction")
 
     monkeypatch.setattr(reports, "persist_steady_reports", fail)
@@ -617,3 +618,39 @@ def test_running_jobs_reports_are_stored_together_or_one_by_one(env, monkeypatch
         for jid in ids:
             assert [m.step for m in reports.list_metrics(s, jid)] == [1, 2, 3]
             assert jobs.current_attempt(s, jobs.get_job(s, jid)).report_seq == 3
+
+
+def test_summaries_another_scheduler_wrote_while_the_lease_lapsed_are_read_again(env) -> None:
+    """Between passes the executor remembers each running job's open bucket summaries (it
+    is their one writer while it holds the lease). Once its lease may have lapsed, another
+    scheduler may have rewritten them: it forgets them all."""
+    factory, launcher, sched, _ = env
+    now = [0.0]
+    sched.lease.clock = lambda: now[0]
+    jid = submit(factory, scaling={"min_workers": 1, "max_workers": 1})
+    sched.run_pass()
+    d = launcher.driver(jid)
+    d.status, d.placement = DriverStatus.RUNNING, {0: "n1"}
+    d.metrics = [{"step": 1, "loss": 2.0}]
+    sched.run_pass()
+    d.metrics = [{"step": 2, "loss": 1.5}]
+    sched.run_pass()  # stored with the batch, which remembers the open buckets
+    now[0] += 100  # this scheduler stalled past its lease's expiry
+    assert lease.try_acquire(factory, holder="other", ttl_s=10, now=utcnow() + timedelta(hours=1))
+    with session_scope(factory) as s:  # the other one stores step 2 again, lower
+        again = StepMetrics(step=2, values={"loss": 0.5})
+        job_row = jobs.get_job(s, jid)
+        reports.persist_report(
+            s, job_row, DriverReport(status=DriverStatus.RUNNING, messages=(again,), seq=0)
+        )
+    lease.release(factory, holder="other")
+    d.metrics = [{"step": 3, "loss": 1.0}]
+    assert sched.run_pass()
+    with session_scope(factory) as s:
+        lowest = s.execute(
+            select(MetricBucket.lo_step, MetricBucket.lo_loss).where(
+                MetricBucket.job_id == jid, MetricBucket.width == 8, MetricBucket.bucket == 0
+            )
+        ).one()
+    assert tuple(lowest) == (2, 0.5)
+    assert job(factory, jid).step == 3

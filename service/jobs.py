@@ -12,12 +12,12 @@ or not at all.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import Row, Table, bindparam, func, insert, select, tuple_
+from sqlalchemy import Row, Table, bindparam, func, insert, select
 from sqlalchemy.orm import Session
 
 from contracts.messages import (
@@ -113,22 +113,6 @@ def get_job(session: Session, job_id: int, *, for_update: bool = False) -> Job:
     if job is None:
         raise JobNotFound(job_id)
     return job
-
-
-def lock_jobs(session: Session, job_ids: Sequence[int]) -> dict[int, Job]:
-    """The jobs' rows, locked for update in id order (two lockers of overlapping sets
-    then never wait on each other in a cycle). Missing ids are left out."""
-    stmt = select(Job).where(Job.id.in_(list(job_ids))).order_by(Job.id).with_for_update()
-    return {job.id: job for job in session.scalars(stmt)}
-
-
-def current_attempts(session: Session, jobs: Iterable[Job]) -> dict[int, Attempt]:
-    """Each job's current attempt (jobs without one are left out), in one query."""
-    keys = [(job.id, job.attempt) for job in jobs if job.attempt]
-    if not keys:
-        return {}
-    stmt = select(Attempt).where(tuple_(Attempt.job_id, Attempt.number).in_(keys))
-    return {attempt.job_id: attempt for attempt in session.scalars(stmt)}
 
 
 def get_job_row(session: Session, job_id: int) -> Row[Any]:

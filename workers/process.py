@@ -129,6 +129,24 @@ class SilentHooks:
         return Control.NONE
 
 
+def run_at_normal_priority() -> None:
+    """Train at niceness 0, as a torchrun rank does. Ray starts worker processes at
+    niceness 15 (its `worker_niceness`, so that its daemons stay responsive); a rank there
+    loses its core to any normal-priority process (the service, Ray's daemons) for as long
+    as that process wants it, and every peer then waits at the next collective: 4-10 %
+    of a step on 2 busy cores (bench/step_overhead_bench.py). Linux keeps niceness per
+    thread: this sets the calling thread's (the one `run` trains on), and the threads it
+    starts (the process group's) inherit it. Lowering niceness needs CAP_SYS_NICE or a
+    nice rlimit; without either the rank trains at Ray's niceness, as before (or start
+    Ray with `RAY_worker_niceness=0`)."""
+    thread = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, thread) > 0:
+            os.setpriority(os.PRIO_PROCESS, thread, 0)
+    except OSError as exc:
+        log.info("training at Ray's worker niceness: %s", exc)
+
+
 class WorkerProcess:
     """Wrapped with `ray.remote` by the runtime (kept a plain class for readability)."""
 
@@ -221,6 +239,7 @@ class WorkerProcess:
             # Requests for attempts that ended here (or never started) are moot now.
             self._controls = {k: v for k, v in self._controls.items() if k == key}
         try:
+            run_at_normal_priority()
             outcome = self._run(assignment)
         finally:
             with self._lock:

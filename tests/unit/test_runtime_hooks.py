@@ -4,11 +4,18 @@ step's cost close to torchrun's)."""
 
 from __future__ import annotations
 
+import os
+import resource
 import threading
 from typing import Any
 
 from contracts.messages import Control, EventKind, StepMetrics, WorkerEvent
-from workers.process import _PUSH_INTERVAL_S, RuntimeHooks, WorkerProcess
+from workers.process import (
+    _PUSH_INTERVAL_S,
+    RuntimeHooks,
+    WorkerProcess,
+    run_at_normal_priority,
+)
 
 
 class Clock:
@@ -104,3 +111,29 @@ def test_the_process_keeps_pushed_controls_by_attempt_until_its_rank_0_takes_the
     assert process._take_control((7, 1)) == Control.STOP
     assert process._take_control((7, 2)) == Control.CHECKPOINT
     assert process._take_control((7, 2)) == Control.NONE
+
+
+def test_a_rank_trains_at_normal_priority_not_at_rays_worker_niceness() -> None:
+    """Ray starts workers at niceness 15; `run` puts its training thread back at 0 (the
+    threads it starts inherit it), where the process may lower its niceness."""
+    seen: dict[str, int] = {}
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def rank() -> None:
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, 15)  # as Ray starts it
+        run_at_normal_priority()
+        seen["rank"] = os.getpriority(os.PRIO_PROCESS, me)
+        child = threading.Thread(
+            target=lambda: seen.update(child=os.getpriority(os.PRIO_PROCESS, 0))
+        )
+        child.start()
+        child.join()
+
+    thread = threading.Thread(target=rank)
+    thread.start()
+    thread.join()
+    may_lower = os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+    expected = 0 if may_lower else 15
+    assert seen == {"rank": expected, "child": expected}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # per thread

@@ -22,7 +22,7 @@ training, and the state it happened in gives up that time. `goodput` = training 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from typing import Any
 
@@ -47,9 +47,14 @@ class Goodput:
         return self.training_s / self.wall_s if self.wall_s > 0 else None
 
     def to_dict(self) -> dict[str, float | None]:
-        out: dict[str, float | None] = {k: round(v, 3) for k, v in asdict(self).items()}
+        # The fields by name, not `dataclasses.asdict`: that deep-copies each float, and
+        # every job the API shows (a submit, each job of a list page) goes through here.
+        out: dict[str, float | None] = {k: round(getattr(self, k), 3) for k in _FIELDS}
         out["goodput"] = None if self.ratio is None else round(self.ratio, 4)
         return out
+
+
+_FIELDS = tuple(f.name for f in fields(Goodput))
 
 
 def split(

@@ -36,6 +36,7 @@ from contracts.messages import (
 )
 from contracts.spec import JobSpec
 from workers.activation import apply_activation_checkpointing
+from workers.agreement import StepAgreement
 from workers.api import (
     AttemptAborted,
     Control,
@@ -66,10 +67,6 @@ METRICS_KEPT_WITH_CHECKPOINT = 256
 #: tensor autograd saves: ~1 ms a step on the 2-core bench, 5 % of a small model's step
 #: (bench/step_overhead_bench.py), for figures that do not change from step to step.
 MEMORY_EVERY_S = 2.0
-
-# Control travels as a float in the per-step all-reduce (only rank 0 adds its code).
-_CONTROL_CODES = {Control.NONE: 0, Control.CHECKPOINT: 1, Control.STOP: 2}
-_CONTROL_BY_CODE = {code: control for control, code in _CONTROL_CODES.items()}
 
 
 def train(
@@ -160,13 +157,14 @@ def _train(
             t0 = time.perf_counter()
             memory_meter.start_step()
             ids = sampler.microbatches(step, layout.dp_rank, layout.dp, micro_batch)
-            out = strategy.forward_backward([collate(mb) for mb in ids], loss_scale)
-            polled = hooks.poll_control() if is_rank0 else Control.NONE
-            # Every rank agrees on the step before any updates its weights: a peer lost in
-            # here leaves all survivors at the same step boundary, their memory consistent.
-            # The agreement's round trip overlaps the clipping (gradients only).
-            agreement = agree_on_step(out.loss_sum, polled, ctx.device)
-            strategy.prepare_update()
+            # Every rank agrees on the step (its loss, rank 0's control) before any updates
+            # its weights, so all act on a control at the same step; the strategy carries
+            # the agreement in a collective the step makes anyway where one sums over
+            # every rank (`workers.agreement`).
+            agreement = StepAgreement(hooks.poll_control() if is_rank0 else Control.NONE)
+            out = strategy.forward_backward([collate(mb) for mb in ids], loss_scale, agreement)
+            agreement.offer(out.loss)
+            strategy.prepare_update(agreement)
             loss_sum, control = agreement.wait()
             # An async save's staging copy may still be in the making (it overlaps this
             # step's forward and backward): it must be done before the update, or this
@@ -421,25 +419,6 @@ def resume(
         log.info("resumed from %s at step %d", outcome.info.path, step)
         hooks.send(restored)
     return restored
-
-
-class StepAgreement:
-    """One collective per step, started at once and waited for later: the global summed
-    loss, and rank 0's control decision, so every rank acts on it at the same step."""
-
-    def __init__(self, packed: torch.Tensor, work: Any) -> None:
-        self._packed, self._work = packed, work
-
-    def wait(self) -> tuple[float, Control]:
-        self._work.wait()
-        total, code = self._packed.tolist()
-        return total, _CONTROL_BY_CODE[round(code)]
-
-
-def agree_on_step(loss_sum: float, control: Control, device: torch.device) -> StepAgreement:
-    packed = torch.tensor([loss_sum, float(_CONTROL_CODES[control])], dtype=torch.float64)
-    packed = packed.to(device)
-    return StepAgreement(packed, dist.all_reduce(packed, async_op=True))
 
 
 def save_checkpoint(

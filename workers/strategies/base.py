@@ -19,6 +19,7 @@ from torch import nn
 
 from contracts.spec import JobSpec
 from workers.activation import ActivationMeter
+from workers.agreement import StepAgreement
 from workers.api import TrainContext, Workload
 
 
@@ -42,9 +43,14 @@ class Layout:
 
 @dataclass(frozen=True, kw_only=True)
 class StepOutput:
-    loss_sum: float
-    """This rank's summed per-sample loss over its share (0 on ranks that see no loss,
-    e.g. non-last pipeline stages); the loop all-reduces it to the global mean."""
+    loss: torch.Tensor
+    """This rank's summed per-sample loss over its share, a 0-dim tensor on the device
+    (0 on ranks that see no loss, e.g. non-last pipeline stages); the step agreement sums
+    it over every rank."""
+
+    @property
+    def loss_sum(self) -> float:
+        return float(self.loss.item())  # a host sync: the loop reads the agreed sum instead
 
 
 class Strategy(ABC):
@@ -68,7 +74,8 @@ class Strategy(ABC):
     def train_step(
         self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
     ) -> StepOutput:
-        """One whole optimizer step (`forward_backward` then `optimizer_step`)."""
+        """One whole optimizer step (`forward_backward` then `optimizer_step`), without a
+        step agreement."""
         out = self.forward_backward(microbatches, loss_scale)
         self.optimizer_step()
         return out
@@ -94,14 +101,18 @@ class Strategy(ABC):
 
     @abstractmethod
     def forward_backward(
-        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
+        self,
+        microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+        loss_scale: float,
+        agreement: StepAgreement | None = None,
     ) -> StepOutput:
         """Forward+backward over the micro-batches, gradients synchronised; no update yet.
 
         Every rank of a collective group must get the same number of micro-batches (the
-        loop guarantees it), so collectives stay in lockstep. The loop agrees on the step
-        (its loss and control all-reduce) before any rank updates its weights, so a peer
-        lost during the step leaves every survivor at the same step boundary.
+        loop guarantees it), so collectives stay in lockstep. With an `agreement` (the
+        loop's), the strategy offers it this rank's loss as soon as it is known, and may
+        carry it in a gradient collective that sums over every rank (`workers.agreement`);
+        every rank must decide alike whether to.
         """
 
     def optimizer_step(self) -> None:
@@ -110,9 +121,11 @@ class Strategy(ABC):
         self.apply_update()
 
     @abstractmethod
-    def prepare_update(self) -> None:
-        """What comes before the weights change (unscale, clip): it touches gradients only,
-        so the loop runs it while its step agreement is in flight."""
+    def prepare_update(self, agreement: StepAgreement | None = None) -> None:
+        """What comes before the weights change (unscale, clip): it touches gradients only.
+        An `agreement` not carried yet is carried by the clipping's norm all-reduce where
+        that sums over every rank, or else started on its own first, so it is in flight
+        while the gradients are clipped."""
 
     @abstractmethod
     def apply_update(self) -> None:

@@ -17,9 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from contracts.spec import JobSpec, MixedPrecision
+from workers.agreement import StepAgreement
 from workers.api import TrainContext, Workload
 from workers.strategies.base import Layout, StepOutput, Strategy, microbatch_loss
 from workers.strategies.grad_norm import clip_grads_
@@ -83,7 +85,10 @@ class DataParallelStrategy(Strategy):
         """A context under which backward syncs gradients across replicas or not."""
 
     def forward_backward(
-        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
+        self,
+        microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+        loss_scale: float,
+        agreement: StepAgreement | None = None,
     ) -> StepOutput:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
@@ -97,11 +102,21 @@ class DataParallelStrategy(Strategy):
                     loss, summed = microbatch_loss(
                         self.model, self.loss_fn, inputs, targets, loss_scale
                     )
+                loss_sum += summed.float()
+                if i == last and agreement is not None:
+                    # Known before the last backward, whose gradient sync may carry it.
+                    agreement.offer(self._reported(loss_sum))
+                    self.carry_in_gradient_sync(agreement)
                 if self.scaler is not None:
                     loss = self.scaler.scale(loss)
                 loss.backward()
-            loss_sum += summed.float()
-        return StepOutput(loss_sum=loss_sum.item() if self._reports_loss else 0.0)
+        return StepOutput(loss=self._reported(loss_sum))
+
+    def _reported(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        return loss_sum if self._reports_loss else torch.zeros_like(loss_sum)
+
+    def carry_in_gradient_sync(self, agreement: StepAgreement) -> None:
+        """Have the last micro-batch's gradient sync carry `agreement`, where it can (DDP)."""
 
     def evaluate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         was_training = self.model.training
@@ -125,11 +140,14 @@ class DataParallelStrategy(Strategy):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def prepare_update(self) -> None:
+    def prepare_update(self, agreement: StepAgreement | None = None) -> None:
+        carry = agreement if self.grad_clip is not None and self._norm_spans_world else None
+        if agreement is not None and carry is None:
+            agreement.start()  # its own all-reduce, in flight while the gradients are clipped
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
         if self.grad_clip is not None:
-            self.clip_gradients(self.grad_clip)
+            self.clip_gradients(self.grad_clip, carry)
 
     def apply_update(self) -> None:
         if self.scaler is not None:
@@ -138,19 +156,78 @@ class DataParallelStrategy(Strategy):
         else:
             self.optimizer.step()
 
-    def clip_gradients(self, max_norm: float) -> None:
-        """Scale the gradients to a global norm of at most `max_norm`."""
-        if self.layout.tp > 1:
-            # Split parameters: one scalar all-reduce over every rank that holds a part of
-            # the model (`grad_norm`), the same bits on all of them.
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            clip_grads_(grads, max_norm, [self.norm_group], self.device)
-        else:
+    def clip_gradients(self, max_norm: float, carry: StepAgreement | None = None) -> None:
+        """Scale the gradients to a global norm of at most `max_norm`; `carry`: a step
+        agreement for the norm's all-reduce to carry (only where `_norm_spans_world`)."""
+        if self._norm_is_local:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        else:
+            # Split or sharded parameters: one all-reduce of the squared norm over every
+            # rank that holds a part of the model (`grad_norm`), the same bits on all.
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            clip_grads_(grads, max_norm, [self.norm_group], self.device, carry)
+
+    @property
+    def _norm_is_local(self) -> bool:
+        # Replicated gradients (DDP) need no collective. FSDP's offloaded gradients live
+        # in host memory, apart from the device its norm all-reduce runs on: torch's
+        # clipping (DTensor) handles that.
+        return self.layout.tp == 1 and (self.full_replica or self.spec.strategy.cpu_offload)
+
+    @property
+    def _norm_spans_world(self) -> bool:
+        """The clipping's all-reduce sums over every rank (a step agreement can ride it)."""
+        if self._norm_is_local:
+            return False
+        return (
+            self.norm_group is None or dist.get_world_size(self.norm_group) == dist.get_world_size()
+        )
 
     #: The ranks whose gradients together make the whole model's (tensor parallel: the
     #: tp group, since replicas hold the same averaged gradients; None: every rank).
     norm_group: dist.ProcessGroup | None = None
+
+
+#: Gradient buckets precise enough to carry a loss sum (fp16/bf16 ones are not: the
+#: agreement then goes on its own).
+_CARRYING_DTYPES = (torch.float32, torch.float64)
+
+
+class AgreementCarrier:
+    """The state of DDP's comm hook: the step agreement its next sync is to carry."""
+
+    def __init__(self) -> None:
+        self.agreement: StepAgreement | None = None
+
+
+def allreduce_carrying_agreement(
+    carrier: AgreementCarrier, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own all-reduce (gradients averaged over the ranks), except that the first
+    bucket of a sync that has a step agreement to carry sums the agreement's two values
+    with the gradients, in one collective (`workers.agreement`). The first bucket is
+    reduced first (the last layers' gradients, DDP's small first bucket), and every rank
+    hands over an agreement at the same step, so every rank packs alike."""
+    agreement, grads = carrier.agreement, bucket.buffer()
+    if agreement is None or bucket.index() != 0 or grads.dtype not in _CARRYING_DTYPES:
+        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+    carrier.agreement = None
+    n = grads.numel()
+    packed = torch.cat([grads.div_(dist.get_world_size()), agreement.payload(grads.dtype)])
+    future = dist.all_reduce(packed, async_op=True).get_future()
+
+    def unpack(done: torch.futures.Future[Any]) -> torch.Tensor:
+        summed: torch.Tensor = done.value()[0]
+        agreement.carried(summed[n:].float())
+        return grads.copy_(summed[:n])
+
+    return future.then(unpack)
+
+
+# DDP checks a hook's annotations as objects; this module's are strings (postponed).
+allreduce_carrying_agreement.__annotations__.update(
+    {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+)
 
 
 class DDPStrategy(DataParallelStrategy):
@@ -162,7 +239,13 @@ class DDPStrategy(DataParallelStrategy):
         # DDP keeps fp32 parameters; mixed precision is autocast around the forward.
         self.autocast_dtype = mixed_precision
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        ddp = DistributedDataParallel(model, device_ids=device_ids)
+        self._carrier = AgreementCarrier()
+        ddp.register_comm_hook(self._carrier, allreduce_carrying_agreement)
+        return ddp
+
+    def carry_in_gradient_sync(self, agreement: StepAgreement) -> None:
+        self._carrier.agreement = agreement
 
     def grad_sync(self, enabled: bool) -> AbstractContextManager[None]:
         assert isinstance(self.model, DistributedDataParallel)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from workers.agreement import StepAgreement
 from workers.strategies.collectives import local
 
 
@@ -49,14 +50,22 @@ def clip_grads_(
     max_norm: float,
     groups: Sequence[dist.ProcessGroup | None],
     device: torch.device,
+    carry: StepAgreement | None = None,
 ) -> torch.Tensor:
     """Scale `grads` in place so their global norm is at most `max_norm`; the squared
     norm is summed over each of `groups` in turn (None: the default group). Returns the
-    norm before clipping. Same formula as `torch.nn.utils.clip_grad_norm_`, no host sync."""
-    sq = squared_norm_share(grads, device)
+    norm before clipping. Same formula as `torch.nn.utils.clip_grad_norm_`, no host sync.
+
+    `carry`: the step agreement rides in the same all-reduce (two more values). Only
+    where the groups together span every rank once (each a dimension of the ranks' grid,
+    or the default group alone): summing over each in turn then sums over every rank."""
+    sq = squared_norm_share(grads, device).reshape(1)
+    packed = sq if carry is None else torch.cat([sq, carry.payload(sq.dtype)])
     for group in groups:
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
-    total = sq.sqrt()
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    if carry is not None:
+        carry.carried(packed[1:])
+    total = packed[0].sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if grads:
         torch._foreach_mul_([local(g) for g in grads], coef.to(grads[0].dtype))

@@ -55,6 +55,7 @@ from types import EllipsisType
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -63,6 +64,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from contracts.spec import JobSpec, PipelineSchedule
+from workers.agreement import StepAgreement
 from workers.api import TrainContext, Workload
 from workers.strategies.base import Layout, StepOutput, Strategy
 from workers.strategies.collectives import all_reduce_scaled, broadcast_from_first, local
@@ -246,7 +248,10 @@ class PipelineStrategy(Strategy):
             yield schedule, chunks, args, targets.to(self.device, non_blocking=True)
 
     def forward_backward(
-        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
+        self,
+        microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+        loss_scale: float,
+        agreement: StepAgreement | None = None,
     ) -> StepOutput:
         if not microbatches:
             raise ValueError("train_step needs at least one micro-batch")
@@ -264,8 +269,10 @@ class PipelineStrategy(Strategy):
             if self.is_last:
                 loss_sum += torch.stack([loss.detach() for loss in losses]).sum()
         self._scale_and_sync_grads(loss_scale)
-        # One host sync per step, on the last stage only.
-        return StepOutput(loss_sum=float(loss_sum.item()) if self._reports_loss else 0.0)
+        out = StepOutput(loss=loss_sum if self._reports_loss else torch.zeros_like(loss_sum))
+        if agreement is not None:
+            agreement.offer(out.loss)
+        return out
 
     @property
     def _reports_loss(self) -> bool:
@@ -291,9 +298,19 @@ class PipelineStrategy(Strategy):
             self.model.train(was_training)
         return total if self._reports_loss else 0.0
 
-    def prepare_update(self) -> None:
+    def prepare_update(self, agreement: StepAgreement | None = None) -> None:
+        # The clipping's all-reduces (over the stage's tp ranks, then over the stages)
+        # together sum over every rank when there is one replica: they carry the step
+        # agreement then. With several replicas it goes on its own, while clipping runs.
+        carry = agreement if self.grad_clip is not None and self._norm_spans_world else None
+        if agreement is not None and carry is None:
+            agreement.start()
         if self.grad_clip is not None:
-            self._clip_grads(self.grad_clip)
+            self._clip_grads(self.grad_clip, carry)
+
+    @property
+    def _norm_spans_world(self) -> bool:
+        return self.layout.dp == 1 and bool(self._norm_groups())
 
     def apply_update(self) -> None:
         self.optimizer.step()
@@ -314,14 +331,19 @@ class PipelineStrategy(Strategy):
             return
         all_reduce_scaled(grads, loss_scale / self.layout.dp, self._dp_group)
 
-    def _clip_grads(self, max_norm: float) -> None:
+    def _clip_grads(self, max_norm: float, carry: StepAgreement | None = None) -> None:
         """`clip_grad_norm_` over the whole model: each stage holds a disjoint part of the
         parameters, so the squared norms are summed over the tensor-parallel ranks of the
         stage, then over the pipeline group."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        groups = [self._tp_group] if self._tp_group is not None else []
+        clip_grads_(grads, max_norm, self._norm_groups(), self.device, carry)
+
+    def _norm_groups(self) -> list[dist.ProcessGroup | None]:
+        groups: list[dist.ProcessGroup | None] = []
+        if self._tp_group is not None:
+            groups.append(self._tp_group)
         if self.options.stages > 1:
             groups.append(self._pp_group)
-        clip_grads_(grads, max_norm, groups, self.device)
+        return groups
 
     # -- checkpoints -------------------------------------------------------------------

@@ -27,6 +27,17 @@ from torch.nn.parallel import DistributedDataParallel
 from workers.workloads.gpt import build
 
 
+def clip_over_stages(stage: torch.nn.Module, max_norm: float) -> None:
+    """Clip to the whole model's gradient norm, as a pipeline script must (torchtitan's
+    `clip_grad_norm_` with a pp mesh): each stage's squared norm summed over the stages.
+    Clipping each stage by its own norm would train a different model than DDP does. The
+    bench runs one replica, so the stages are every rank (the default group)."""
+    grads = [p.grad for p in stage.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads) ** 2
+    dist.all_reduce(total)
+    torch.nn.utils.clip_grads_with_norm_(stage.parameters(), max_norm, total.sqrt())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["ddp", "fsdp", "pipeline"], required=True)
@@ -89,7 +100,10 @@ def main() -> None:
                     if args.strategy == "fsdp":
                         model.set_requires_gradient_sync(last)
                     (loss_fn(model(xm), ym) / len(chunks)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.strategy == "pipeline":
+            clip_over_stages(model, 1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         times.append(time.time())
     if rank == 0:

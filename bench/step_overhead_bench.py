@@ -8,7 +8,7 @@ to the database every step; the baseline is `bench/plain_torchrun.py` under
 ends of consecutive optimizer steps after `--warmup` steps; reported: the median of those
 medians for each side, their spread, and the ratio (elastrain / torchrun).
 
-    .venv/bin/python bench/step_overhead_bench.py [--repeats 5] [--steps 80] [--out docs/bench-step-overhead.md]
+    .venv/bin/python bench/step_overhead_bench.py [--repeats 5] [--steps 300] [--out docs/bench-step-overhead.md]
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def run_torchrun(strategy: str, steps: int, warmup: int, folder: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--strategies", default="ddp,fsdp,pipeline")
     parser.add_argument("--out", type=Path, default=Path("docs/bench-step-overhead.md"))

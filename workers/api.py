@@ -122,6 +122,12 @@ class TrainHooks(Protocol):
         """What the service asks of the group now (Control.NONE when nothing)."""
         ...
 
+    def delivered_step(self) -> int:
+        """The last step whose metrics are known to have reached the service (-1: none
+        yet). The loop keeps every later point with each checkpoint, so an attempt that
+        resumes from it can hand back what never arrived (a partitioned node's zombie)."""
+        ...
+
 
 @dataclass
 class NullHooks:
@@ -135,6 +141,9 @@ class NullHooks:
 
     def poll_control(self) -> Control:
         return self.controls.pop(0) if self.controls else Control.NONE
+
+    def delivered_step(self) -> int:
+        return max((m.step for m in self.metrics), default=-1)  # in-process: at once
 
     @property
     def metrics(self) -> list[StepMetrics]:

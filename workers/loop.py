@@ -60,6 +60,11 @@ LOG_EVERY_STEPS = 10
 #: when an attempt is stopped are then not lost to the job's history: the attempt that
 #: resumes from the checkpoint hands them back.
 METRICS_KEPT_WITH_CHECKPOINT = 256
+#: Rank 0 also keeps every point not yet known to have reached the service, up to this
+#: many, and saves them with each checkpoint: a node cut off from the service trains on
+#: until its attempt is fenced (hundreds of steps at a small model's speed), and the
+#: attempt that resumes from its last checkpoint hands them back.
+UNDELIVERED_KEPT = 10_000
 
 #: Memory figures (parameter/gradient/optimizer bytes, activation peak, RSS) are measured on
 #: the first step of an attempt and then at most this often; the steps between carry the
@@ -132,6 +137,7 @@ def _train(
     recent: deque[StepMetrics] = deque(
         restored.metrics if restored is not None else (), maxlen=METRICS_KEPT_WITH_CHECKPOINT
     )
+    undelivered: deque[StepMetrics] = deque(maxlen=UNDELIVERED_KEPT)  # rank 0's
     # From here on this process's memory is the new state (the old one was handed on).
     memory.hold(
         job_id=ctx.job_id, strategy=strategy, step=start_step, world_size=ctx.world_size,
@@ -194,6 +200,10 @@ def _train(
             recent.append(point)
             if is_rank0:
                 hooks.send(point)
+                undelivered.append(point)
+                delivered = hooks.delivered_step()
+                while undelivered and undelivered[0].step <= delivered:
+                    undelivered.popleft()
                 if done == start_step + 1:
                     hooks.send(TimelineMark(phase=Phase.FIRST_STEP, at=point.values["wall_time"]))
                 if done % LOG_EVERY_STEPS == 0 or done == start_step + 1:
@@ -206,7 +216,7 @@ def _train(
             ):
                 reason = control.value if control != Control.NONE else "scheduled"
                 stalled = save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
-                                          metrics=recent)  # fmt: skip
+                                          metrics=kept_with_checkpoint(recent, undelivered))  # fmt: skip
             # Every rank polls: a failed background save then raises on every rank alike.
             commits = checkpointer.poll_commits()
             if is_rank0:
@@ -459,6 +469,14 @@ def save_checkpoint(
     if ctx.rank == 0:
         log.info("checkpoint at step %d (%s): blocked %.3fs", done, reason, blocked)
     return float(blocked)
+
+
+def kept_with_checkpoint(
+    recent: Iterable[StepMetrics], undelivered: Iterable[StepMetrics]
+) -> list[StepMetrics]:
+    """The points a checkpoint carries: the newest ones, and every one not known to have
+    reached the service; one per step, in step order."""
+    return sorted({p.step: p for p in (*undelivered, *recent)}.values(), key=lambda p: p.step)
 
 
 def saved_metrics(extra: dict[str, Any]) -> tuple[StepMetrics, ...]:

@@ -46,8 +46,6 @@ from contracts.storage import JobStorage
 
 log = logging.getLogger("elastrain.worker")
 
-#: Delivered pushes are forgotten every this many sends.
-_PRUNE_EVERY = 64
 #: Step metrics are sent to the runtime at most this often (in batches).
 _PUSH_INTERVAL_S = 0.5
 #: The most an ending attempt waits for its last messages to reach the runtime.
@@ -80,7 +78,8 @@ class RuntimeHooks:
         self.take_control = take_control
         self.clock = clock
         self._wait = wait  # Ray's, or a test's
-        self._in_flight: list[Any] = []
+        self._in_flight: list[tuple[Any, int]] = []  # (push, its last step or -1)
+        self._delivered = -1
         self._pending: list[WorkerMessage] = []
         self._pushed_at = -math.inf
 
@@ -96,11 +95,25 @@ class RuntimeHooks:
             return
         batch, self._pending = self._pending, []
         self._pushed_at = now
-        self._in_flight.append(self.runtime.push_many.remote(self.key, batch))
-        if len(self._in_flight) >= _PRUNE_EVERY:  # forget the delivered ones
-            _, self._in_flight = self._wait(
-                self._in_flight, num_returns=len(self._in_flight), timeout=0
-            )
+        last = max((m.step for m in batch if isinstance(m, StepMetrics)), default=-1)
+        self._in_flight.append((self.runtime.push_many.remote(self.key, batch), last))
+        self._forget_delivered()
+
+    def _forget_delivered(self) -> None:
+        """Note which pushes the runtime has (a look, no waiting) and forget them. One
+        caller's calls run in order on an actor, so the newest delivered step is a bound."""
+        refs = [ref for ref, _ in self._in_flight]
+        ready, _ = self._wait(refs, num_returns=len(refs), timeout=0)
+        if not ready:
+            return
+        done = set(ready)
+        for ref, last in self._in_flight:
+            if ref in done:
+                self._delivered = max(self._delivered, last)
+        self._in_flight = [(ref, last) for ref, last in self._in_flight if ref not in done]
+
+    def delivered_step(self) -> int:
+        return self._delivered
 
     def flush(self, timeout_s: float = _FLUSH_TIMEOUT_S) -> None:
         """Send what is pending and wait until the runtime has every message sent so far.
@@ -109,7 +122,8 @@ class RuntimeHooks:
         leave it unreported."""
         self._push(self.clock())
         if self._in_flight:
-            self._wait(self._in_flight, num_returns=len(self._in_flight), timeout=timeout_s)
+            refs = [ref for ref, _ in self._in_flight]
+            self._wait(refs, num_returns=len(refs), timeout=timeout_s)
             self._in_flight = []
 
     def poll_control(self) -> Control:
@@ -127,6 +141,9 @@ class SilentHooks:
 
     def poll_control(self) -> Control:
         return Control.NONE
+
+    def delivered_step(self) -> int:
+        return -1  # rank 0's checkpoint manifest carries the points, not this rank's
 
 
 def run_at_normal_priority() -> None:

@@ -137,3 +137,31 @@ def test_a_rank_trains_at_normal_priority_not_at_rays_worker_niceness() -> None:
     expected = 0 if may_lower else 15
     assert seen == {"rank": expected, "child": expected}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # per thread
+
+
+def test_rank_0_knows_the_last_step_the_runtime_has_and_nothing_after_a_cut() -> None:
+    """What the loop keeps with each checkpoint for a resume to hand back: every point
+    after the last step the runtime is known to hold."""
+    runtime, clock = Runtime(), Clock()
+    hooks = hooks_for(runtime, clock)
+    assert hooks.delivered_step() == -1
+    hooks.send(point(1))  # the first goes at once, and is delivered
+    assert hooks.delivered_step() == 1
+    runtime.ready = False  # cut off: pushes go out and never arrive
+    for step in range(2, 6):
+        clock.now += 1.0
+        hooks.send(point(step))
+    assert hooks.delivered_step() == 1
+    runtime.ready = True  # the network heals: the pending pushes arrive
+    clock.now += 1.0
+    hooks.send(point(6))
+    assert hooks.delivered_step() == 6
+
+
+def test_a_checkpoint_keeps_the_newest_points_and_every_undelivered_one() -> None:
+    from workers.loop import kept_with_checkpoint
+
+    recent = [point(s) for s in range(300, 310)]
+    undelivered = [point(s) for s in range(100, 305)]
+    kept = kept_with_checkpoint(recent, undelivered)
+    assert [p.step for p in kept] == list(range(100, 310))

@@ -60,10 +60,11 @@ class StepAgreement:
         """What a carrying collective adds up over every rank: [loss, control code]."""
         if self._loss is None:
             raise RuntimeError("the step's loss must be offered before its agreement is sent")
-        code = torch.tensor(
-            float(CONTROL_CODES[self.control]), dtype=dtype, device=self._loss.device
-        )
-        return torch.stack([self._loss.to(dtype), code])
+        loss = self._loss.to(dtype)
+        # Filled on the device, not copied from the host: a host-to-device copy of the
+        # code would wait for the GPU's queued backward in the middle of DDP's comm hook.
+        code = torch.full((), float(CONTROL_CODES[self.control]), dtype=dtype, device=loss.device)
+        return torch.stack([loss, code])
 
     def carried(self, summed: torch.Tensor) -> None:
         """A collective over every rank summed `payload` (done by the time `wait` is called)."""

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.messages import Control, StepMetrics
+from workers.api import ALL_DELIVERED
 
 
 class FileHooks:
@@ -26,7 +27,7 @@ class FileHooks:
         return Control.STOP if (self.folder / "stop").exists() else Control.NONE
 
     def delivered_step(self) -> int:
-        return 2**62  # written at once: nothing to keep for the service
+        return ALL_DELIVERED  # written at once: nothing to keep for the service
 
 
 class SilentHooks(FileHooks):

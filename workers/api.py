@@ -111,6 +111,10 @@ class AttemptAborted(Exception):
     """The attempt was released while this rank was still training."""
 
 
+#: `TrainHooks.delivered_step` of hooks that hand every message over at once (in-process).
+ALL_DELIVERED = 2**62
+
+
 class TrainHooks(Protocol):
     """How the loop talks to the service. Called on rank 0 only; must not block."""
 
@@ -143,7 +147,7 @@ class NullHooks:
         return self.controls.pop(0) if self.controls else Control.NONE
 
     def delivered_step(self) -> int:
-        return max((m.step for m in self.metrics), default=-1)  # in-process: at once
+        return ALL_DELIVERED
 
     @property
     def metrics(self) -> list[StepMetrics]:

@@ -168,8 +168,7 @@ def _train(
             # the agreement in a collective the step makes anyway where one sums over
             # every rank (`workers.agreement`).
             agreement = StepAgreement(hooks.poll_control() if is_rank0 else Control.NONE)
-            out = strategy.forward_backward([collate(mb) for mb in ids], loss_scale, agreement)
-            agreement.offer(out.loss)
+            strategy.forward_backward([collate(mb) for mb in ids], loss_scale, agreement)
             strategy.prepare_update(agreement)
             loss_sum, control = agreement.wait()
             # An async save's staging copy may still be in the making (it overlaps this

@@ -81,7 +81,6 @@ def _one_step(rank: int, world: int, spec: JobSpec, agree: bool) -> dict[str, An
     if agree:
         agreement = StepAgreement(Control.STOP if rank == 0 else Control.NONE)
         step = strategy.forward_backward(batches, loss_scale, agreement)
-        agreement.offer(step.loss)
         strategy.prepare_update(agreement)
         alone = agreement.sent_alone
         out["loss"], out["control"] = agreement.wait()

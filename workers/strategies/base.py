@@ -127,6 +127,25 @@ class Strategy(ABC):
         that sums over every rank, or else started on its own first, so it is in flight
         while the gradients are clipped."""
 
+    #: The max gradient norm (None: no clipping); set in `setup`.
+    grad_clip: float | None = None
+
+    @property
+    def _norm_spans_world(self) -> bool:
+        """Whether gradient clipping's norm all-reduce sums over every rank."""
+        return False
+
+    def _clipping_carry(self, agreement: StepAgreement | None) -> StepAgreement | None:
+        """The agreement for the clipping's norm all-reduce to carry, where it sums over
+        every rank; elsewhere the agreement is started on its own now (if no gradient
+        collective carried it), so it is in flight while the gradients are clipped."""
+        if agreement is None:
+            return None
+        if self.grad_clip is not None and self._norm_spans_world:
+            return agreement
+        agreement.start()
+        return None
+
     @abstractmethod
     def apply_update(self) -> None:
         """The optimizer step: the only part that changes weights and optimizer state."""

@@ -141,9 +141,7 @@ class DataParallelStrategy(Strategy):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def prepare_update(self, agreement: StepAgreement | None = None) -> None:
-        carry = agreement if self.grad_clip is not None and self._norm_spans_world else None
-        if agreement is not None and carry is None:
-            agreement.start()  # its own all-reduce, in flight while the gradients are clipped
+        carry = self._clipping_carry(agreement)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
         if self.grad_clip is not None:
@@ -176,7 +174,6 @@ class DataParallelStrategy(Strategy):
 
     @property
     def _norm_spans_world(self) -> bool:
-        """The clipping's all-reduce sums over every rank (a step agreement can ride it)."""
         if self._norm_is_local:
             return False
         return (

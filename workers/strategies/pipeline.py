@@ -299,17 +299,14 @@ class PipelineStrategy(Strategy):
         return total if self._reports_loss else 0.0
 
     def prepare_update(self, agreement: StepAgreement | None = None) -> None:
-        # The clipping's all-reduces (over the stage's tp ranks, then over the stages)
-        # together sum over every rank when there is one replica: they carry the step
-        # agreement then. With several replicas it goes on its own, while clipping runs.
-        carry = agreement if self.grad_clip is not None and self._norm_spans_world else None
-        if agreement is not None and carry is None:
-            agreement.start()
+        carry = self._clipping_carry(agreement)
         if self.grad_clip is not None:
             self._clip_grads(self.grad_clip, carry)
 
     @property
     def _norm_spans_world(self) -> bool:
+        # The clipping's all-reduces (over the stage's tp ranks, then over the stages)
+        # together sum over every rank when there is one replica.
         return self.layout.dp == 1 and bool(self._norm_groups())
 
     def apply_update(self) -> None:

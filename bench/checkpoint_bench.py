@@ -6,7 +6,7 @@ throughput against plain sequential file I/O of the same bytes.
 Two gloo ranks (spawned), a stack of nn.Linear layers + AdamW state of ~400 MB in total
 (`--quick`: ~60 MB, 3 repeats). Every figure is the median of `--repeats` runs, and every
 per-rank time is the max over ranks (collectives make the slowest rank everyone's time).
-Writes the markdown table to docs/bench-checkpoint.md.
+Writes the report into its block of docs/bench-checkpoint.md (the notes around it stay).
 
 Definitions:
 - blocked: seconds the training loop waited for the checkpointer: in save() (sync: DCP
@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+from bench.report_blocks import replace_block  # noqa: E402
 from checkpoints.dcp import ShardedCheckpointer  # noqa: E402
 from tests.unit.dist_utils import run_distributed  # noqa: E402
 
@@ -329,8 +330,11 @@ def main() -> None:
     cfg["load_after"] = os.getloadavg()
     table = render(cfg, out)
     print(table)
+    # The generated report replaces its own block only: the notes written around it in
+    # the same file (what changed, run to run, what is not met) stay.
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(table)
+    document = args.out.read_text() if args.out.exists() else ""
+    args.out.write_text(replace_block(document, "checkpoint-report", table))
 
 
 if __name__ == "__main__":

@@ -574,8 +574,9 @@ class DigestingWriter(FileSystemWriter):
         self.shard_digests = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        written = super().write_data(plan, planner)
-        results = list(written.wait())
+        with without_zip_crc32():
+            written = super().write_data(plan, planner)
+            results = list(written.wait())
         results.extend(_digest_result(d) for d in self._digesting_fs.take_digests())
         out: TorchFuture[list[WriteResult]] = TorchFuture()
         out.set_result(results)
@@ -585,6 +586,38 @@ class DigestingWriter(FileSystemWriter):
         digests, dcp_results = split_digest_results(results)
         self.shard_digests = digests
         super().finish(metadata, dcp_results)
+
+
+_crc32_lock = threading.Lock()
+_crc32_off_depth = 0  # writes in progress (saves of several checkpointers may overlap)
+_crc32_saved = True  # the setting to restore when the last of them ends
+
+
+@contextmanager
+def without_zip_crc32() -> Generator[None, None, None]:
+    """torch.save without the zip format's per-record crc32 while a shard is written.
+
+    DCP writes every tensor with torch.save, whose zip writer computes a crc32 of each
+    record by default: about a third of the CPU of writing a shard here (0.19 -> 0.13 s
+    for 192 MB), on top of the sha256 the manifest already holds for the whole file.
+    torch.load never checks that crc32 (same load time with or without it), so dropping
+    it loses no check a load makes. The flag is process-wide in torch; a torch.save
+    elsewhere in the process during a shard write also goes without crc32, which nothing
+    that reads it with torch.load can tell.
+    """
+    global _crc32_off_depth, _crc32_saved
+    with _crc32_lock:
+        if _crc32_off_depth == 0:
+            _crc32_saved = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _crc32_off_depth += 1
+    try:
+        yield
+    finally:
+        with _crc32_lock:
+            _crc32_off_depth -= 1
+            if _crc32_off_depth == 0:
+                torch.serialization.set_crc32_options(_crc32_saved)
 
 
 def _digest_result(digest: StreamedDigest) -> WriteResult:

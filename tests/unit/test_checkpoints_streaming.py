@@ -11,7 +11,10 @@
 from __future__ import annotations
 
 import os
+import struct
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ from torch.distributed.checkpoint import state_dict_saver
 
 import checkpoints.integrity as integrity
 from checkpoints import find_latest_good, list_committed, read_manifest
-from checkpoints.dcp import ShardedCheckpointer, _DigestingFileSystem
+from checkpoints.dcp import ShardedCheckpointer, _DigestingFileSystem, _DigestingStream
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (
     FIELDS,
@@ -111,6 +114,63 @@ def test_corrupt_shard_after_streamed_commit_is_refused(tmp_path: Path) -> None:
     got = load_into_fresh("plain", str(tmp_path), 1)
     assert got["step"] == 1
     assert_same(got["full"], ref)
+
+
+def zip_record_crcs(data: bytes) -> list[int]:
+    """The crc32 of every record named in the zip central directories found in `data`
+    (a DCP shard is torch.save archives one after another)."""
+    crcs, at = [], data.find(b"PK\x01\x02")
+    while at >= 0:
+        crcs.append(struct.unpack_from("<I", data, at + 16)[0])
+        at = data.find(b"PK\x01\x02", at + 4)
+    return crcs
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_shards_are_written_without_zip_crc32_and_the_setting_is_restored(
+    tmp_path: Path, async_save: bool
+) -> None:
+    # The sha256 of the manifest covers every shard; the zip crc32 torch.save adds by
+    # default was a third of a shard write's CPU and torch.load never checks it.
+    model, optim = build("plain")
+    train(model, optim, 1, seed=0)
+    ref = full_state(model, optim)
+    assert torch.serialization.get_crc32_options()
+    ckpt = ShardedCheckpointer(tmp_path, rank=0, world_size=1, async_save=async_save)
+    ckpt.save(step=1, attempt=0, state=ckpt_state(model, optim), manifest_fields=FIELDS)
+    ckpt.close()
+    assert torch.serialization.get_crc32_options()  # the caller's torch.save keeps its crc32
+
+    crcs = zip_record_crcs((tmp_path / "step_000000001-a0" / "__0_0.distcp").read_bytes())
+    assert len(crcs) > 10 and set(crcs) == {0}
+    got = load_into_fresh("plain", str(tmp_path), 1)
+    assert_same(got["full"], ref)
+
+    # A save that fails in the middle of the write restores the setting all the same.
+    torch.serialization.set_crc32_options(False)  # and restores what was set, not True
+    try:
+        failing = ShardedCheckpointer(tmp_path, rank=0, world_size=1, async_save=False)
+        # DCP's CheckpointException is a BaseException.
+        with pytest.raises(BaseException, match="disk full"), _fail_shard_writes():
+            failing.save(step=2, attempt=0, state=ckpt_state(model, optim), manifest_fields=FIELDS)
+        assert not torch.serialization.get_crc32_options()
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert torch.serialization.get_crc32_options()
+
+
+@contextmanager
+def _fail_shard_writes() -> Iterator[None]:
+    original = _DigestingStream.write
+
+    def write(self: _DigestingStream, data: Any) -> int:
+        raise OSError("disk full")
+
+    _DigestingStream.write = write  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _DigestingStream.write = original  # type: ignore[method-assign]
 
 
 def test_a_stream_that_seeks_gives_no_digest(tmp_path: Path) -> None:

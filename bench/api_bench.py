@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from sqlalchemy import insert  # noqa: E402
 from sqlalchemy.orm import Session  # noqa: E402
 
+from bench.report_blocks import replace_block  # noqa: E402
 from contracts.spec import JobSpec  # noqa: E402
 from service.db import make_engine, migrate  # noqa: E402
 from service.jobs import job_row_values  # noqa: E402
@@ -242,19 +243,14 @@ def render(results: dict[str, tuple[Phase, Phase]], args: argparse.Namespace, lo
     return "\n".join(lines) + "\n\n" + setup + "\n"
 
 
-BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
-
-
 def write_report(path: Path, table: str) -> None:
-    """Replace the figures between the markers; keep the notes written around them."""
-    block = f"{BEGIN}\n{table}{END}"
-    text = path.read_text() if path.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = f"# API benchmark\n\nFigures from `bench/api_bench.py`.\n\n{block}\n"
-    path.write_text(text)
+    """Replace the figures in their block; keep the notes written around them."""
+    text = (
+        path.read_text()
+        if path.exists()
+        else "# API benchmark\n\nFigures from `bench/api_bench.py`.\n"
+    )
+    path.write_text(replace_block(text, "api-report", table))
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ PARTS = (
     Part("step-overhead", "1. Step time vs plain torchrun", "step_overhead_bench.py",
          ("--repeats", "5", "--steps", "300"), ("--repeats", "1", "--steps", "20", "--warmup", "5")),
     Part("checkpoint", "2. Checkpoint stall and throughput", "checkpoint_bench.py",
-         (), ("--quick",)),
+         ("--repeats", "9"), ("--quick",)),
     Part("scheduler", "3. Scheduler pass, 1,000 PENDING + 100 RUNNING", "scheduler_bench.py",
          ("--passes", "20"), ("--pending", "100", "--running", "10", "--passes", "3")),
     Part("control-plane", "3. Submit at 100/s, list and job page at 10,000 jobs + 10M metric rows",

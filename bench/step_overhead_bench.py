@@ -115,12 +115,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--strategies", default="ddp,fsdp,pipeline")
     parser.add_argument("--out", type=Path, default=Path("docs/bench-step-overhead.md"))
+    parser.add_argument(
+        "--scheduler-interval",
+        type=float,
+        default=SERVICE["scheduler_interval_s"],
+        help="seconds between the service's scheduler passes (default: the service's own)",
+    )
     args = parser.parse_args()
+    service = {**SERVICE, "scheduler_interval_s": args.scheduler_interval}
     started, load = time.time(), os.getloadavg()
     results: dict[str, dict[str, list[float]]] = {}
     with (
         tempfile.TemporaryDirectory() as tmp,
-        ray_service(Path(tmp), num_cpus=4, **SERVICE) as client,
+        ray_service(Path(tmp), num_cpus=4, **service) as client,
     ):
         for strategy in args.strategies.split(","):
             runs: dict[str, list[float]] = {"elastrain": [], "torchrun": []}
@@ -134,22 +141,27 @@ def main() -> None:
     lines = [
         "# Steady-state step time: elastrain vs plain torchrun",
         "",
-        f"`python bench/step_overhead_bench.py --repeats {args.repeats} --steps {args.steps}`: gpt "
+        f"`python bench/step_overhead_bench.py --repeats {args.repeats} --steps {args.steps}"
+        f"{'' if service == SERVICE else f' --scheduler-interval {args.scheduler_interval:g}'}`: gpt "
         f"{PARAMS}, global batch {GLOBAL_BATCH}, micro-batch {MICRO_BATCH} (pipeline: 2 stages, "
         f"1F1B over the 2 micro-batches), {WORKERS} workers, gloo on CPU; runs alternate elastrain "
-        f"/ torchrun. Per run: the median interval between step ends after step {args.warmup}. "
+        f"/ torchrun. Per run: the median interval between step ends after step {args.warmup}; "
+        "each elastrain run over the torchrun run after it is one pair's ratio. "
         f"2-core machine, load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}.",
         "",
         "| strategy | elastrain ms/step (median, range) | torchrun ms/step (median, range) | ratio "
-        "| CPU ms per step of every other process during the elastrain run |",
-        "| --- | --- | --- | ---: | ---: |",
+        "| pairs' ratios (min-max) | CPU ms per step of every other process during the elastrain run |",
+        "| --- | --- | --- | ---: | ---: | ---: |",
     ]
     for strategy, runs in results.items():
         e, t = runs["elastrain"], runs["torchrun"]
+        # The spread of the pairs says how far apart two runs minutes apart can be here.
+        pairs = [a / b for a, b in zip(e, t, strict=True)]
         lines.append(
             f"| {strategy} | {statistics.median(e) * 1000:.1f} ({min(e) * 1000:.1f}-{max(e) * 1000:.1f}) "
             f"| {statistics.median(t) * 1000:.1f} ({min(t) * 1000:.1f}-{max(t) * 1000:.1f}) "
             f"| {statistics.median(e) / statistics.median(t):.3f} "
+            f"| {min(pairs):.3f}-{max(pairs):.3f} "
             f"| {statistics.median(OTHER_CPU_MS[strategy]):.1f} |"
         )
     lines += ["", f"Total bench time {time.time() - started:.0f} s."]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,14 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    """A TCP port free right now on 127.0.0.1 (another process may still grab it before
-    use; good enough for tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _entry(
@@ -56,13 +47,10 @@ def _entry(
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     torch.set_num_threads(num_threads)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=pg_timeout_s),
-    )
+    timeout = timedelta(seconds=pg_timeout_s)
+    # The parent hosts the store (see run_distributed); every rank is its client.
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)
         with open(Path(result_dir) / f"{rank}.pkl", "wb") as f:
@@ -92,7 +80,14 @@ def run_distributed(
     child's traceback); the other ranks are terminated. Exceeding `timeout_s` terminates
     every rank and raises TimeoutError (a hung collective must fail the test, not hang it).
     """
-    port = free_port()
+    # The rendezvous store listens from before the ranks start until after they end, on a
+    # port the OS picked for it: a port picked free and bound only later by rank 0 could be
+    # taken meanwhile (gloo's own connections use ports of the same ephemeral range).
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+        timeout=timedelta(seconds=pg_timeout_s),
+    )  # fmt: skip
+    port = store.port
     with tempfile.TemporaryDirectory(prefix="dist_utils-") as result_dir:
         ctx = mp.start_processes(
             _entry,

@@ -15,20 +15,38 @@ import torch
 import torch.distributed as dist
 
 from contracts.messages import RestoreSource
-from tests.unit.dist_utils import free_port, run_distributed
+from tests.unit.dist_utils import run_distributed
 from tests.unit.test_workers_train import STEPS, make_spec
 from workers.api import Control, NullHooks, TrainContext
 
+_STORE_TIMEOUT = timedelta(seconds=60)
 
-def _regroup(rank: int, world_size: int, port: int) -> None:
+
+def _host_stores(rank: int, sizes: list[int]) -> tuple[list[dist.TCPStore | None], list[int]]:
+    """The stores of the groups to come, hosted by rank 0 and listening from now on, on
+    ports the OS picked (a port picked free early and bound only when the group forms can
+    be taken meanwhile by one of gloo's connections); their ports sent to every rank over
+    the current group."""
+    stores: list[dist.TCPStore | None] = [
+        dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
+                      timeout=_STORE_TIMEOUT) if rank == 0 else None
+        for n in sizes
+    ]  # fmt: skip
+    ports: list[Any] = [s.port if s is not None else None for s in stores]
+    dist.broadcast_object_list(ports, src=0)
+    return stores, [int(p) for p in ports]
+
+
+def _regroup(rank: int, world_size: int, port: int, hosted: dist.TCPStore | None) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
-                          timeout=timedelta(seconds=60))  # fmt: skip
+    store = hosted or dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=False, timeout=_STORE_TIMEOUT
+    )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 
-def survive(rank: int, world_size: int, root: str, ports: list[int]) -> Any:
+def survive(rank: int, world_size: int, root: str) -> Any:
     from workers.loop import train
     from workers.memory import ReplicaMemory
 
@@ -49,20 +67,21 @@ def survive(rank: int, world_size: int, root: str, ports: list[int]) -> Any:
     if rank == 0:
         shutil.rmtree(Path(root) / "job1")  # no checkpoint left: only memory can resume it
     held = memory.describe()
-    dist.barrier()
+    stores, ports = _host_stores(rank, [2, world_size])
     after = None
     if rank < 2:  # rank 2's node is "lost"; 0 and 1 go on in a new group, same processes
-        _regroup(rank, 2, ports[0])
+        _regroup(rank, 2, ports[0], stores[0])
         after = NullHooks()
         train(ctx(1, 2, 2), spec, after, memory)
-    _regroup(rank, world_size, ports[1])  # dist_utils ends with a barrier of all three
+    # dist_utils ends with a barrier of all three
+    _regroup(rank, world_size, ports[1], stores[1])
     return {"held": held, "steady": steady, "first": first, "after": after}
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("memory")
-    results = run_distributed(survive, 3, str(root), [free_port(), free_port()], timeout_s=600)
+    results = run_distributed(survive, 3, str(root), timeout_s=600)
     return {"rank0": results[0], "rank1": results[1], "root": root}
 
 

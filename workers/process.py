@@ -199,6 +199,7 @@ class WorkerProcess:
         # Controls pushed by the runtime, by attempt, until that attempt's rank 0 takes them
         # (one can arrive before the rank it is for has started).
         self._controls: dict[tuple[int, int], list[Control]] = {}
+        self._hosted_store: Any = None  # the next group's TCPStore, while it waits for rank 0
 
     def describe(self) -> WorkerInfo:
         with self._lock:
@@ -211,11 +212,33 @@ class WorkerProcess:
                 held=self.memory.describe(),
             )
 
-    def free_port(self) -> int:
-        """A port for the next group's TCPStore, which rank 0 will host."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
+    def host_store(self, world_size: int, timeout_s: float) -> int:
+        """Open the TCPStore of the next group, whose rank 0 will run here, and return its
+        port. It listens from now on, on a port the OS picked: a port merely found free now
+        and bound when rank 0 starts could be taken in between (by one of the collectives'
+        own connections, which use the same ephemeral range). Rank 0's assignment takes it;
+        a newer call replaces one that was never used."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            self.address,
+            0,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        with self._lock:
+            self._hosted_store = store
+        return int(store.port)
+
+    def _take_hosted_store(self, a: Assignment) -> Any:
+        """The store `host_store` opened for this assignment (rank 0 on its port), or None."""
+        with self._lock:
+            store, self._hosted_store = self._hosted_store, None
+        if a.rank == 0 and store is not None and store.port == a.master_port:
+            return store
+        return None
 
     def abort(self) -> None:
         """Let go of the current attempt at the next step boundary (the others fail their
@@ -314,9 +337,12 @@ class WorkerProcess:
         try:
             package = self._use_package(a)
             timeout = datetime.timedelta(seconds=a.collective_timeout_s)
-            store = dist.TCPStore(
-                a.master_addr, a.master_port, a.world_size, is_master=a.rank == 0, timeout=timeout
-            )
+            store = self._take_hosted_store(a)
+            if store is None:
+                store = dist.TCPStore(
+                    a.master_addr, a.master_port, a.world_size, is_master=a.rank == 0,
+                    timeout=timeout,
+                )  # fmt: skip
             if scaling.use_gpu:
                 torch.cuda.set_device(device)
             dist.init_process_group(

@@ -207,7 +207,10 @@ class AttemptDriver:
         self.pool.wait_ready(self.workers, timeout=START_TIMEOUT_S)
         self._mark(Phase.PROCESSES_UP)
         rank0 = self.workers[0]
-        port = ray.get(rank0.handle.free_port.remote(), timeout=30)
+        port = ray.get(
+            rank0.handle.host_store.remote(request.world_size, self.collective_timeout_s),
+            timeout=30,
+        )
         assert rank0.info is not None
         refs = [
             w.handle.run.remote(

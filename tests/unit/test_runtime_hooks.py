@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import os
 import resource
+import socket
 import threading
 from typing import Any
 
+from contracts.group import Assignment
 from contracts.messages import Control, EventKind, StepMetrics, WorkerEvent
+from tests.unit.test_workers_train import make_spec
 from workers.process import (
     _PUSH_INTERVAL_S,
     RuntimeHooks,
@@ -165,3 +168,33 @@ def test_a_checkpoint_keeps_the_newest_points_and_every_undelivered_one() -> Non
     undelivered = [point(s) for s in range(100, 305)]
     kept = kept_with_checkpoint(recent, undelivered)
     assert [p.step for p in kept] == list(range(100, 310))
+
+
+def test_the_next_groups_store_listens_from_the_moment_its_port_is_handed_out() -> None:
+    """`host_store` opens rank 0's TCPStore at once on a port the OS picked (a port only
+    found free could be taken before rank 0 binds it); rank 0's assignment on that port
+    takes that very store, any other assignment does not, and a newer call replaces it."""
+    process = WorkerProcess.__new__(WorkerProcess)  # no Ray: only the store's bookkeeping
+    process._lock, process._hosted_store, process.address = threading.Lock(), None, "127.0.0.1"
+    port = process.host_store(2, 30.0)
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass  # listening already, before any rank runs
+
+    def assignment(rank: int, master_port: int) -> Assignment:
+        return Assignment(
+            job_id=1, attempt=1, rank=rank, world_size=2, master_addr="127.0.0.1",
+            master_port=master_port, spec=make_spec("ddp"), storage_path="/tmp",
+            runtime_name="r", namespace="n", collective_timeout_s=30.0,
+        )  # fmt: skip
+
+    hosted = process._hosted_store
+    assert process._take_hosted_store(assignment(1, port)) is None  # not rank 0
+    process._hosted_store = hosted
+    assert process._take_hosted_store(assignment(0, port + 1)) is None  # another port
+    process._hosted_store = hosted
+    assert process._take_hosted_store(assignment(0, port)) is hosted
+    assert process._take_hosted_store(assignment(0, port)) is None  # taken once
+
+    first = process.host_store(2, 30.0)
+    second = process.host_store(2, 30.0)
+    assert first != second and process._hosted_store.port == second

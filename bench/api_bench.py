@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from sqlalchemy import insert  # noqa: E402
 from sqlalchemy.orm import Session  # noqa: E402
 
-from bench.report_blocks import replace_block  # noqa: E402
+from bench.report_blocks import write_block  # noqa: E402
 from contracts.spec import JobSpec  # noqa: E402
 from service.db import make_engine, migrate  # noqa: E402
 from service.jobs import job_row_values  # noqa: E402
@@ -245,12 +245,8 @@ def render(results: dict[str, tuple[Phase, Phase]], args: argparse.Namespace, lo
 
 def write_report(path: Path, table: str) -> None:
     """Replace the figures in their block; keep the notes written around them."""
-    text = (
-        path.read_text()
-        if path.exists()
-        else "# API benchmark\n\nFigures from `bench/api_bench.py`.\n"
-    )
-    path.write_text(replace_block(text, "api-report", table))
+    new = "# API benchmark\n\nFigures from `bench/api_bench.py`.\n"
+    write_block(path, "api-report", table, new_document=new)
 
 
 def main() -> None:

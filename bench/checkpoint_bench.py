@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from bench.report_blocks import replace_block  # noqa: E402
+from bench.report_blocks import write_block  # noqa: E402
 from checkpoints.dcp import ShardedCheckpointer  # noqa: E402
 from tests.unit.dist_utils import run_distributed  # noqa: E402
 
@@ -333,8 +333,7 @@ def main() -> None:
     # The generated report replaces its own block only: the notes written around it in
     # the same file (what changed, run to run, what is not met) stay.
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    document = args.out.read_text() if args.out.exists() else ""
-    args.out.write_text(replace_block(document, "checkpoint-report", table))
+    write_block(args.out, "checkpoint-report", table)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ between named markers in a hand-written document (the text around the markers st
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def markers(name: str) -> tuple[str, str]:
     return f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
@@ -31,3 +33,10 @@ def replace_block(document: str, name: str, block: str) -> str:
         head, rest = document.split(begin, 1)
         return head + wrapped + rest.split(end, 1)[1]
     return document.rstrip("\n") + "\n\n" + wrapped + "\n"
+
+
+def write_block(path: Path, name: str, block: str, *, new_document: str = "") -> None:
+    """Replace the block `name` in the file at `path` (the text around it stays), starting
+    from `new_document` where there is no such file yet."""
+    document = path.read_text() if path.exists() else new_document
+    path.write_text(replace_block(document, name, block))

@@ -27,7 +27,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -43,6 +43,9 @@ from contracts.messages import (
     WorkerMessage,
 )
 from contracts.storage import JobStorage
+
+if TYPE_CHECKING:  # torch is imported when the process starts, not by the runtime
+    from torch.distributed import TCPStore
 
 log = logging.getLogger("elastrain.worker")
 
@@ -199,7 +202,7 @@ class WorkerProcess:
         # Controls pushed by the runtime, by attempt, until that attempt's rank 0 takes them
         # (one can arrive before the rank it is for has started).
         self._controls: dict[tuple[int, int], list[Control]] = {}
-        self._hosted_store: Any = None  # the next group's TCPStore, while it waits for rank 0
+        self._hosted_store: TCPStore | None = None  # the next group's, until rank 0 takes it
 
     def describe(self) -> WorkerInfo:
         with self._lock:
@@ -218,21 +221,14 @@ class WorkerProcess:
         and bound when rank 0 starts could be taken in between (by one of the collectives'
         own connections, which use the same ephemeral range). Rank 0's assignment takes it;
         a newer call replaces one that was never used."""
-        import torch.distributed as dist
+        from workers.rendezvous import host_store
 
-        store = dist.TCPStore(
-            self.address,
-            0,
-            world_size,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        store = host_store(self.address, world_size, datetime.timedelta(seconds=timeout_s))
         with self._lock:
             self._hosted_store = store
         return int(store.port)
 
-    def _take_hosted_store(self, a: Assignment) -> Any:
+    def _take_hosted_store(self, a: Assignment) -> TCPStore | None:
         """The store `host_store` opened for this assignment (rank 0 on its port), or None."""
         with self._lock:
             store, self._hosted_store = self._hosted_store, None

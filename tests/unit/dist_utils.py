@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from workers.rendezvous import host_store
+
 
 def _entry(
     rank: int,
@@ -83,10 +85,7 @@ def run_distributed(
     # The rendezvous store listens from before the ranks start until after they end, on a
     # port the OS picked for it: a port picked free and bound only later by rank 0 could be
     # taken meanwhile (gloo's own connections use ports of the same ephemeral range).
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-        timeout=timedelta(seconds=pg_timeout_s),
-    )  # fmt: skip
+    store = host_store("127.0.0.1", world_size, timedelta(seconds=pg_timeout_s))
     port = store.port
     with tempfile.TemporaryDirectory(prefix="dist_utils-") as result_dir:
         ctx = mp.start_processes(

@@ -18,20 +18,15 @@ from contracts.messages import RestoreSource
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_workers_train import STEPS, make_spec
 from workers.api import Control, NullHooks, TrainContext
+from workers.rendezvous import host_store
 
 _STORE_TIMEOUT = timedelta(seconds=60)
 
 
 def _host_stores(rank: int, sizes: list[int]) -> tuple[list[dist.TCPStore | None], list[int]]:
-    """The stores of the groups to come, hosted by rank 0 and listening from now on, on
-    ports the OS picked (a port picked free early and bound only when the group forms can
-    be taken meanwhile by one of gloo's connections); their ports sent to every rank over
-    the current group."""
-    stores: list[dist.TCPStore | None] = [
-        dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
-                      timeout=_STORE_TIMEOUT) if rank == 0 else None
-        for n in sizes
-    ]  # fmt: skip
+    """The stores of the groups to come, hosted by rank 0 and listening from now on
+    (`workers.rendezvous`); their ports sent to every rank over the current group."""
+    stores = [host_store("127.0.0.1", n, _STORE_TIMEOUT) if rank == 0 else None for n in sizes]
     ports: list[Any] = [s.port if s is not None else None for s in stores]
     dist.broadcast_object_list(ports, src=0)
     return stores, [int(p) for p in ports]
@@ -40,9 +35,11 @@ def _host_stores(rank: int, sizes: list[int]) -> tuple[list[dist.TCPStore | None
 def _regroup(rank: int, world_size: int, port: int, hosted: dist.TCPStore | None) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-    store = hosted or dist.TCPStore(
-        "127.0.0.1", port, world_size, is_master=False, timeout=_STORE_TIMEOUT
-    )
+    store = hosted
+    if store is None:
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=False, timeout=_STORE_TIMEOUT
+        )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 

@@ -29,10 +29,10 @@ from contracts.messages import DriverStatus
 from contracts.spec import JobSpec
 from service import jobs
 from service.db import make_engine, make_session_factory, migrate, session_scope
-from service.launcher.fake import FakeLauncher
 from service.models import Job
 from service.scheduler import Scheduler
 from service.settings import Settings
+from tests.fake_launcher import FakeLauncher
 
 SPEC = {
     "name": "queued",

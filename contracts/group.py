@@ -1,4 +1,4 @@
-"""What the runtime (`service.launcher.runtime`) and a worker process (`workers.process`)
+"""What the runtime (`workers.runtime`) and a worker process (`workers.process`)
 say to each other: the worker processes outlive attempts, so each attempt hands every
 rank an `Assignment`, and every rank answers with a `RunOutcome` when its part ends."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from contracts.messages import WorkerError
+from contracts.runtime import JobRef
 from contracts.spec import JobSpec
 
 
@@ -21,6 +22,12 @@ class HeldState:
     full_replica: bool
     """True when this one process holds the whole model and optimizer state (DDP), so a
     new group can take it from here instead of from a checkpoint."""
+    database: str = ""
+    """The database the job is stored in (`contracts.runtime.JobRef`)."""
+
+    @property
+    def job(self) -> JobRef:
+        return JobRef(self.database, self.job_id)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +52,9 @@ class Assignment:
     master_port: int
     spec: JobSpec
     storage_path: str
+    database: str
+    """The database the job is stored in: a process keeps state only for this database's
+    jobs (`contracts.runtime.JobRef`)."""
     runtime_name: str
     """The runtime actor that rank 0 reports to (`push_many`); controls come the other way,
     pushed to rank 0's process (`control`)."""

@@ -71,6 +71,8 @@ class AttemptView:
     """Asked to checkpoint and stop for a resize."""
     report_seq: int = 0
     """The last driver message persisted."""
+    name: str = ""
+    """`contracts.runtime.attempt_name`: what the runtime knows the attempt by."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -21,11 +21,13 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from checkpoints.fence import advance_fence
+from checkpoints.owner import claim_job_folder
 from checkpoints.retention import delete_checkpoints, retention_plan
 from contracts.messages import Control, EventKind
+from contracts.runtime import AttemptKey, LaunchRequest, attempt_name
 from contracts.spec import JobSpec
 from contracts.storage import JobStorage
-from service import jobs, metric_store, observe, reports, telemetry
+from service import identity, jobs, metric_store, observe, reports, telemetry
 from service.db import session_scope
 from service.decisions import (
     Action,
@@ -46,7 +48,7 @@ from service.decisions import (
     Transition,
     decide,
 )
-from service.launcher.base import AttemptKey, Launcher, LaunchRequest, driver_name
+from service.launcher import Launcher
 from service.models import Job, utcnow
 from service.states import JobState
 
@@ -127,7 +129,7 @@ def apply_to_db(
             if doomed:
                 effects.append(DeleteFiles(root=root, paths=tuple(doomed)))
         elif isinstance(action, StartAttempt):
-            name = driver_name(job.id, job.attempt + 1)
+            name = attempt_name(job.id, job.attempt + 1)
             cause, detected_at = _start_cause(session, job)
             attempt = jobs.start_attempt(
                 session, job, world_size=action.world_size, driver_name=name
@@ -148,7 +150,8 @@ def apply_to_db(
                         world_size=action.world_size,
                         spec=spec,
                         storage_path=str(storage_path),
-                        driver_name=name,
+                        name=name,
+                        database=identity.database_id(session),
                         cause=cause,
                         detected_at=detected_at,
                     )
@@ -316,11 +319,12 @@ class Executor:
         # The fence first: from here on the job's older attempts may write nothing to
         # storage (checkpoints/fence.py); usually it moved already, when the previous
         # attempt ended.
+        self._claim_folder(request)
         self._fence(request.job_id, request.attempt)
         try:
             self.launcher.launch(request)
         except Exception as exc:  # the next pass sees the driver as LOST and retries
-            log.error("launch of %s failed: %s", request.driver_name, exc)
+            log.error("launch of %s failed: %s", request.name, exc)
             with session_scope(self.sessions) as session:
                 job = jobs.get_job(session, request.job_id, for_update=True)
                 jobs.record_event(
@@ -330,6 +334,18 @@ class Executor:
                     reason=f"{type(exc).__name__}: {exc}",
                     details={"traceback": traceback.format_exc()[-2000:]},
                 )
+
+    def _claim_folder(self, request: LaunchRequest) -> None:
+        """The job's folder is this database's before its workers read a checkpoint there."""
+        root = JobStorage.of(self.storage_path, request.job_id).root
+        try:
+            moved = claim_job_folder(root, request.database)
+        except OSError as exc:
+            log.error("job %s: cannot mark its folder as this database's: %s", request.job_id, exc)
+            return
+        if moved is not None:
+            log.warning("job %s: %s belonged to another database; moved to %s",
+                        request.job_id, root, moved)  # fmt: skip
 
     def _fence(self, job_id: int, attempt: int) -> None:
         """Only `attempt` (or a newer one) of the job may write to storage from now on.

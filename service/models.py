@@ -284,3 +284,14 @@ class ApiToken(Base):
     sha256: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+
+
+class DatabaseIdentity(Base):
+    """Made once with the schema: `database` is this database's random id
+    (`contracts.runtime.JobRef`). A backup restored keeps it (its jobs are the same jobs);
+    a fresh database gets a new one."""
+
+    __tablename__ = "database_identity"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(64))

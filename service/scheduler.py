@@ -1,9 +1,10 @@
 """The scheduler: a level-triggered loop of observe, decide, execute.
 
-Each pass, holding the DB lease: read every unfinished job and its current attempt, ask
-every live driver for its report (all at once, no DB transaction open), decide about each
-job with the pure `service.decisions.decide`, and hand the actions to
-`service.executor.Executor`. Nothing is kept in memory that a restarted control plane could
+Each pass, holding the DB lease: read every unfinished job and its current attempt, hand
+the runtime the live attempts (`Launcher.reconcile`: every live attempt's report comes
+back, all at once, no DB transaction open, and the runtime lets go of whatever else it
+holds), decide about each job with the pure `service.decisions.decide`, and hand the
+actions to `service.executor.Executor`. Nothing is kept in memory that a restarted control plane could
 not rebuild from the DB and the drivers' names, except timers (backoff, growth hysteresis),
 which simply start over.
 """
@@ -24,11 +25,13 @@ from datetime import UTC, datetime
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.messages import DriverReport, DriverStatus
+from contracts.runtime import AttemptKey, LiveAttempt, Reconcile
 from contracts.spec import JobSpec
 from service import (
     auth,
     cluster,
     decisions,
+    identity,
     lease,
     metric_store,
     observe,
@@ -40,7 +43,7 @@ from service.capacity import Allocation, CapacityLedger, ClusterCapacity, Worker
 from service.db import session_scope
 from service.decisions import Action, Facts, JobView, PersistReport, Policy
 from service.executor import Executor, Timers
-from service.launcher.base import AttemptKey, Launcher
+from service.launcher import Launcher
 from service.logs import job_context
 from service.settings import Settings
 
@@ -77,6 +80,7 @@ class Scheduler:
         self._published_at = 0.0
         self._swept_at = 0.0
         self._tenure = 0
+        self._database: str | None = None  # this database's identity, read once
         # The views (and parsed specs) of the jobs each pass reads, kept between passes.
         self._active_views = observe.ViewCache()
         self._pending_views = observe.ViewCache()
@@ -102,12 +106,15 @@ class Scheduler:
 
     def _pass(self) -> None:
         capacity = self.launcher.capacity()
+        observed_at = time.time()  # wall clock, as the runtime client stamps launches
         with session_scope(self.sessions) as s:
+            if self._database is None:
+                self._database = identity.database_id(s)
             active = observe.active_jobs(s, cache=self._active_views)
             pending = observe.pending_jobs(s, cache=self._pending_views)
             quotas = Quotas(auth.quotas(s), self.settings.default_max_workers_per_tenant, active)
         self.executor.buckets.keep_only(job.id for job in active)
-        polled = self._poll(active)
+        polled = self._reconcile(active, pending, observed_at)
         ledger = CapacityLedger(capacity, _held(active))
         steady: list[tuple[JobView, PersistReport]] = []
         for job in active:
@@ -225,15 +232,24 @@ class Scheduler:
             return None
         return capacity.worker_memory_bytes(spec.scaling.cpus_per_worker)
 
-    def _poll(self, active: list[JobView]) -> dict[int, DriverReport]:
-        acks = {
-            AttemptKey(job.id, attempt.number): attempt.report_seq
-            for job in active
-            if (attempt := job.live_attempt) is not None
-        }
-        if not acks:
-            return {}
-        return {key.job_id: report for key, report in self.launcher.poll(acks).items()}
+    def _reconcile(
+        self, active: list[JobView], pending: list[JobView], observed_at: float
+    ) -> dict[int, DriverReport]:
+        """The live attempts' reports; the runtime lets go of everything else."""
+        assert self._database is not None
+        want = Reconcile(
+            database=self._database,
+            attempts={
+                AttemptKey(job.id, attempt.number): LiveAttempt(
+                    name=attempt.name, ack=attempt.report_seq
+                )
+                for job in active
+                if (attempt := job.live_attempt) is not None
+            },
+            keep_jobs=frozenset(job.id for job in (*active, *pending)),
+            observed_at=observed_at,
+        )
+        return {key.job_id: report for key, report in self.launcher.reconcile(want).items()}
 
     def _publish(self, capacity: ClusterCapacity, ledger: CapacityLedger) -> None:
         with session_scope(self.sessions) as s:
@@ -337,10 +353,11 @@ class SchedulerThread:
 def start_scheduler_thread(
     settings: Settings, session_factory: sessionmaker[Session], launcher: Launcher | None = None
 ) -> SchedulerThread:
-    """Start the scheduler with the Ray launcher (imported here: only the scheduler needs Ray)."""
+    """Start the scheduler with the runtime on Ray (imported here: only the scheduler needs
+    Ray)."""
     if launcher is None:
-        from service.launcher.ray_launcher import RayLauncher
+        from service.runtime_client import RuntimeClient
 
-        launcher = RayLauncher(settings)
+        launcher = RuntimeClient(settings)
     scheduler = Scheduler(session_factory=session_factory, launcher=launcher, settings=settings)
     return SchedulerThread(scheduler, settings.scheduler_interval_s).start()

@@ -3,7 +3,7 @@
 Every attempt used to start new processes that each imported torch (seconds per process
 on a small machine) and threw away the model they had trained. A `WorkerProcess` is
 started once, ahead of need, with torch, the training loop and the workloads imported.
-The runtime (`service.launcher.runtime`) hands it one rank of one attempt at a time
+The runtime (`workers.runtime`) hands it one rank of one attempt at a time
 (`run`): it joins a fresh `torch.distributed` process group for that attempt, trains,
 and leaves the group again when the attempt ends, however it ends. What it trained stays
 in `self.memory`, so the next attempt's group can take the state from here (no step
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from contracts.group import Assignment, RunOutcome, WorkerInfo
+from contracts.group import Assignment, HeldState, RunOutcome, WorkerInfo
 from contracts.messages import (
     Control,
     EventKind,
@@ -196,6 +196,7 @@ class WorkerProcess:
         # happens to resolve (containers, network namespaces, several NICs).
         pin_collectives_to(self.address)
         self.memory = ReplicaMemory()
+        self.database = ""  # of the job whose state `memory` holds
         self._lock = threading.Lock()
         self._busy = False
         self._abort = threading.Event()
@@ -212,8 +213,12 @@ class WorkerProcess:
                 pid=os.getpid(),
                 address=self.address,
                 busy=self._busy,
-                held=self.memory.describe(),
+                held=self._held(),
             )
+
+    def _held(self) -> HeldState | None:
+        held = self.memory.describe()
+        return None if held is None else dataclasses.replace(held, database=self.database)
 
     def host_store(self, world_size: int, timeout_s: float) -> int:
         """Open the TCPStore of the next group, whose rank 0 will run here, and return its
@@ -271,6 +276,9 @@ class WorkerProcess:
                 )
             self._busy = True
             self._abort.clear()
+            if assignment.database != self.database:  # never another database's job 1
+                self.memory.forget()
+                self.database = assignment.database
             key = (assignment.job_id, assignment.attempt)
             # Requests for attempts that ended here (or never started) are moot now.
             self._controls = {k: v for k, v in self._controls.items() if k == key}
@@ -281,7 +289,7 @@ class WorkerProcess:
             with self._lock:
                 self._busy = False
                 self._controls.pop(key, None)
-        return dataclasses.replace(outcome, held=self.memory.describe())
+        return dataclasses.replace(outcome, held=self._held())
 
     def _use_package(self, a: Assignment) -> WorkerEvent | None:
         """Make the job's uploaded package (if any) importable, verified against its digest;

@@ -68,12 +68,12 @@ from contracts.storage import JobStorage
 from service import observe
 from service.capacity import NodeCapacity, WorkerShape
 from service.jobs import get_job
-from service.launcher.fake import FakeDriver, FakeLauncher
 from service.models import Attempt, CheckpointRecord, Event, Job, Metric
 from service.scheduler import Scheduler
 from service.settings import Settings
 from service.states import JobState
 from tests.e2e.server import ServerHandle
+from tests.fake_launcher import FakeDriver, FakeLauncher
 
 GLOBAL_BATCH = 32
 SEQ_LEN = 128
@@ -643,7 +643,7 @@ class _Play:
 
     def _send_timeline(self) -> None:
         """The first step is done: the driver sends the attempt's timeline, right after
-        rank 0's point of that step (as `service.launcher.driver` orders them)."""
+        rank 0's point of that step (as `workers.runtime.driver` orders them)."""
         driver = self.driver
         self._mark(Phase.FIRST_STEP)
         for point in driver.metrics:

@@ -235,8 +235,8 @@ def test_a_job_stored_before_a_bound_existed_stays_readable_and_cancellable(
     accepted by an older version (a terminal escape in its name, params nested deeper than
     the limit now allows) is still listed, shown, scheduled and cancellable."""
     from service.db import session_scope
-    from service.launcher.fake import FakeLauncher
     from service.scheduler import Scheduler
+    from tests.fake_launcher import FakeLauncher
 
     accepted = client.post("/v1/jobs", json=spec_dict(name="ok")).json()
     with session_scope(app_sessions) as s:

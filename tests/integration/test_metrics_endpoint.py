@@ -12,10 +12,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.main import create_app
 from contracts.messages import DriverStatus, Phase, Timeline, TimelineMark
-from service.launcher.fake import FakeLauncher
 from service.scheduler import Scheduler
 from service.settings import Settings
 from tests.factories import spec_dict
+from tests.fake_launcher import FakeLauncher
 
 
 def scrape(

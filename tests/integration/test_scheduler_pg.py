@@ -12,9 +12,9 @@ import pytest
 from contracts.spec import JobSpec
 from service import jobs, lease
 from service.db import make_engine, make_session_factory, migrate, session_scope
-from service.launcher.fake import FakeLauncher
 from service.scheduler import Scheduler
 from service.settings import Settings
+from tests.fake_launcher import FakeLauncher
 
 N_JOBS = 60
 

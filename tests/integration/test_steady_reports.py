@@ -20,8 +20,8 @@ from service import jobs, observe, reports
 from service.db import make_session_factory, session_scope
 from service.decisions import PersistReport
 from service.executor import Executor, Timers
-from service.launcher.fake import FakeLauncher
 from service.models import Job, Metric, MetricBucket
+from tests.fake_launcher import FakeLauncher
 from tests.integration.test_api import run
 
 JOBS = 3

@@ -8,8 +8,10 @@ first module that pulled the forbidden package in.
 
 from __future__ import annotations
 
+import ast
 import json
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,9 +53,7 @@ def _service_modules() -> list[str]:
     import service
 
     names = [m.name for m in pkgutil.walk_packages(service.__path__, "service.")]
-    # The launcher is the one place that talks to Ray (and it never needs torch either,
-    # but it may import Ray Train, which does).
-    return sorted(n for n in names if not n.startswith(("service.launcher", "service.migrations")))
+    return sorted(n for n in names if not n.startswith("service.migrations"))
 
 
 def test_contracts_load_nothing_heavy() -> None:
@@ -63,12 +63,34 @@ def test_contracts_load_nothing_heavy() -> None:
 
 def test_service_does_not_load_torch() -> None:
     modules = _service_modules()
-    assert "service.jobs" in modules
-    assert _first_offender(modules, {"torch", "workers", "api"}) == {}
+    assert "service.jobs" in modules and "service.runtime_client" in modules
+    modules.remove("service.runtime_client")
+    assert _first_offender(modules, {"torch", "api", "workers"}) == {}
+    # The runtime client imports the runtime actor's class (its one edge into `workers`)
+    # and nothing a rank runs: no torch, no worker process, no training loop.
+    assert _first_offender(["service.runtime_client"], {"torch", "api"}) == {}
+    loaded = _loaded_by("service.runtime_client", "workers")
+    assert loaded == ["workers", "workers.runtime", "workers.runtime.actor",
+                      "workers.runtime.driver", "workers.runtime.layout",
+                      "workers.runtime.pool", "workers.runtime.reconcile"]  # fmt: skip
+
+
+def _loaded_by(module: str, prefix: str) -> list[str]:
+    """The modules under `prefix` that importing `module` loads (fresh interpreter)."""
+    probe = (
+        f"import importlib, json, sys; importlib.import_module({module!r}); "
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == {prefix!r})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    loaded: list[str] = json.loads(out.strip().splitlines()[-1])
+    return loaded
 
 
 # The import table of DESIGN.md, checked statically over every source file: who may
-# import what, including imports inside functions.
+# import what, including imports inside functions and modules named in strings.
+_FIRST_PARTY = {"api", "service", "workers", "contracts", "checkpoints"}
 _FORBIDDEN: dict[str, set[str]] = {
     # Shared by every other package across process boundaries: stdlib and pydantic only.
     "contracts": {"torch", "ray", "sqlalchemy", "service", "api", "workers", "checkpoints"},
@@ -77,31 +99,80 @@ _FORBIDDEN: dict[str, set[str]] = {
     "workers": {"sqlalchemy", "service", "api"},
     "checkpoints": {"service", "api", "workers", "ray", "sqlalchemy"},
 }
-# Narrower rules within a package: (path prefix, module) pairs that are the exception.
-_ALLOWED_ONLY_IN = {"ray": "service/launcher/", "torch": "checkpoints/dcp.py"}
+# Narrower rules within a package: a module only the named files may import.
+_ALLOWED_ONLY_IN = {
+    "ray": ("service/runtime_client.py",),  # the control plane's one client of the runtime
+    "torch": ("checkpoints/dcp.py",),
+}
+# The exceptions to _FORBIDDEN, each exactly one module edge: (file, module it imports).
+_EDGES_ALLOWED = {
+    # The runtime actor's class, to create the actor: its module loads no torch (tested above).
+    ("service/runtime_client.py", "workers.runtime.actor"),
+    # Built-in workloads named as entrypoints in the job spec: data the workers import
+    # themselves (`workers.workloads.load_workload`), never imported where they are named.
+    ("contracts/spec.py", "workers.workloads.gpt"),
+    ("contracts/spec.py", "workers.workloads.synthetic"),
+    ("contracts/bounds.py", "workers.workloads"),
+}
+# A string that names a first-party module ("pkg.mod" or "pkg.mod:attr"): an import by string.
+_MODULE_STRING = re.compile(rf"^({'|'.join(sorted(_FIRST_PARTY))})(\.\w+)+(:\w+)?$")
 
 
-def _imported_roots(path: Path) -> set[str]:
-    import ast
-
-    roots = set()
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports (at any depth, in functions too) or names in a string."""
+    modules = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            roots |= {alias.name.split(".")[0] for alias in node.names}
+            modules |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            roots.add(node.module.split(".")[0])
-    return roots
+            modules.add(node.module)
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and _MODULE_STRING.match(node.value)
+        ):
+            modules.add(node.value.split(":")[0])
+    return modules
+
+
+def _violations(package: str, rel: str, modules: set[str]) -> list[str]:
+    found = []
+    for module in sorted(modules):
+        root = module.split(".")[0]
+        if root in _FORBIDDEN[package] and (rel, module) not in _EDGES_ALLOWED:
+            found.append(f"{rel} imports {module}")
+        owners = _ALLOWED_ONLY_IN.get(root, ())
+        if owners and owners[0].split("/")[0] == package and rel not in owners:
+            found.append(f"{rel} imports {root} (only {', '.join(owners)} may)")
+    return found
 
 
 def test_import_table_of_the_design() -> None:
     violations = []
-    for package, forbidden in _FORBIDDEN.items():
+    for package in _FORBIDDEN:
         for path in sorted((ROOT / package).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            for root in _imported_roots(path):
-                if root in forbidden:
-                    violations.append(f"{rel} imports {root}")
-                owner = _ALLOWED_ONLY_IN.get(root)
-                if owner and owner.split("/")[0] == package and not rel.startswith(owner):
-                    violations.append(f"{rel} imports {root} (only {owner} may)")
+            violations += _violations(package, rel, _imports(path))
     assert violations == []
+
+
+def test_the_import_table_sees_imports_by_string_and_in_functions(tmp_path: Path) -> None:
+    """The check above fails on each way a layer could reach up or across."""
+    sources = {
+        "import workers.process": ["service/x.py imports workers.process"],
+        "def f():\n    from api import main": ["service/x.py imports api"],
+        'WORKER = "workers.process:WorkerProcess"': ["service/x.py imports workers.process"],
+        'importlib.import_module("workers.loop")': ["service/x.py imports workers.loop"],
+        "import ray": ["service/x.py imports ray (only service/runtime_client.py may)"],
+        '"""Docs naming `workers.process` in prose are fine."""': [],
+    }
+    for source, expected in sources.items():
+        path = tmp_path / "x.py"
+        path.write_text(source + "\n")
+        assert _violations("service", "service/x.py", _imports(path)) == expected, source
+    assert (
+        _violations("service", "service/runtime_client.py", {"workers.runtime.actor", "ray"}) == []
+    )
+    assert _violations("service", "service/runtime_client.py", {"workers.process"}) == [
+        "service/runtime_client.py imports workers.process"
+    ]

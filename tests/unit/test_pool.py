@@ -7,17 +7,19 @@ import pytest
 
 from contracts.group import HeldState, WorkerInfo
 from contracts.messages import WorkerError
+from contracts.runtime import JobRef
 from contracts.spec import JobSpec
-from service.launcher.driver import cause_of, private_worker_options
-from service.launcher.pool import PooledWorker, choose_worker, warm_target
 from tests.factories import spec_dict
+from workers.runtime.driver import cause_of, private_worker_options
+from workers.runtime.pool import PooledWorker, choose_worker, warm_target
 
 
 def worker(name: str, *, held: tuple[int, int] | None = None, busy: bool = False,
-           started: bool = True, private: bool = False) -> PooledWorker:  # fmt: skip
+           started: bool = True, private: bool = False, database: str = "db") -> PooledWorker:  # fmt: skip
     state = None
     if held is not None:
-        state = HeldState(job_id=held[0], step=held[1], world_size=2, full_replica=True)
+        state = HeldState(job_id=held[0], step=held[1], world_size=2, full_replica=True,
+                          database=database)  # fmt: skip
     info = WorkerInfo(name=name, node_id="n", pid=1, address="a", busy=busy, held=state)
     return PooledWorker(name=name, handle=None, node_id="n", info=info if started else None,
                         busy=busy, private=private)  # fmt: skip
@@ -51,6 +53,11 @@ def worker(name: str, *, held: tuple[int, int] | None = None, busy: bool = False
             id="a-busy-holder-is-not-taken",
         ),
         pytest.param(
+            [worker("empty"), worker("other-db", held=(7, 30), database="old")],
+            "empty",
+            id="job-7-of-another-database-is-another-job",
+        ),
+        pytest.param(
             [worker("gpu-or-pip", held=(7, 30), private=True), worker("empty")],
             "empty",
             id="a-private-process-is-never-lent-again",
@@ -58,7 +65,7 @@ def worker(name: str, *, held: tuple[int, int] | None = None, busy: bool = False
     ],
 )
 def test_choose_worker(candidates: list[PooledWorker], expected: str | None) -> None:
-    chosen = choose_worker(candidates, job_id=7)
+    chosen = choose_worker(candidates, JobRef("db", 7))
     assert (chosen.name if chosen else None) == expected
 
 

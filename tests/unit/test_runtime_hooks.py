@@ -183,7 +183,7 @@ def test_the_next_groups_store_listens_from_the_moment_its_port_is_handed_out() 
     def assignment(rank: int, master_port: int) -> Assignment:
         return Assignment(
             job_id=1, attempt=1, rank=rank, world_size=2, master_addr="127.0.0.1",
-            master_port=master_port, spec=make_spec("ddp"), storage_path="/tmp",
+            master_port=master_port, spec=make_spec("ddp"), storage_path="/tmp", database="db",
             runtime_name="r", namespace="n", collective_timeout_s=30.0,
         )  # fmt: skip
 

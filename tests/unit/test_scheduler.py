@@ -16,11 +16,11 @@ from contracts.messages import DriverReport, DriverStatus, StepMetrics
 from contracts.spec import JobSpec
 from service import jobs, lease, reports
 from service.db import make_engine, make_session_factory, migrate, session_scope
-from service.launcher.fake import FakeLauncher
 from service.models import Attempt, MetricBucket, utcnow
 from service.scheduler import Scheduler
 from service.settings import Settings
 from service.states import JobState
+from tests.fake_launcher import FakeLauncher
 
 
 class Clock:
@@ -654,3 +654,47 @@ def test_summaries_another_scheduler_wrote_while_the_lease_lapsed_are_read_again
         ).one()
     assert tuple(lowest) == (2, 0.5)
     assert job(factory, jid).step == 3
+
+
+def test_a_release_that_fails_is_repaired_by_the_next_pass(env) -> None:
+    """The runtime is handed the live attempts every pass: an ended attempt whose release
+    call was lost is let go of at the next pass, and its capacity goes to the next job."""
+    factory, launcher, sched, _ = env
+    a = submit(factory, scaling={"min_workers": 3, "max_workers": 3})
+    sched.run_pass()
+    with session_scope(factory) as s:
+        jobs.get_job(s, a).cancel_requested = True
+    launcher.fail_releases = True
+    sched.run_pass()
+    assert job(factory, a).state == JobState.CANCELLED
+    assert launcher.releases == []  # the call never got through
+    assert launcher.live_drivers() == [(a, 1)]
+    launcher.fail_releases = False
+    b = submit(factory, scaling={"min_workers": 3, "max_workers": 3})
+    sched.run_pass()
+    assert launcher.reconciled == [(a, 1)] and launcher.live_drivers() == [(b, 1)]
+
+
+def test_a_fresh_database_releases_what_the_runtime_held(env, tmp_path: Path) -> None:
+    """A control plane restarted on a database that no longer knows a running job (a
+    restored backup, a fresh one) makes the runtime let go of it at its first pass, and
+    its own job 1 is a new attempt, not the old one adopted."""
+    factory, launcher, sched, clock = env
+    old = submit(factory)
+    sched.run_pass()
+    launcher.driver(old).status = DriverStatus.RUNNING
+    engine = make_engine(f"sqlite:///{tmp_path / 'fresh.sqlite'}")
+    migrate(engine)
+    fresh = make_session_factory(engine)
+    restarted = Scheduler(
+        session_factory=fresh, launcher=launcher, settings=sched.settings, clock=clock
+    )
+    old_name = launcher.driver(old).request.name
+    restarted.run_pass()
+    assert launcher.reconciled == [(old, 1)] and launcher.live_drivers() == []
+    new = submit(fresh)
+    assert new == old  # the same key as the attempt the runtime held
+    restarted.run_pass()
+    assert launcher.live_drivers() == [(new, 1)]
+    assert launcher.driver(new).request.name != old_name
+    engine.dispose()

@@ -1,4 +1,5 @@
-"""An in-memory launcher for fast tests of the scheduler's control logic (no Ray).
+"""An in-memory launcher for fast tests of the scheduler's control logic (no Ray): the
+runtime's side of `service.launcher.Launcher`, reconciling as `workers.runtime.actor` does.
 
 A test drives each fake driver by hand (`fake.driver(job, attempt)`): make it run, report
 metrics, commit checkpoints, fail or succeed, and steps the scheduler one pass at a time.
@@ -9,7 +10,6 @@ until the scheduler acknowledges them, as the real driver does.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +26,9 @@ from contracts.messages import (
     WorkerEvent,
     WorkerMessage,
 )
+from contracts.runtime import AttemptKey, LaunchRequest, Reconcile
 from service.capacity import ClusterCapacity, NodeCapacity
-from service.launcher.base import AttemptKey, LaunchRequest
+from workers.runtime.reconcile import HeldAttempt, attempts_to_release
 
 
 @dataclass
@@ -125,6 +126,8 @@ class FakeLauncher:
         self.drivers: dict[tuple[int, int], FakeDriver] = {}
         self.launches: list[LaunchRequest] = []
         self.releases: list[tuple[AttemptKey, bool]] = []
+        self.reconciled: list[AttemptKey] = []  # released for not being live
+        self.fail_releases = False  # make `release` raise, as a lost call would
         self.launch_calls: list[LaunchRequest] = []  # including refused duplicates
         self._lock = threading.Lock()
 
@@ -149,20 +152,35 @@ class FakeLauncher:
         with self._lock:
             key = (request.job_id, request.attempt)
             self.launch_calls.append(request)
-            if key in self.drivers:
-                raise RuntimeError(f"driver {request.driver_name} launched twice")
+            held = self.drivers.get(key)
+            if held is not None and held.request.name == request.name:
+                raise RuntimeError(f"driver {request.name} launched twice")
+            if held is not None:  # another database's attempt under the same key
+                held.killed = True
             self.drivers[key] = FakeDriver(request=request)
             self.launches.append(request)
 
-    def poll(self, acks: Mapping[AttemptKey, int]) -> dict[AttemptKey, DriverReport]:
+    def reconcile(self, want: Reconcile) -> dict[AttemptKey, DriverReport]:
+        held = [
+            HeldAttempt(key=AttemptKey(*k), name=d.request.name, sent_at=d.request.sent_at)
+            for k, d in self.drivers.items()
+            if not d.killed
+        ]
+        for key in attempts_to_release(held, want):
+            self.drivers[key].killed = True
+            self.reconciled.append(key)
         reports = {}
-        for key, ack in acks.items():
-            d = self.drivers.get((key.job_id, key.attempt))
+        for key, live in want.attempts.items():
+            d = self.drivers.get(key)
             if d is None or d.killed:
                 reports[key] = DriverReport(status=DriverStatus.LOST)
             else:
-                reports[key] = d.report(ack)
+                reports[key] = d.report(live.ack)
         return reports
+
+    def live_drivers(self) -> list[AttemptKey]:
+        """What the runtime would still hold."""
+        return [AttemptKey(*k) for k, d in self.drivers.items() if not d.killed]
 
     def send_control(self, key: AttemptKey, control: Control) -> None:
         d = self.drivers[(key.job_id, key.attempt)]
@@ -172,6 +190,8 @@ class FakeLauncher:
             d.stop_requested = True
 
     def release(self, key: AttemptKey, *, final: bool = False) -> None:
+        if self.fail_releases:
+            raise TimeoutError("the runtime did not answer")
         self.releases.append((key, final))
         d = self.drivers.get((key.job_id, key.attempt))
         if d is not None:

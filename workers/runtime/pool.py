@@ -10,13 +10,12 @@ The processes ask Ray for no CPU themselves (`num_cpus=0`): they are started bef
 job needs them. An attempt reserves its CPUs (and GPUs) with a placement group whose
 bundles sit on the nodes of the processes it runs on, so Ray's resource view stays true.
 
-This lives inside the runtime actor (`service.launcher.runtime`); the worker class is
-named by import path, so the control plane never imports torch.
+This lives inside the runtime actor (`workers.runtime.actor`); the worker class is
+imported when the pool is made, so importing the runtime loads no torch.
 """
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import logging
 import math
@@ -31,10 +30,10 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from contracts.group import HeldState, WorkerInfo
+from contracts.runtime import AttemptKey, JobRef
 
 log = logging.getLogger("elastrain.pool")
 
-WORKER_CLASS = "workers.process:WorkerProcess"
 WORKER_PREFIX = "elastrain-worker-"
 #: A describe() that takes longer marks the process as gone.
 _PING_TIMEOUT_S = 10.0
@@ -49,10 +48,12 @@ class PooledWorker:
     """None until the process answered once (it is still starting)."""
     busy: bool = False
     """Handed to an attempt, not yet given back."""
-    lent_to: int | None = None
-    """The job whose attempt has it (or had it last)."""
+    lent_to: AttemptKey | None = None
+    """The attempt that has it (or had it last)."""
+    lent_job_ref: JobRef | None = None
+    """That attempt's job."""
     returned_at: float = 0.0
-    forget_job: int | None = None
+    forget_job: JobRef | None = None
     """Drop this job's state when the process comes back (the job ended)."""
     ready_ref: Any = None
     private: bool = False
@@ -63,17 +64,22 @@ class PooledWorker:
         return self.info.held if self.info is not None else None
 
     @property
+    def lent_job(self) -> JobRef | None:
+        """The job of the attempt running here now."""
+        return self.lent_job_ref if self.busy else None
+
+    @property
     def idle(self) -> bool:
         return self.info is not None and not self.busy
 
 
-def choose_worker(candidates: Sequence[PooledWorker], job_id: int) -> PooledWorker | None:
-    """Among idle processes on one node: the one holding the newest state of `job_id`,
-    else one holding nothing, else any (its other job's state is dropped)."""
+def choose_worker(candidates: Sequence[PooledWorker], job: JobRef) -> PooledWorker | None:
+    """Among idle processes on one node: the one holding the newest state of `job`, else
+    one holding nothing, else any (its other job's state is dropped)."""
 
     def rank(w: PooledWorker) -> tuple[int, int]:
         held = w.held
-        if held is not None and held.job_id == job_id:
+        if held is not None and held.job == job:
             return (2, held.step)
         return (1 if held is None else 0, 0)
 
@@ -101,8 +107,9 @@ class WorkerPool:
     _counter: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
-        module, _, attr = WORKER_CLASS.partition(":")
-        self._cls = ray.remote(getattr(importlib.import_module(module), attr))
+        from workers.process import WorkerProcess  # torch: only inside the runtime actor
+
+        self._cls = ray.remote(WorkerProcess)
         self._adopt()
 
     # -- processes ---------------------------------------------------------------------------
@@ -151,20 +158,19 @@ class WorkerPool:
                 w.info = ray.get(w.ready_ref, timeout=timeout)
 
     # -- lending -----------------------------------------------------------------------------
-    def job_workers(self, job_id: int) -> list[PooledWorker]:
+    def job_workers(self, job: JobRef) -> list[PooledWorker]:
         """This job's processes that hold its state or still run its last attempt."""
         with self.lock:
             return [
                 w
                 for w in self.workers.values()
-                if (w.held is not None and w.held.job_id == job_id)
-                or (w.busy and w.lent_to == job_id)
+                if (w.held is not None and w.held.job == job) or w.lent_job == job
             ]
 
-    def take(self, worker: PooledWorker, job_id: int) -> None:
+    def take(self, worker: PooledWorker, key: AttemptKey, job: JobRef) -> None:
         with self.lock:
             worker.busy = True
-            worker.lent_to = job_id
+            worker.lent_to, worker.lent_job_ref = key, job
 
     def give_back(self, worker: PooledWorker, held: HeldState | None, *, alive: bool) -> None:
         with self.lock:
@@ -173,22 +179,42 @@ class WorkerPool:
                 return
             worker.busy = False
             worker.returned_at = time.time()
-            if held is not None and worker.forget_job == held.job_id:
+            if held is not None and worker.forget_job == held.job:
                 worker.handle.forget.remote()
                 held = None
             if worker.info is not None:
                 worker.info = replace(worker.info, busy=False, held=held)
             worker.forget_job = None
 
-    def forget_job(self, job_id: int) -> None:
+    def forget_job(self, job: JobRef) -> None:
         """The job ended: its processes drop its state (now, or when they come back)."""
         with self.lock:
             for w in self.workers.values():
-                if w.busy and w.lent_to == job_id:
-                    w.forget_job = job_id
-                elif w.held is not None and w.held.job_id == job_id:
+                if w.lent_job == job:
+                    w.forget_job = job
+                elif w.held is not None and w.held.job == job:
                     w.handle.forget.remote()
                     w.info = replace(w.info, held=None) if w.info is not None else None
+
+    def held_jobs(self) -> set[JobRef]:
+        """Jobs whose state a process holds, or will hold when its attempt lets go (unless
+        it is to drop it then)."""
+        with self.lock:
+            held = {w.held.job for w in self.workers.values() if w.held is not None}
+            lent = {
+                job
+                for w in self.workers.values()
+                if (job := w.lent_job) is not None and w.forget_job != job
+            }
+        return held | lent
+
+    def abort_strays(self, live: set[AttemptKey]) -> None:
+        """Tell processes still running an attempt that is not live to let go (again: the
+        abort sent when it was released may have been lost)."""
+        with self.lock:
+            strays = [w for w in self.workers.values() if w.busy and w.lent_to not in live]
+        for w in strays:
+            w.handle.abort.remote()
 
     # -- upkeep --------------------------------------------------------------------------------
     def top_up(self, nodes: Sequence[dict[str, Any]]) -> None:
@@ -223,9 +249,11 @@ class WorkerPool:
                 self.start(node_id)
 
     def check_idle(self) -> None:
-        """Ping idle processes; forget those that died (killed, OOM)."""
+        """Ping idle processes, and busy ones no driver collects (adopted from a runtime
+        that died, told to let go); forget those that died (killed, OOM), take back the
+        adopted ones that let go."""
         with self.lock:
-            idle = [w for w in self.workers.values() if w.idle]
+            idle = [w for w in self.workers.values() if w.idle or _adopted_busy(w)]
         refs = {w.handle.describe.remote(): (w, w.returned_at) for w in idle}
         if not refs:
             return
@@ -240,5 +268,11 @@ class WorkerPool:
                     self.workers.pop(w.name, None)
                 continue
             with self.lock:
+                if _adopted_busy(w) and not info.busy:
+                    w.busy = False
                 if not w.busy and w.returned_at == returned_at:  # not lent out meanwhile
                     w.info = info
+
+
+def _adopted_busy(w: PooledWorker) -> bool:
+    return w.busy and w.lent_to is None and w.info is not None

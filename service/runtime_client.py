@@ -1,30 +1,33 @@
-"""The one module of the control plane that talks to Ray: a few calls per scheduler pass
-to the runtime actor (`service.launcher.runtime`), which runs the attempts."""
+"""The one module of the control plane that talks to Ray: the runtime actor
+(`workers.runtime.actor`, which runs the attempts) is created here, launched into once per
+attempt and reconciled with once per scheduler pass. Its class is the one name the control
+plane imports from `workers` (tests/unit/test_imports.py): its module loads no torch."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from dataclasses import replace
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from contracts.messages import Control, DriverReport, DriverStatus, WorkerError
+from contracts.runtime import RUNTIME_NAME, AttemptKey, LaunchRequest, Reconcile
 from service.capacity import ClusterCapacity, NodeCapacity
-from service.launcher.base import AttemptKey, LaunchRequest
-from service.launcher.runtime import RUNTIME_NAME, Runtime
 from service.settings import Settings
+from workers.runtime.actor import Runtime
 
 log = logging.getLogger("elastrain.launcher")
 
-#: How long one poll waits for the runtime. When it has not answered by then, every
+#: How long one reconcile waits for the runtime. When it has not answered by then, every
 #: attempt reports its last known status; the pass goes on (it holds no DB lock meanwhile).
-_POLL_TIMEOUT_S = 5.0
+_RECONCILE_TIMEOUT_S = 5.0
 _CALL_TIMEOUT_S = 30.0
 
 
-class RayLauncher:
+class RuntimeClient:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.namespace = settings.ray_namespace
@@ -102,46 +105,49 @@ class RayLauncher:
         return f"http://{url}" if url else None
 
     def launch(self, request: LaunchRequest) -> None:
+        request = replace(request, sent_at=time.time())
         ray.get(self.runtime.launch.remote(request), timeout=_CALL_TIMEOUT_S)
-        log.info("launched %s at world size %d", request.driver_name, request.world_size)
+        log.info("launched %s at world size %d", request.name, request.world_size)
 
-    def poll(self, acks: Mapping[AttemptKey, int]) -> dict[AttemptKey, DriverReport]:
-        if not acks:
-            return {}
+    def reconcile(self, want: Reconcile) -> dict[AttemptKey, DriverReport]:
         try:
-            answers = ray.get(
-                self.runtime.drain.remote({tuple(k): a for k, a in acks.items()}),
-                timeout=_POLL_TIMEOUT_S,
-            )
+            answer = ray.get(self.runtime.reconcile.remote(want), timeout=_RECONCILE_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             return {
-                k: DriverReport(status=self._last_status.get(k, DriverStatus.STARTING), seq=a)
-                for k, a in acks.items()
+                k: DriverReport(status=self._last_status.get(k, DriverStatus.STARTING), seq=a.ack)
+                for k, a in want.attempts.items()
             }
         except ray.exceptions.RayActorError as exc:
             self.runtime = self._runtime()
-            return {k: _lost(k, f"runtime died: {str(exc)[-300:]}") for k in acks}
+            return {k: _lost(f"runtime died: {str(exc)[-300:]}") for k in want.attempts}
+        for name in answer.released:
+            log.warning("the runtime released %s: its attempt is not live in the database", name)
+        for job_id in answer.forgotten_jobs:
+            log.info("the runtime's processes dropped job %s's state: not unfinished", job_id)
+        for name in answer.removed_groups:
+            log.warning("the runtime removed placement group %s: no live attempt owned it", name)
         reports: dict[AttemptKey, DriverReport] = {}
-        for key in acks:
-            report = answers.get(tuple(key))
+        for key in want.attempts:
+            report = answer.reports.get(key)
             if report is None:
-                reports[key] = _lost(key, "the runtime does not know this attempt")
+                reports[key] = _lost("the runtime does not hold this attempt")
                 continue
             self._last_status[key] = report.status
             reports[key] = report
+        self._last_status = {k: v for k, v in self._last_status.items() if k in want.attempts}
         return reports
 
     def send_control(self, key: AttemptKey, control: Control) -> None:
-        self.runtime.request.remote(tuple(key), control)
+        self.runtime.request.remote(key, control)
 
     def release(self, key: AttemptKey, *, final: bool = False) -> None:
         # Synchronous: the attempt's placement group is gone before anything is launched
         # into the resources it held.
-        ray.get(self.runtime.release.remote(tuple(key), final), timeout=_CALL_TIMEOUT_S)
+        ray.get(self.runtime.release.remote(key, final), timeout=_CALL_TIMEOUT_S)
         self._last_status.pop(key, None)
 
 
-def _lost(key: AttemptKey, why: str) -> DriverReport:
+def _lost(why: str) -> DriverReport:
     return DriverReport(status=DriverStatus.LOST, error=WorkerError(type="DriverLost", message=why))
 
 

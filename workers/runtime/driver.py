@@ -1,6 +1,6 @@
 """One attempt's driver: forms its worker group from pooled processes, runs it, reports.
 
-Drivers live inside the runtime actor (`service.launcher.runtime`), one per running
+Drivers live inside the runtime actor (`workers.runtime.actor`), one per running
 attempt, each on its own thread; creating one costs no process. Rank 0 of the worker group
 pushes typed messages (`contracts.messages`: metrics, checkpoint commits, events, timeline
 marks) to it with fire-and-forget actor calls; the driver numbers them, and the scheduler
@@ -41,9 +41,10 @@ from contracts.messages import (
     WorkerFailed,
     WorkerMessage,
 )
+from contracts.runtime import JobRef, LaunchRequest
 from contracts.spec import JobSpec
-from service.launcher.base import LaunchRequest
-from service.launcher.pool import PooledWorker, WorkerPool, choose_worker
+from workers.runtime.layout import Slot, rank_order
+from workers.runtime.pool import PooledWorker, WorkerPool, choose_worker
 
 log = logging.getLogger("elastrain.driver")
 
@@ -77,7 +78,8 @@ class AttemptDriver:
         collective_timeout_s: float,
     ) -> None:
         self.request = request
-        self.key = (request.job_id, request.attempt)
+        self.key = request.key
+        self.group_name = f"{group_prefix(namespace)}{request.name}"
         self.pool = pool
         self.runtime_name = runtime_name
         self.namespace = namespace
@@ -184,7 +186,7 @@ class AttemptDriver:
                 log.exception("attempt %s", self.key)
             status, error = DriverStatus.FAILED, WorkerError.from_exception(exc)
             for w in self.workers:  # taken but never handed a rank: back to the pool
-                if w.busy and w.lent_to == self.request.job_id:
+                if w.busy and w.lent_to == self.key:
                     self.pool.give_back(w, w.held, alive=True)
         if self._released.is_set():  # released while placing: what was reserved since
             self._remove_placement_group()
@@ -223,6 +225,7 @@ class AttemptDriver:
                     master_port=port,
                     spec=spec,
                     storage_path=request.storage_path,
+                    database=request.database,
                     runtime_name=self.runtime_name,
                     namespace=self.namespace,
                     collective_timeout_s=self.collective_timeout_s,
@@ -249,9 +252,9 @@ class AttemptDriver:
         closing its sockets returns only when the collective times out)."""
         deadline = time.monotonic() + OLD_GROUP_GRACE_S
         while time.monotonic() < deadline:
-            busy = [w for w in self.pool.job_workers(self.request.job_id) if w.busy]
+            busy = [w for w in self.pool.job_workers(self.request.job) if w.busy]
             if not busy:
-                returned = [w.returned_at for w in self.pool.job_workers(self.request.job_id)]
+                returned = [w.returned_at for w in self.pool.job_workers(self.request.job)]
                 return max(returned, default=0.0), ""
             time.sleep(0.02)
         return time.time(), (
@@ -260,11 +263,11 @@ class AttemptDriver:
         )
 
     def _place(self, n: int) -> list[PooledWorker]:
-        """Reserve `n` bundles and pick a process on each bundle's node, holders of the
-        job's newest state first (rank 0 is the first of them)."""
-        job_id = self.request.job_id
+        """Reserve `n` bundles, pick a process on each bundle's node (holders of the job's
+        newest state first) and number them node by node (`workers.runtime.layout`)."""
+        job = self.request.job
         holders = sorted(
-            (w for w in self.pool.job_workers(job_id) if w.idle and w.held is not None),
+            (w for w in self.pool.job_workers(job) if w.idle and w.held is not None),
             key=lambda w: -w.held.step,  # type: ignore[union-attr]
         )
         preferred = [w.node_id for w in holders][:n]
@@ -288,15 +291,16 @@ class AttemptDriver:
                         for w in self.pool.workers.values()
                         if w.node_id == node and w not in chosen
                     ]
-                    worker = choose_worker(candidates, job_id) or self.pool.start(node)
-                self.pool.take(worker, job_id)
+                    worker = choose_worker(candidates, job) or self.pool.start(node)
+                self.pool.take(worker, self.key, job)
                 chosen.append(worker)
 
-        def order(w: PooledWorker) -> tuple[int, int]:
-            held = w.held
-            return (0, -held.step) if held is not None and held.job_id == job_id else (1, 0)
-
-        return sorted(chosen, key=order)
+        strategy = self.request.spec.strategy
+        order = rank_order(
+            [Slot(w.node_id, _held_step(w, job)) for w in chosen],
+            group_sizes=(strategy.model_parallel_size, strategy.tensor_parallel_degree),
+        )
+        return [chosen[i] for i in order]
 
     def _reserve(self, n: int, preferred: Sequence[str]) -> Any:
         """A placement group of `n` bundles: on the `preferred` nodes (holders of the job's
@@ -321,11 +325,10 @@ class AttemptDriver:
         resources are often being freed right now (the old attempt's bundles); Ray retries a
         pending placement group only about every second, while a new request is placed at
         once, so this asks again, soon at first and then less and less often."""
-        name = f"elastrain-job{self.request.job_id}-a{self.request.attempt}"
         deadline = time.monotonic() + timeout
         wait = PLACEMENT_RETRY_S
         while time.monotonic() < deadline and not self._released.is_set():
-            pg = placement_group(bundles, strategy="PACK", name=name,
+            pg = placement_group(bundles, strategy="PACK", name=self.group_name,
                                  bundle_label_selector=selectors)  # fmt: skip
             if self._ready(pg, min(wait, max(0.0, deadline - time.monotonic()))):
                 return pg
@@ -403,7 +406,7 @@ class AttemptDriver:
     def _describe_workers(self) -> str:
         warm = sum(1 for w in self.workers if w.info is not None)
         holders = sum(
-            1 for w in self.workers if w.held is not None and w.held.job_id == self.request.job_id
+            1 for w in self.workers if w.held is not None and w.held.job == self.request.job
         )
         return f"{len(self.workers)} processes: {warm} warm, {holders} holding the job's state"
 
@@ -414,6 +417,17 @@ class AttemptDriver:
                 remove_placement_group(pg)
             except Exception as exc:  # already removed is fine
                 log.info("remove placement group: %s", exc)
+
+
+def group_prefix(namespace: str) -> str:
+    """Placement groups of this namespace's attempts are named with it (then the attempt's
+    name): the runtime removes those no live attempt owns, and no other service's."""
+    return f"{namespace}:"
+
+
+def _held_step(w: PooledWorker, job: JobRef) -> int | None:
+    held = w.held
+    return held.step if held is not None and held.job == job else None
 
 
 def private_worker_options(spec: JobSpec) -> dict[str, Any] | None:

@@ -1,0 +1,188 @@
+"""The runtime: one long-lived, detached Ray actor that runs every attempt of every job.
+
+It holds the warm worker pool (`workers.runtime.pool`) and one `AttemptDriver` per live
+attempt. The control plane (`service.runtime_client`) launches an attempt once and, every
+scheduler pass, hands the runtime the attempts its database says are live (`reconcile`):
+the runtime answers with their reports and lets go of everything else it holds (drivers,
+the state processes keep of jobs that are over, placement groups nobody owns). Rank 0 of
+each worker group pushes its messages here. A start, recovery or resize therefore creates
+no driver process and, while warm processes last, no worker process: it reserves
+resources, hands ranks to processes that are already up, and forms a new process group.
+
+If the runtime itself dies, Ray restarts it: the new one adopts the worker processes
+(they keep what they hold), and the control plane sees every attempt as lost and
+relaunches them, from the survivors' memory where they hold the state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+from ray import PlacementGroupID
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from contracts.group import WorkerInfo
+from contracts.messages import Control, WorkerMessage
+from contracts.runtime import (
+    RUNTIME_NAME,
+    AttemptKey,
+    LaunchRequest,
+    Reconcile,
+    Reconciled,
+)
+from workers.runtime.driver import AttemptDriver, group_prefix
+from workers.runtime.pool import WorkerPool
+from workers.runtime.reconcile import (
+    HeldAttempt,
+    attempts_to_release,
+    jobs_to_forget,
+    orphan_groups,
+)
+
+log = logging.getLogger("elastrain.runtime")
+
+#: Idle processes are pinged every this many upkeep passes (a dead one is replaced).
+_PING_EVERY = 4
+#: Placement groups are listed (a call to Ray's GCS) at most this often to find orphans,
+#: and at once after a reconcile released something or on the runtime's first one.
+_ORPHAN_SCAN_INTERVAL_S = 10.0
+
+
+class Runtime:
+    """Wrapped with `ray.remote` (threaded: drivers and calls run concurrently)."""
+
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        warm_per_node: int,
+        collective_timeout_s: float,
+        upkeep_interval_s: float = 0.5,
+    ) -> None:
+        self.namespace = namespace
+        self.collective_timeout_s = collective_timeout_s
+        self.upkeep_interval_s = upkeep_interval_s
+        self.pool = WorkerPool(namespace=namespace, warm_per_node=warm_per_node)
+        self.drivers: dict[AttemptKey, AttemptDriver] = {}
+        self._lock = threading.Lock()
+        self._scanned_at = float("-inf")
+        threading.Thread(target=self._upkeep, name="pool-upkeep", daemon=True).start()
+
+    # -- the control plane's calls ---------------------------------------------------------
+    def launch(self, request: LaunchRequest) -> None:
+        with self._lock:
+            held = self.drivers.get(request.key)
+            if held is not None and held.request.name == request.name:
+                return  # launched already (a retried call)
+            if held is not None:  # another database's attempt under the same key
+                self.drivers.pop(request.key)
+            self.drivers[request.key] = AttemptDriver(
+                request,
+                pool=self.pool,
+                runtime_name=RUNTIME_NAME,
+                namespace=self.namespace,
+                collective_timeout_s=self.collective_timeout_s,
+            )
+        if held is not None:
+            held.release()
+
+    def reconcile(self, want: Reconcile) -> Reconciled:
+        """Every live attempt's report; everything the control plane no longer wants is let
+        go of (see `workers.runtime.reconcile` for the rules)."""
+        with self._lock:
+            held = [
+                HeldAttempt(key=k, name=d.request.name, sent_at=d.request.sent_at)
+                for k, d in self.drivers.items()
+            ]
+            doomed = [self.drivers.pop(k) for k in attempts_to_release(held, want)]
+            drivers = {key: self.drivers.get(key) for key in want.attempts}
+            kept = set(self.drivers)  # including any launched after the database was read
+            running = {d.request.job for d in self.drivers.values()}
+        for driver in doomed:
+            log.info("releasing %s: not live in the database", driver.request.name)
+            driver.release()
+        self.pool.abort_strays(kept)
+        forgotten = sorted(jobs_to_forget(self.pool.held_jobs() - running, want))
+        for job in forgotten:
+            self.pool.forget_job(job)
+        removed = self._remove_orphan_groups(force=bool(doomed))
+        reports = {
+            key: (d.drain(want.attempts[key].ack) if d is not None else None)
+            for key, d in drivers.items()
+        }
+        return Reconciled(
+            reports=reports,
+            released=tuple(d.request.name for d in doomed),
+            forgotten_jobs=tuple(forgotten),
+            removed_groups=tuple(removed),
+        )
+
+    def request(self, key: AttemptKey, control: Control) -> None:
+        driver = self._driver(key)
+        if driver is not None:
+            driver.request_control(control)
+
+    def release(self, key: AttemptKey, final: bool = False) -> None:
+        """The fast path: let go of an attempt now (its resources are about to be handed
+        to another). The next reconcile does the same if this call never arrives."""
+        with self._lock:
+            driver = self.drivers.pop(key, None)
+        if driver is not None:
+            driver.release()
+        if final and driver is not None:
+            self.pool.forget_job(driver.request.job)
+
+    def workers(self) -> list[WorkerInfo]:
+        """The pool's processes that answered (for tests, benches and debugging)."""
+        with self.pool.lock:
+            return [w.info for w in self.pool.workers.values() if w.info is not None]
+
+    # -- rank 0's calls ----------------------------------------------------------------------
+    def push_many(self, key: AttemptKey, messages: list[WorkerMessage]) -> None:
+        """Rank 0's messages, in order (what `RuntimeHooks` batches)."""
+        driver = self._driver(key)
+        if driver is not None:  # else a released attempt: fenced off
+            for message in messages:
+                driver.push(message)
+
+    def _driver(self, key: AttemptKey) -> AttemptDriver | None:
+        with self._lock:
+            return self.drivers.get(key)
+
+    # -- clean-up ------------------------------------------------------------------------------
+    def _remove_orphan_groups(self, *, force: bool) -> list[str]:
+        """Remove this namespace's placement groups that no held attempt owns (left by a
+        release that failed half-way, or by a runtime that died)."""
+        now = time.monotonic()
+        if not force and now - self._scanned_at < _ORPHAN_SCAN_INTERVAL_S:
+            return []
+        self._scanned_at = now
+        with self._lock:
+            owned = {d.group_name for d in self.drivers.values()}
+        groups = [
+            (pg_id, g.get("name", ""), g.get("state", ""))
+            for pg_id, g in ray.util.placement_group_table().items()
+        ]
+        doomed = orphan_groups(groups, owned, prefix=group_prefix(self.namespace))
+        for pg_id, name in doomed:
+            log.info("removing placement group %s: no live attempt owns it", name)
+            try:
+                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
+            except Exception as exc:  # removed meanwhile
+                log.info("remove placement group %s: %s", name, exc)
+        return [name for _, name in doomed]
+
+    def _upkeep(self) -> None:
+        passes = 0
+        while True:
+            try:
+                self.pool.top_up(ray.nodes())
+                passes += 1
+                if passes % _PING_EVERY == 0:
+                    self.pool.check_idle()
+            except Exception:
+                log.exception("pool upkeep")
+            time.sleep(self.upkeep_interval_s)

@@ -1,8 +1,9 @@
 """Sharded checkpoints with a commit protocol.
 
 Everything importable from here is pure Python (the control plane uses it and must not load
-torch). The torch part, `ShardedCheckpointer`, lives in `checkpoints.dcp` and is imported
-only by workers.
+torch), the commit protocol (`checkpoints.commit`) included. The torch part, DCP's save and
+load (`ShardedCheckpointer`) and its storage writer, lives in the `checkpoints.dcp` package
+and is imported only by workers.
 """
 
 from checkpoints.catalog import (

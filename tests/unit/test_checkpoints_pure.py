@@ -321,7 +321,7 @@ def test_half_deleted_checkpoint_is_not_committed(tmp_path: Path) -> None:
 def test_pure_modules_do_not_import_torch() -> None:
     code = (
         "import sys, checkpoints, checkpoints.catalog, checkpoints.retention, "
-        "checkpoints.integrity, checkpoints.layout, checkpoints.manifest; "
+        "checkpoints.integrity, checkpoints.layout, checkpoints.manifest, checkpoints.commit; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     root = Path(__file__).resolve().parents[2]

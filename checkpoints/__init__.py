@@ -22,7 +22,12 @@ from checkpoints.manifest import (
     read_manifest,
     write_manifest,
 )
-from checkpoints.retention import apply_retention, delete_checkpoint, plan_retention
+from checkpoints.retention import (
+    delete_checkpoint,
+    delete_checkpoints,
+    plan_retention,
+    retention_plan,
+)
 
 __all__ = [
     "CheckpointInfo",
@@ -31,14 +36,15 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "ManifestMissing",
-    "apply_retention",
     "delete_checkpoint",
+    "delete_checkpoints",
     "digest_file",
     "find_latest_good",
     "list_committed",
     "parse_step_dir_name",
     "plan_retention",
     "read_manifest",
+    "retention_plan",
     "scan",
     "step_dir",
     "step_dir_name",

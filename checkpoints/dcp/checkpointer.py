@@ -46,11 +46,10 @@ class CheckpointSaveError(RuntimeError):
 class ShardedCheckpointer:
     """Used by every rank of a worker group (or by a lone process without a process group).
 
-    Async saves run in threads (never a helper process) because on the CPU hosts we
-    measured that costs least in total: process mode pays a 2-4 s first call to start its
-    helper and made the following training steps 0.75 s slower in total versus 0.29 s for
-    threads on a 453 MB state (see shared/RAY_NOTES.md). The write spends its time in
-    syscalls and sha256, which release the GIL.
+    Async saves run in threads (never a helper process): measured on CPU hosts, that costs
+    training least in total, the helper process's start included (docs/bench-checkpoint.md,
+    "Threads, not a helper process"). The write spends its time in syscalls and sha256,
+    which release the GIL.
 
     The staging copy (what makes an async save immune to later updates) is made by one DCP
     `DefaultStager` kept for the checkpointer's life: its copy buffers are allocated at the

@@ -1,4 +1,4 @@
-"""Import hygiene (see DESIGN.md): the API and the service never load torch, nor the API Ray;
+"""Import hygiene: the API and the service never load torch, nor the API Ray;
 the shared contracts load none of the heavy packages.
 
 Each check runs in a fresh interpreter (this one has loaded who knows what). Modules are
@@ -51,8 +51,7 @@ def _service_modules() -> list[str]:
     import service
 
     names = [m.name for m in pkgutil.walk_packages(service.__path__, "service.")]
-    # The launcher is the one place that talks to Ray (and it never needs torch either,
-    # but it may import Ray Train, which does).
+    # The launcher is the one place that talks to Ray (see the import table below).
     return sorted(n for n in names if not n.startswith(("service.launcher", "service.migrations")))
 
 
@@ -67,7 +66,7 @@ def test_service_does_not_load_torch() -> None:
     assert _first_offender(modules, {"torch", "workers", "api"}) == {}
 
 
-# The import table of DESIGN.md, checked statically over every source file: who may
+# The import table, checked statically over every source file: who may
 # import what, including imports inside functions.
 _FORBIDDEN: dict[str, set[str]] = {
     # Shared by every other package across process boundaries: stdlib and pydantic only.

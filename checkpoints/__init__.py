@@ -1,8 +1,9 @@
 """Sharded checkpoints with a commit protocol.
 
 Everything importable from here is pure Python (the control plane uses it and must not load
-torch). The torch part, `ShardedCheckpointer`, lives in `checkpoints.dcp` and is imported
-only by workers.
+torch), the commit protocol (`checkpoints.commit`) included. The torch part, DCP's save and
+load (`ShardedCheckpointer`) and its storage writer, lives in the `checkpoints.dcp` package
+and is imported only by workers.
 """
 
 from checkpoints.catalog import (
@@ -21,7 +22,12 @@ from checkpoints.manifest import (
     read_manifest,
     write_manifest,
 )
-from checkpoints.retention import apply_retention, delete_checkpoint, plan_retention
+from checkpoints.retention import (
+    delete_checkpoint,
+    delete_checkpoints,
+    plan_retention,
+    retention_plan,
+)
 
 __all__ = [
     "CheckpointInfo",
@@ -30,14 +36,15 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "ManifestMissing",
-    "apply_retention",
     "delete_checkpoint",
+    "delete_checkpoints",
     "digest_file",
     "find_latest_good",
     "list_committed",
     "parse_step_dir_name",
     "plan_retention",
     "read_manifest",
+    "retention_plan",
     "scan",
     "step_dir",
     "step_dir_name",

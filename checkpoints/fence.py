@@ -16,11 +16,16 @@ with the time each started; it only ever grows). Writers check it:
   a newer attempt had started is skipped (this closes the race between the committer's
   check and its write; it compares the committer's and the control plane's clocks, so a
   skew only makes it skip a good checkpoint, not accept a bad one, when the skew is behind).
+
+A fence that is there but cannot be read fails closed: every reader raises FenceUnreadable,
+so the loop stops, the committer commits nothing and the catalogue picks nothing, until
+the control plane writes a new fence when it launches the next attempt.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +33,8 @@ from pathlib import Path
 from checkpoints._fs import atomic_write_bytes
 
 FENCE_NAME = "fence.json"
+
+log = logging.getLogger("elastrain.checkpoints")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,21 +64,47 @@ def fence_path(job_root: Path) -> Path:
     return job_root / FENCE_NAME
 
 
+class FenceUnreadable(RuntimeError):
+    """The fence is there but cannot be read (torn, garbage, not ours to read): nobody can
+    tell which attempt is current, so no writer may write. Only the control plane, which
+    knows, writes a new one (`advance_fence`)."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"cannot read the attempt fence {path} ({why}): writing nothing")
+        self.path = path
+
+
 def read_fence(job_root: Path) -> Fence:
+    """The job's fence; no file is no fence (no attempt was ever launched with one).
+    Raises FenceUnreadable for a file that cannot be read or parsed: an unreadable fence
+    must never read as no fence, which would let a superseded attempt write."""
+    path = fence_path(job_root)
     try:
-        raw = json.loads(fence_path(job_root).read_bytes())
-        return Fence(starts=tuple((int(a), float(t)) for a, t in raw["starts"]))
+        data = path.read_bytes()
     except FileNotFoundError:
         return Fence()
-    except (ValueError, KeyError, TypeError):
-        # A torn or hand-edited fence must not unfence: treat it as "nothing is current
-        # but the newest attempt we can still see", i.e. no fence at all, and say so.
-        return Fence()
+    except OSError as exc:
+        raise FenceUnreadable(path, exc.strerror or repr(exc)) from exc
+    try:
+        raw = json.loads(data.decode())  # written as UTF-8 (advance_fence)
+        return Fence(starts=tuple((int(a), float(t)) for a, t in raw["starts"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FenceUnreadable(path, f"not a fence: {exc}") from exc
 
 
 def advance_fence(job_root: Path, attempt: int, at: float) -> Fence:
-    """Record that `attempt` starts now (the control plane, before launching it)."""
-    fence = read_fence(job_root)
+    """Record that `attempt` starts now (the control plane, before launching it).
+
+    An unreadable fence is replaced by one that starts at `attempt`: the control plane
+    knows which attempt is current, and every older one stays fenced out. What is lost is
+    when the older attempts were replaced, so the catalogue dates their replacement from
+    now (`Fence.committed_by_zombie`); while the fence was unreadable no attempt could
+    commit, since every commit reads it first."""
+    try:
+        fence = read_fence(job_root)
+    except FenceUnreadable as exc:
+        log.warning("%s; writing a new fence from attempt %d", exc, attempt)
+        fence = Fence()
     if attempt <= fence.current:
         return fence  # never move backwards (a relaunch of the same attempt number)
     fence = Fence(starts=(*fence.starts, (attempt, at)))
@@ -102,12 +135,16 @@ class FenceWatcher:
         self._fence = Fence()
 
     def check(self) -> None:
+        """Raises Superseded once a newer attempt has started, FenceUnreadable when the
+        fence cannot be read (this attempt cannot tell whether it is still current)."""
         try:
             mtime = os.stat(self.path).st_mtime_ns
         except FileNotFoundError:
             return
+        except OSError as exc:
+            raise FenceUnreadable(self.path, exc.strerror or repr(exc)) from exc
         if mtime != self._seen:
-            self._seen = mtime
             self._fence = read_fence(self.job_root)
+            self._seen = mtime  # only once read: an unreadable fence is read again
         if self._fence.superseded(self.attempt):
             raise Superseded(self.attempt, self._fence.current)

@@ -3,7 +3,7 @@
 Verification is cheap-first: names and sizes (a stat per file, catches truncation and
 missing shards) before sha256 of every byte (catches bit rot and overwritten data), the
 files read and hashed in parallel threads. At save time the shards' digests are taken
-while they are written (`checkpoints.dcp.DigestingWriter`); only files without one are read back.
+while they are written (`checkpoints.dcp.writer`); only files without one are read back.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def describe_files(
 ) -> dict[str, FileEntry]:
     """Size and digest of every checkpoint file, for the manifest.
 
-    `known`: digests taken while the files were written (checkpoints.dcp.DigestingWriter). One is
+    `known`: digests taken while the files were written (`checkpoints.dcp.writer`). One is
     used only when the file's size on disk is the number of bytes that were hashed; every
     other file (and any file `known` does not name) is hashed from disk."""
     root = Path(ckpt_dir)

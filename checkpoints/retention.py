@@ -1,14 +1,15 @@
 """Which checkpoints to delete, and deleting them safely. Pure Python.
 
-The decision (`plan_retention`) is separate from the act (`apply_retention`) so the control
-plane can show, test or log a plan without touching storage.
+The decision (`plan_retention`, `retention_plan` on a folder) is separate from the act
+(`delete_checkpoints`): the control plane drops the catalogue rows of what a plan names
+between the two (`service.executor`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from checkpoints._fs import fsync_dir, remove_tree
@@ -23,19 +24,16 @@ def plan_retention(
     keep_last: int,
     *,
     uncommitted: Sequence[StepDir] = (),
-    protect: Iterable[str | os.PathLike[str]] = (),
 ) -> list[Path]:
     """Paths to delete, oldest first.
 
     Keeps the newest `keep_last` committed checkpoints (at least 2, so one corrupt newest
     checkpoint never leaves nothing to fall back to) and always the newest one. Uncommitted
     folders older than the newest committed checkpoint are garbage (crashed saves, half-done
-    deletions); newer ones may be saves in progress and are kept. `protect` lists paths
-    never to delete (e.g. the checkpoint the service knows is the latest good one).
+    deletions); newer ones may be saves in progress and are kept.
     """
     if keep_last < MIN_KEEP_LAST:
         raise ValueError(f"keep_last must be >= {MIN_KEEP_LAST}, got {keep_last}")
-    protected = {Path(p) for p in protect}
     committed = sorted(infos, key=lambda i: i.sort_key, reverse=True)
     doomed: list[tuple[tuple[int, int], Path]] = [
         (info.sort_key, info.path) for info in committed[keep_last:]
@@ -44,7 +42,7 @@ def plan_retention(
         newest = committed[0].sort_key
         doomed += [(d.sort_key, d.path) for d in uncommitted if d.sort_key < newest]
     doomed.sort(key=lambda item: item[0])
-    return [path for _key, path in doomed if path not in protected]
+    return [path for _key, path in doomed]
 
 
 def delete_checkpoint(path: str | os.PathLike[str]) -> None:
@@ -58,12 +56,7 @@ def delete_checkpoint(path: str | os.PathLike[str]) -> None:
     remove_tree(root)
 
 
-def retention_plan(
-    root: str | os.PathLike[str],
-    keep_last: int,
-    *,
-    protect: Iterable[str | os.PathLike[str]] = (),
-) -> list[Path]:
+def retention_plan(root: str | os.PathLike[str], keep_last: int) -> list[Path]:
     """Scan root and say what `plan_retention` would delete (reads only).
 
     Unreadable manifests count as uncommitted garbage when older than the newest committed
@@ -71,7 +64,7 @@ def retention_plan(
     """
     found = scan(root)
     garbage = [*found.uncommitted, *(d for d, _reason in found.unreadable)]
-    return plan_retention(found.committed, keep_last, uncommitted=garbage, protect=protect)
+    return plan_retention(found.committed, keep_last, uncommitted=garbage)
 
 
 def delete_checkpoints(root: str | os.PathLike[str], paths: Sequence[Path]) -> None:
@@ -79,15 +72,3 @@ def delete_checkpoints(root: str | os.PathLike[str], paths: Sequence[Path]) -> N
         delete_checkpoint(path)
     if paths:
         fsync_dir(root)
-
-
-def apply_retention(
-    root: str | os.PathLike[str],
-    keep_last: int,
-    *,
-    protect: Iterable[str | os.PathLike[str]] = (),
-) -> list[Path]:
-    """Scan root, delete what `plan_retention` says; return the deleted paths."""
-    plan = retention_plan(root, keep_last, protect=protect)
-    delete_checkpoints(root, plan)
-    return plan

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any
 
 
 class EventKind(str, Enum):
@@ -151,23 +151,10 @@ class Control(str, Enum):
     STOP = "stop"  # save a checkpoint after this step, then return (resize / preempt)
 
 
-class MessageKind(str, Enum):
-    PLACEMENT = "placement"
-    METRICS = "metrics"
-    CHECKPOINT = "checkpoint"
-    RESUMED = "resumed"
-    EVENT = "event"
-    FAILED = "failed"
-    FINISHED = "finished"
-    MARK = "mark"
-    TIMELINE = "timeline"
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Placement:
     """Which node and process holds each rank: the scheduler sees node loss from it."""
 
-    kind: ClassVar[MessageKind] = MessageKind.PLACEMENT
     nodes: dict[int, str]  # rank -> Ray node id
     pids: dict[int, int] = field(default_factory=dict)  # rank -> worker process id
     placement_group: str | None = None  # the worker group's placement group (hex id)
@@ -181,7 +168,6 @@ class StepMetrics:
     """One optimizer step. `values` holds loss, lr, step_time_s, samples_per_s,
     tokens_per_s, world_size, memory, batch_crc, wall_time (see workers.loop)."""
 
-    kind: ClassVar[MessageKind] = MessageKind.METRICS
     step: int
     values: dict[str, Any]
 
@@ -216,7 +202,6 @@ class RestoreSource(str, Enum):
 class CheckpointCommitted:
     """A checkpoint whose manifest is on disk (`checkpoints` commit protocol)."""
 
-    kind: ClassVar[MessageKind] = MessageKind.CHECKPOINT
     step: int
     attempt: int
     world_size: int
@@ -230,7 +215,6 @@ class Resumed:
     """The attempt restored the job's state before its first step: from a checkpoint, or
     from the memory of a worker that survived the previous attempt (`source`)."""
 
-    kind: ClassVar[MessageKind] = MessageKind.RESUMED
     step: int
     path: str
     """The checkpoint's folder; empty when the state came from a peer."""
@@ -257,7 +241,6 @@ class Resumed:
 class WorkerEvent:
     """Something worth an event row that is not one of the messages above."""
 
-    kind: ClassVar[MessageKind] = MessageKind.EVENT
     event: EventKind
     reason: str
     details: dict[str, Any] | None = None
@@ -265,7 +248,6 @@ class WorkerEvent:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerFailed:
-    kind: ClassVar[MessageKind] = MessageKind.FAILED
     error: WorkerError
 
 
@@ -273,7 +255,6 @@ class WorkerFailed:
 class Finished:
     """Rank 0 returned from the loop."""
 
-    kind: ClassVar[MessageKind] = MessageKind.FINISHED
     final_step: int
     stopped_early: bool
 
@@ -294,7 +275,6 @@ class Phase(str, Enum):
 class TimelineMark:
     """One phase reached, at wall-clock `at` (rank 0 or the driver sends it)."""
 
-    kind: ClassVar[MessageKind] = MessageKind.MARK
     phase: Phase
     at: float
     detail: str = ""
@@ -304,7 +284,6 @@ class TimelineMark:
 class Timeline:
     """Where the seconds of one attempt's start went, sent once, at its first step."""
 
-    kind: ClassVar[MessageKind] = MessageKind.TIMELINE
     cause: str
     """Why the attempt started: "submitted", "node lost", "failed", "resize"."""
     marks: tuple[TimelineMark, ...]

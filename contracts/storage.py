@@ -2,13 +2,13 @@
 
 ```
 <storage>/jobs/<job id>/
+    fence.json                            which attempt may write (checkpoints.fence)
     checkpoints/step_<step>-a<attempt>/   one folder per checkpoint (checkpoints.layout)
     logs/attempt-<NNN>-rank-<R>.log       one file per rank and attempt
-    ray/                                  Ray Train's run folders (one per attempt)
 ```
 
-The API reads logs from here, the scheduler deletes checkpoints here, the driver points Ray
-Train here and the workers write here: one definition, so they never disagree.
+The API reads logs from here, the scheduler fences attempts and deletes checkpoints here,
+and the workers write here: one definition, so they never disagree.
 """
 
 from __future__ import annotations
@@ -37,10 +37,6 @@ class JobStorage:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
-
-    @property
-    def ray_runs(self) -> Path:
-        return self.root / "ray"
 
     def log_file(self, *, attempt: int, rank: int) -> Path:
         return self.logs / log_file_name(attempt=attempt, rank=rank)

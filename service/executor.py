@@ -5,7 +5,7 @@ row lock, and only if the job is still where the decision saw it (same state, sa
 attempt): a user's cancel or another scheduler that moved it first wins, and the next pass
 decides again. Ray calls (launch, control, release) and file deletions run after the commit
 and outside any lock, in the order decided, so a rolled-back decision never launched
-anything, and a slow Ray call never holds a row.
+anything, and a slow Ray call or storage scan never holds a row.
 """
 
 from __future__ import annotations
@@ -86,9 +86,12 @@ class Signal:
 
 
 @dataclass(frozen=True, slots=True)
-class DeleteFiles:
+class PruneCheckpoints:
+    """Retention (`ApplyRetention`): its scan of storage waits for the commit too."""
+
+    job_id: int
     root: Path
-    paths: tuple[Path, ...]
+    keep_last: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +100,7 @@ class SetTimer:
     timer: DelayRelaunch | MarkSpare
 
 
-Effect = Launch | Release | Signal | DeleteFiles | SetTimer
+Effect = Launch | Release | Signal | PruneCheckpoints | SetTimer
 
 
 def apply_to_db(
@@ -122,12 +125,7 @@ def apply_to_db(
             reports.persist_report(session, job, action.report)
         elif isinstance(action, ApplyRetention):
             root = JobStorage.of(storage_path, job.id).checkpoints
-            doomed = retention_plan(root, action.keep_last)
-            # Rows first, files after the commit: a crash in between leaves folders the
-            # catalogue no longer lists, which the next retention deletes.
-            reports.delete_checkpoint_rows(session, job, paths=[str(p) for p in doomed])
-            if doomed:
-                effects.append(DeleteFiles(root=root, paths=tuple(doomed)))
+            effects.append(PruneCheckpoints(job_id=job.id, root=root, keep_last=action.keep_last))
         elif isinstance(action, StartAttempt):
             name = attempt_name(job.id, job.attempt + 1)
             cause, detected_at = _start_cause(session, job)
@@ -308,8 +306,8 @@ class Executor:
                 self.launcher.release(effect.key, final=effect.final)
             elif isinstance(effect, Signal):
                 self.launcher.send_control(effect.key, effect.control)
-            elif isinstance(effect, DeleteFiles):
-                delete_checkpoints(effect.root, effect.paths)
+            elif isinstance(effect, PruneCheckpoints):
+                self._prune(effect)
             elif isinstance(effect, SetTimer):
                 self._set_timer(effect)
         except Exception:  # the DB is right; a level-triggered next pass repairs the rest
@@ -355,6 +353,21 @@ class Executor:
             advance_fence(JobStorage.of(self.storage_path, job_id).root, attempt, time.time())
         except OSError as exc:
             log.error("job %s: cannot write its attempt fence: %s", job_id, exc)
+
+    def _prune(self, effect: PruneCheckpoints) -> None:
+        """Retention: which checkpoints go is read from storage with no lock held (a slow
+        shared filesystem holds up no writer of the job's row); their catalogue rows go
+        in a short transaction of their own, then their folders. Rows first: a crash in
+        between leaves folders the catalogue no longer lists, which the next retention
+        deletes. A fresh scan keeps the last K and the newest committed checkpoint
+        whatever was committed since the decision (`checkpoints.retention`)."""
+        doomed = retention_plan(effect.root, effect.keep_last)
+        if not doomed:
+            return
+        with session_scope(self.sessions) as session:
+            job = jobs.get_job(session, effect.job_id, for_update=True)
+            reports.delete_checkpoint_rows(session, job, paths=[str(p) for p in doomed])
+        delete_checkpoints(effect.root, doomed)
 
     def _set_timer(self, effect: SetTimer) -> None:
         timer = effect.timer

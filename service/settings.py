@@ -168,8 +168,8 @@ class Settings(BaseSettings):
     @field_validator("storage_path")
     @classmethod
     def _absolute_storage(cls, value: Path) -> Path:
-        # Ray workers and the Ray Train controller run with other working directories,
-        # and Ray Train refuses relative storage paths: resolve once, here.
+        # Ray's actors and worker processes run with other working directories: a relative
+        # path would name another folder there. Resolve once, here.
         return value.expanduser().resolve()
 
     def ensure_dirs(self) -> None:

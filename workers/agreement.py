@@ -8,7 +8,7 @@ collective that sums over every rank, the strategy carries the payload in it (DD
 gradient bucket, the squared-norm all-reduce of gradient clipping) and the agreement costs
 no round trip of its own; elsewhere it is one small all-reduce of its own, in flight while
 the gradients are clipped. Why it matters: as a collective of its own it made a DDP step
-on 2 CPU ranks ~10 % slower than the same loop without it (two synchronisation points a
+on CPU ranks measurably slower than the same loop without it (two synchronisation points a
 step instead of one: each rank waits for the slowest twice), measured side by side under
 torchrun (docs/benchmarks.md, part 1).
 

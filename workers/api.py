@@ -1,8 +1,8 @@
 """Contracts between the training loop, the strategies, the workloads and the Ray glue.
 
-Nothing here imports Ray: the loop runs under any torch.distributed launcher (Ray Train,
-torchrun, or `torch.multiprocessing` in the tests) and talks to the outside world only
-through `TrainHooks`.
+Nothing here imports Ray: the loop runs under any torch.distributed launcher (the
+runtime's worker processes, `workers.process`, torchrun, or `torch.multiprocessing` in the
+tests) and talks to the outside world only through `TrainHooks`.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ WorkloadFactory = Callable[..., Workload]
 
 @dataclass(kw_only=True)
 class TrainContext:
-    """Where and what a rank is. Filled by the launcher glue (Ray Train or a test)."""
+    """Where and what a rank is. Filled by the launcher glue (`workers.process` or a test)."""
 
     rank: int
     world_size: int

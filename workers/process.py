@@ -63,9 +63,8 @@ class RuntimeHooks:
     so step metrics are sent in batches, at most every `_PUSH_INTERVAL_S` (any other message,
     rarer and wanted at once, goes immediately with what is pending, in order). Controls
     are not asked for: the runtime pushes them into this process (`WorkerProcess.control`)
-    and `take_control` reads them from memory. Measured on 2 cores (bench/
-    step_overhead_bench.py): a remote call per step made steps ~25 % slower than a plain
-    torchrun script."""
+    and `take_control` reads them from memory: a remote call per step made steps
+    measurably slower than a plain torchrun script (docs/benchmarks.md, part 1)."""
 
     def __init__(
         self,
@@ -153,12 +152,11 @@ def run_at_normal_priority() -> None:
     """Train at niceness 0, as a torchrun rank does. Ray starts worker processes at
     niceness 15 (its `worker_niceness`, so that its daemons stay responsive); a rank there
     loses its core to any normal-priority process (the service, Ray's daemons) for as long
-    as that process wants it, and every peer then waits at the next collective: 4-10 %
-    of a step on 2 busy cores (bench/step_overhead_bench.py). Linux keeps niceness per
-    thread: this sets the calling thread's (the one `run` trains on), and the threads it
-    starts (the process group's) inherit it. Lowering niceness needs CAP_SYS_NICE or a
-    nice rlimit; without either the rank trains at Ray's niceness, as before (or start
-    Ray with `RAY_worker_niceness=0`)."""
+    as that process wants it, and every peer then waits at the next collective
+    (docs/benchmarks.md, part 1). Linux keeps niceness per thread: this sets the calling
+    thread's (the one `run` trains on), and the threads it starts (the process group's)
+    inherit it. Lowering niceness needs CAP_SYS_NICE or a nice rlimit; without either the
+    rank trains at Ray's niceness, as before (or start Ray with `RAY_worker_niceness=0`)."""
     thread = threading.get_native_id()
     try:
         if os.getpriority(os.PRIO_PROCESS, thread) > 0:
@@ -172,8 +170,9 @@ class WorkerProcess:
 
     def __init__(self, name: str) -> None:
         # The imports are the point: paid once, when the process starts, not per attempt.
-        # torch._dynamo alone is 1.7 s here: DistributedDataParallel imports it lazily, on
-        # its first construction, which would otherwise land in the first attempt.
+        # torch._dynamo alone takes seconds (docs/bench-elastic.md): DistributedDataParallel
+        # imports it lazily, on its first construction, which would otherwise land in the
+        # first attempt.
         import torch
         import torch._dynamo
         import torch.distributed.fsdp

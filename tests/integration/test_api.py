@@ -44,8 +44,10 @@ def run(sessions: Sessions, job_id: int, *, world_size: int = 2) -> None:
 
 
 def finish(sessions: Sessions, job_id: int, state: JobState) -> None:
+    """Run a PENDING job, then end it in `state`, through the allowed transitions."""
+    run(sessions, job_id)
     with session_scope(sessions) as s:
-        set_job_state(s, get_job(s, job_id), state, reason="done", force=True)
+        set_job_state(s, get_job(s, job_id), state, reason="done")
 
 
 def test_health_and_docs(client: TestClient) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import shutil
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +27,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoints import apply_retention, find_latest_good, list_committed, read_manifest
-from checkpoints.dcp import CheckpointSaveError, ShardedCheckpointer
+from checkpoints import (
+    delete_checkpoints,
+    find_latest_good,
+    list_committed,
+    read_manifest,
+    retention_plan,
+)
+from checkpoints.dcp import CheckpointSaveError, ShardedCheckpointer, checkpointer
 from tests.unit.dist_utils import run_distributed
 
 torch.set_num_threads(1)
@@ -123,11 +131,20 @@ def load_into_fresh(strategy: str, root: str, world_size: int) -> dict[str, Any]
     }
 
 
-class CrashBeforeManifest(ShardedCheckpointer):
-    """Dies (raises) after every shard and `.metadata` are written, before the manifest."""
+@contextmanager
+def crash_before_manifest() -> Iterator[None]:
+    """Saves die (raise) after every shard and `.metadata` are written, before the
+    manifest: the commit (group rank 0's) fails."""
 
-    def _commit(self, path: Path, manifest: Any, *streamed: Any) -> dict[str, Any]:
+    def crash(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("simulated crash before manifest")
+
+    original = checkpointer.commit
+    checkpointer.commit = crash
+    try:
+        yield
+    finally:
+        checkpointer.commit = original
 
 
 # -- DDP: save at 2, reload at 2 (rank extras), 1 and 3 ---------------------------------
@@ -154,9 +171,10 @@ def _ddp_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     # A crash between shards and manifest at step 7.
     train(model, optim, 2, seed=7)
-    crashing = CrashBeforeManifest(Path(root), rank=rank, world_size=world_size, async_save=False)
+    crashing = ShardedCheckpointer(Path(root), rank=rank, world_size=world_size, async_save=False)
     try:
-        crashing.save(step=7, attempt=1, state=ckpt_state(model, optim), manifest_fields=FIELDS)
+        with crash_before_manifest():
+            crashing.save(step=7, attempt=1, state=ckpt_state(model, optim), manifest_fields=FIELDS)
         crashed = False
     except RuntimeError:
         crashed = True
@@ -384,10 +402,9 @@ def test_close_returns_every_commit_and_retention_prunes(tmp_path: Path) -> None
     for step in range(1, 5):
         ckpt.save(step=step, attempt=0, state=ckpt_state(model, optim), manifest_fields={})
     assert [c.step for c in ckpt.close()] == [1, 2, 3, 4]
-    # The one retention path (the service's) on real DCP folders.
-    assert [p.name for p in apply_retention(tmp_path, keep_last=2)] == [
-        "step_000000001-a0",
-        "step_000000002-a0",
-    ]
+    # Retention as the service runs it (service.executor), on real DCP folders.
+    doomed = retention_plan(tmp_path, keep_last=2)
+    assert [p.name for p in doomed] == ["step_000000001-a0", "step_000000002-a0"]
+    delete_checkpoints(tmp_path, doomed)
     assert [i.step for i in list_committed(tmp_path)] == [4, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000003-a0", "step_000000004-a0"]

@@ -19,11 +19,12 @@ from checkpoints import (
     Manifest,
     ManifestError,
     ManifestMissing,
-    apply_retention,
+    delete_checkpoints,
     find_latest_good,
     list_committed,
     plan_retention,
     read_manifest,
+    retention_plan,
     scan,
     step_dir,
     verify,
@@ -270,9 +271,6 @@ def test_plan_retention_keeps_last_k_and_newest(tmp_path: Path) -> None:
     assert [parse_step_dir_name(p.name) for p in plan] == [(1, 0), (2, 0), (3, 0)]
     with pytest.raises(ValueError):
         plan_retention(infos, keep_last=1)
-    # Protected paths survive even when old.
-    plan = plan_retention(infos, keep_last=2, protect=[infos[-1].path])
-    assert infos[-1].path not in plan and len(plan) == 2
     # Fewer than K: nothing to delete; the newest is never deleted.
     assert plan_retention(infos[:1], keep_last=3) == []
     assert all(infos[0].path not in plan_retention(infos, k) for k in (2, 3, 4, 9))
@@ -292,18 +290,20 @@ def test_plan_retention_garbage_only_older_than_newest_committed(tmp_path: Path)
     assert plan == [old_torn.path, same_step_older_attempt.path]
 
 
-def test_apply_retention_deletes_and_tolerates_missing(tmp_path: Path) -> None:
+def test_retention_deletes_and_tolerates_missing(tmp_path: Path) -> None:
     for step in range(1, 5):
         make_checkpoint(tmp_path, step)
     make_checkpoint(tmp_path, 2, attempt=9, commit=False)  # garbage from a crashed save
     make_checkpoint(tmp_path, 6, commit=False)  # maybe in progress: kept
     (step_dir(tmp_path, 1, 0) / "__0_0.distcp").unlink()  # already partly gone
 
-    deleted = apply_retention(tmp_path, keep_last=2)
-    assert [parse_step_dir_name(p.name) for p in deleted] == [(1, 0), (2, 0), (2, 9)]
+    doomed = retention_plan(tmp_path, keep_last=2)
+    assert [parse_step_dir_name(p.name) for p in doomed] == [(1, 0), (2, 0), (2, 9)]
+    delete_checkpoints(tmp_path, doomed)
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == [step_dir_name(3, 0), step_dir_name(4, 0), step_dir_name(6, 0)]
-    assert apply_retention(tmp_path, keep_last=2) == []  # idempotent
+    assert retention_plan(tmp_path, keep_last=2) == []  # nothing more to delete
+    delete_checkpoints(tmp_path, doomed)  # deleted already: not an error
     delete_checkpoint(tmp_path / "never-existed")  # not an error
 
 
@@ -321,7 +321,7 @@ def test_half_deleted_checkpoint_is_not_committed(tmp_path: Path) -> None:
 def test_pure_modules_do_not_import_torch() -> None:
     code = (
         "import sys, checkpoints, checkpoints.catalog, checkpoints.retention, "
-        "checkpoints.integrity, checkpoints.layout, checkpoints.manifest; "
+        "checkpoints.integrity, checkpoints.layout, checkpoints.manifest, checkpoints.commit; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     root = Path(__file__).resolve().parents[2]

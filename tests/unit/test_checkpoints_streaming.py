@@ -25,7 +25,8 @@ from torch.distributed.checkpoint import state_dict_saver
 
 import checkpoints.integrity as integrity
 from checkpoints import find_latest_good, list_committed, read_manifest
-from checkpoints.dcp import ShardedCheckpointer, _DigestingFileSystem, _DigestingStream
+from checkpoints.dcp import ShardedCheckpointer
+from checkpoints.dcp.writer import DigestingFileSystem, DigestingStream
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (
     FIELDS,
@@ -161,20 +162,20 @@ def test_shards_are_written_without_zip_crc32_and_the_setting_is_restored(
 
 @contextmanager
 def _fail_shard_writes() -> Iterator[None]:
-    original = _DigestingStream.write
+    original = DigestingStream.write
 
-    def write(self: _DigestingStream, data: Any) -> int:
+    def write(self: DigestingStream, data: Any) -> int:
         raise OSError("disk full")
 
-    _DigestingStream.write = write  # type: ignore[method-assign]
+    DigestingStream.write = write  # type: ignore[method-assign]
     try:
         yield
     finally:
-        _DigestingStream.write = original  # type: ignore[method-assign]
+        DigestingStream.write = original  # type: ignore[method-assign]
 
 
 def test_a_stream_that_seeks_gives_no_digest(tmp_path: Path) -> None:
-    fs = _DigestingFileSystem()
+    fs = DigestingFileSystem()
     with fs.create_stream(tmp_path / "__0_0.distcp", "wb") as stream:
         stream.write(b"abcdef")
         stream.seek(0)

@@ -212,17 +212,17 @@ def test_serve_refuses_an_empty_or_short_token(monkeypatch: pytest.MonkeyPatch, 
      ("myhost", False)],
 )  # fmt: skip
 def test_which_addresses_count_as_loopback(host: str, loopback: bool) -> None:
-    from api.cli import is_loopback
+    from api.cli.server import is_loopback
 
     assert is_loopback(host) is loopback
 
 
 def test_stored_text_cannot_drive_the_terminal() -> None:
-    from api.cli import _cell, printable
+    from api.cli.output import cell, printable
 
     assert printable("a\x1b[2Jb\x00c\u202ed") == "a\\x1b[2Jb\\x00c\\u202ed"
-    assert _cell("line\nbreak") == "line break"
-    assert _cell({"k": "\x1b]0;x\x07"}) == "k=\\x1b]0;x\\x07"
+    assert cell("line\nbreak") == "line break"
+    assert cell({"k": "\x1b]0;x\x07"}) == "k=\\x1b]0;x\\x07"
 
 
 def test_tokens_and_tenants_from_the_cli(cli) -> None:  # type: ignore[no-untyped-def]
@@ -243,10 +243,59 @@ def test_tokens_and_tenants_from_the_cli(cli) -> None:  # type: ignore[no-untype
 
 
 def test_goodput_line() -> None:
-    from api.cli import _goodput_line
+    from api.cli.client import goodput_line
 
     split = {"wall_s": 200.0, "training_s": 150.0, "queued_s": 10.0, "recovering_s": 40.0,
              "recomputed_s": 0.0, "starting_s": 0.0, "resizing_s": 0.0,
              "checkpoint_stall_s": 0.02, "other_s": 0.0, "goodput": 0.75}  # fmt: skip
-    assert _goodput_line(split) == "75% of 3m20s: training 2m30s, queued 10.0s, recovering 40.0s"
-    assert _goodput_line(None) == "-"
+    assert goodput_line(split) == "75% of 3m20s: training 2m30s, queued 10.0s, recovering 40.0s"
+    assert goodput_line(None) == "-"
+
+
+def test_connection_options_after_the_command(server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`elastrain submit job.yaml --url URL`, as kubectl and gh take theirs; given both
+    before and after the command, or in the environment, the one after wins."""
+    url, _ = server
+    dead = f"http://127.0.0.1:{_free_port()}"
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(yaml.safe_dump(spec_dict(name="url-after")))
+    runner = CliRunner()
+
+    submitted = runner.invoke(app, ["submit", str(spec_file), "--url", url])
+    assert submitted.exit_code == 0, submitted.output
+    job_id = submitted.stdout.split()[0]
+    assert "url-after" in runner.invoke(app, ["status", job_id, f"--url={url}"]).stdout
+    assert runner.invoke(app, ["--url", dead, "list", "--url", url]).exit_code == 0
+    assert runner.invoke(app, ["list", "--url", url], env={"ELASTRAIN_URL": dead}).exit_code == 0
+    assert runner.invoke(app, ["--url", url, "list", "--url", dead]).exit_code == 2
+    made = runner.invoke(app, ["token", "create", "--tenant", "t", "--url", url, "--token", "x"])
+    assert made.exit_code == 0, made.output
+    # Commands that speak no REST still refuse them.
+    served = runner.invoke(app, ["serve", "--port", "1", "--url", url])
+    assert served.exit_code == 2 and "No such option" in served.output
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["list"], ["list"]),
+        (["list", "--url", "U"], ["--url", "U", "list"]),
+        (["list", "--url=U", "--state", "RUNNING"], ["--url=U", "list", "--state", "RUNNING"]),
+        (["--url", "A", "submit", "f", "--url", "B", "-w", "d"],
+         ["--url", "A", "--url", "B", "submit", "f", "-w", "d"]),
+        (["--token", "T", "status", "1", "--token", "S"],
+         ["--token", "T", "--token", "S", "status", "1"]),
+        (["token", "create", "--tenant", "t", "--token", "T"],
+         ["--token", "T", "token", "create", "--tenant", "t"]),
+        (["logs", "1", "--", "--url", "U"], ["logs", "1", "--", "--url", "U"]),
+        (["list", "--url"], ["list", "--url"]),  # no value: the command says so
+        (["serve", "--url", "U"], ["serve", "--url", "U"]),  # no REST: refused as before
+        (["--help"], ["--help"]),
+        ([], []),
+    ],
+)  # fmt: skip
+def test_where_connection_options_are_moved(args: list[str], expected: list[str]) -> None:
+    from api.cli import OFFLINE_COMMANDS
+    from api.cli.connection import hoist_connection_options
+
+    assert hoist_connection_options(args, offline=OFFLINE_COMMANDS) == expected

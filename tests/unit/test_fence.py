@@ -3,7 +3,12 @@ training, never commits a checkpoint, and what it committed in the race is not r
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +17,7 @@ import pytest
 from checkpoints import find_latest_good, list_committed
 from checkpoints.fence import (
     Fence,
+    FenceUnreadable,
     FenceWatcher,
     Superseded,
     advance_fence,
@@ -34,9 +40,77 @@ def test_the_fence_only_moves_forward(tmp_path: Path) -> None:
     assert fence.committed_by_zombie(1, 250.0) and not fence.committed_by_zombie(1, 150.0)
 
 
-def test_a_torn_fence_reads_as_none(tmp_path: Path) -> None:
-    fence_path(tmp_path).write_text('{"starts": [[1, ')
-    assert read_fence(tmp_path) == Fence()
+@contextmanager
+def unprivileged() -> Iterator[None]:
+    """Act as a user without root's right to read every file (root runs CI). Only the
+    fence is read meanwhile: modules outside the test's reach may not be importable."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(65534)  # nobody
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+def _no_right_to_read(path: Path) -> None:
+    path.write_text('{"starts": [[1, 100.0]]}')
+    path.chmod(0)
+
+
+@pytest.mark.parametrize(
+    ("case", "make", "fence"),
+    [
+        ("missing", lambda p: None, Fence()),
+        ("valid", lambda p: p.write_text('{"starts": [[1, 100.0], [3, 200.0]]}'),
+         Fence(starts=((1, 100.0), (3, 200.0)))),
+        ("none started yet", lambda p: p.write_text('{"starts": []}'), Fence()),
+        ("torn", lambda p: p.write_text('{"starts": [[1, '), FenceUnreadable),
+        ("empty", lambda p: p.write_bytes(b""), FenceUnreadable),
+        ("garbage bytes", lambda p: p.write_bytes(b"\x00\xff\xfe garbage"), FenceUnreadable),
+        ("not an object", lambda p: p.write_text("[[1, 100.0]]"), FenceUnreadable),
+        ("no starts", lambda p: p.write_text('{"attempts": [1]}'), FenceUnreadable),
+        ("starts not pairs", lambda p: p.write_text('{"starts": [[1]]}'), FenceUnreadable),
+        ("start not a number", lambda p: p.write_text('{"starts": [["one", 1.0]]}'),
+         FenceUnreadable),
+        ("a folder in its place", lambda p: p.mkdir(), FenceUnreadable),
+        ("permission denied", _no_right_to_read, FenceUnreadable),
+    ],
+)  # fmt: skip
+def test_an_unreadable_fence_stops_readers_a_missing_one_does_not(
+    case: str, make: Any, fence: Any
+) -> None:
+    # A job folder anyone may reach (pytest's are root's alone), so that without root's
+    # rights only the fence itself is in question.
+    with tempfile.TemporaryDirectory() as folder:
+        job = Path(folder)
+        job.chmod(0o755)
+        make(fence_path(job))
+        with unprivileged() if case == "permission denied" else contextlib.nullcontext():
+            if fence is FenceUnreadable:
+                with pytest.raises(FenceUnreadable, match="cannot read the attempt fence"):
+                    read_fence(job)
+            else:
+                assert read_fence(job) == fence
+
+
+def test_a_watcher_that_cannot_read_the_fence_stops(tmp_path: Path) -> None:
+    watcher = FenceWatcher(tmp_path, attempt=1)
+    advance_fence(tmp_path, 1, 1.0)
+    watcher.check()
+    fence_path(tmp_path).write_text('{"starts": [[1, 1.0], [2, ')  # torn
+    for _ in range(2):  # and again, if asked again: it never reads as the old fence
+        with pytest.raises(FenceUnreadable):
+            watcher.check()
+
+
+def test_the_control_plane_replaces_an_unreadable_fence(tmp_path: Path) -> None:
+    """It knows which attempt is current: every older one stays fenced out."""
+    fence_path(tmp_path).write_bytes(b"\x00garbage")
+    fence = advance_fence(tmp_path, 4, 400.0)
+    assert fence == read_fence(tmp_path) == Fence(starts=((4, 400.0),))
+    assert fence.superseded(3) and not fence.superseded(4)
 
 
 def test_the_watcher_raises_once_a_newer_attempt_starts(tmp_path: Path) -> None:
@@ -90,6 +164,20 @@ def test_a_superseded_attempt_cannot_commit(tmp_path: Path) -> None:
         asynchronous.close()
     assert list_committed(root) == []
     assert json.loads(fence_path(job).read_text())["starts"] == [[2, 1.0]]
+
+
+def test_no_checkpoint_is_committed_behind_an_unreadable_fence(tmp_path: Path) -> None:
+    import torch
+
+    from checkpoints.dcp import ShardedCheckpointer
+
+    job, root = tmp_path, tmp_path / "checkpoints"
+    fence_path(job).write_text('{"starts": [[1, 1.0]')  # torn
+    saver = ShardedCheckpointer(root, rank=0, world_size=1, async_save=False)
+    with pytest.raises(FenceUnreadable):
+        saver.save(step=5, attempt=1, state={"w": torch.zeros(4)}, manifest_fields={})
+    advance_fence(job, 1, 1.0)  # the control plane rewrites it: the catalogue reads again
+    assert list_committed(root) == []
 
 
 def superseded_mid_run(rank: int, world_size: int, root: str) -> dict[str, Any]:

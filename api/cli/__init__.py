@@ -1,0 +1,81 @@
+"""`elastrain`: the command line, wired together. Everything but `serve` and `prepare-text`
+talks to the REST API over HTTP.
+
+The commands live by what they do: `client` (jobs, over REST), `admin` (tokens and
+tenants), `server` (`serve`), `offline` (tools that need no server). Importing this loads
+neither the service nor FastAPI; `serve` imports them when it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperGroup
+
+from api.cli import admin, client, offline, server
+from api.cli.connection import DEFAULT_URL, Api, hoist_connection_options
+
+#: Commands that speak no REST: `--url` and `--token` after them stay an error.
+OFFLINE_COMMANDS = frozenset({"serve", "prepare-text"})
+
+
+class _ConnectionOptionsAnywhere(TyperGroup):
+    """`--url` and `--token` before the command, or after it (`elastrain submit job.yaml
+    --url URL`), as kubectl, gh and `ray job submit --address` take theirs."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        hoisted = hoist_connection_options(args, offline=OFFLINE_COMMANDS)
+        parsed: list[str] = super().parse_args(ctx, hoisted)
+        return parsed
+
+
+app = typer.Typer(
+    name="elastrain",
+    help="Elastic PyTorch training on Ray: submit, watch and steer jobs.",
+    cls=_ConnectionOptionsAnywhere,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    url: Annotated[
+        str, typer.Option(envvar="ELASTRAIN_URL", help="The elastrain API.")
+    ] = DEFAULT_URL,
+    token: Annotated[
+        str | None,
+        typer.Option(envvar="ELASTRAIN_TOKEN", help="API token (when the server needs one)."),
+    ] = None,
+) -> None:
+    ctx.obj = Api(url, token)
+
+
+app.command()(server.serve)
+app.command()(client.submit)
+app.command("list")(client.list_)
+app.command()(client.status)
+app.command()(client.events)
+app.command()(client.timeline)
+app.command()(client.metrics)
+app.command()(client.checkpoints)
+app.command()(client.cancel)
+app.command()(client.checkpoint)
+app.command()(client.logs)
+app.command()(client.plan)
+app.command("prepare-text")(offline.prepare_text)
+app.command()(client.whoami)
+
+token_app = typer.Typer(help="API tokens: a token is the right to run code on the cluster.")
+token_app.command("create")(admin.token_create)
+token_app.command("list")(admin.token_list)
+token_app.command("revoke")(admin.token_revoke)
+app.add_typer(token_app, name="token")
+
+tenant_app = typer.Typer(help="Tenants and their quotas of running workers (admin).")
+tenant_app.command("list")(admin.tenant_list)
+tenant_app.command("set")(admin.tenant_set)
+app.add_typer(tenant_app, name="tenant")

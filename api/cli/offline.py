@@ -1,0 +1,54 @@
+"""Tools that run here, with no server: token files for the gpt workload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from api.cli.output import fail
+
+
+def prepare_text(
+    source: Annotated[Path, typer.Argument(help="A UTF-8 text file.")],
+    out_dir: Annotated[
+        Path, typer.Argument(help="Where to write train.bin, val.bin and meta.json.")
+    ],
+    eval_fraction: Annotated[
+        float, typer.Option(help="The share of the text (its end) held out in val.bin.")
+    ] = 0.1,
+) -> None:
+    """Make the gpt workload's token files from a text file (runs here, no server)."""
+    from api.prepare_text import PrepareError
+    from api.prepare_text import prepare_text as prepare
+    from service.settings import Settings
+
+    try:
+        done = prepare(source, out_dir, eval_fraction=eval_fraction)
+    except PrepareError as exc:
+        fail(str(exc), code=2)
+    typer.echo(
+        f"{done.train_tokens} training and {done.val_tokens} held-out tokens, "
+        f"vocabulary {done.vocab_size} ({done.token_dtype}) in {out_dir}",
+        err=True,
+    )
+    root = Settings().storage_path
+    folder = out_dir.resolve()
+    if folder.is_relative_to(root):
+        folder = folder.relative_to(root)
+    else:
+        typer.echo(
+            f"note: {out_dir} is not under the storage root ({root}): copy it there and "
+            "name it from the root",
+            err=True,
+        )
+    params: dict[str, Any] = {
+        "data_path": str(folder / "train.bin"),
+        "token_dtype": done.token_dtype,
+        "vocab_size": done.vocab_size,
+    }
+    if done.val_tokens:
+        params["eval_path"] = str(folder / "val.bin")
+    typer.echo(json.dumps({"workload": {"name": "gpt", "params": params}}))

@@ -1,0 +1,10 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): the one part of
+`checkpoints` that imports torch. Workers import it; the control plane never does.
+
+`checkpointer` saves and loads (sync or async, committing through `checkpoints.commit`);
+`writer` is DCP's file system writer with each shard digested as it is written.
+"""
+
+from checkpoints.dcp.checkpointer import CheckpointSaveError, ShardedCheckpointer
+
+__all__ = ["CheckpointSaveError", "ShardedCheckpointer"]

@@ -1,0 +1,306 @@
+"""Sharded save/load with torch.distributed.checkpoint (DCP): every rank saves and loads
+its shard; group rank 0 commits (`checkpoints.commit`) and picks what to load.
+
+Async saves copy the state (staging) and write and commit the copy in a background
+thread. With `async_staging` the copy too is made in the background and save() returns at
+once; the caller must then call `wait_staged()` before anything mutates the saved tensors
+in place (the training loop: before the optimizer step), so that no later update leaks
+into the checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_saver
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from checkpoints._fs import atomic_write_bytes
+from checkpoints.catalog import LoadOutcome, find_latest_good
+from checkpoints.commit import commit, manifest_for, uncommit
+from checkpoints.dcp.writer import DigestingWriter
+from checkpoints.layout import rank_extra_name, step_dir
+from checkpoints.manifest import Manifest
+from contracts.messages import CheckpointCommitted
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save (usually a background one) failed; no commit was made for it."""
+
+    def __init__(self, step: int, attempt: int, path: Path, cause: BaseException) -> None:
+        super().__init__(
+            f"checkpoint of step {step} (attempt {attempt}) at {path} failed: {cause!r}"
+        )
+        self.step = step
+        self.attempt = attempt
+        self.path = path
+
+
+class ShardedCheckpointer:
+    """Used by every rank of a worker group (or by a lone process without a process group).
+
+    Async saves run in threads (never a helper process): measured on CPU hosts, that costs
+    training least in total, the helper process's start included (docs/bench-checkpoint.md,
+    "Threads, not a helper process"). The write spends its time in syscalls and sha256,
+    which release the GIL.
+
+    The staging copy (what makes an async save immune to later updates) is made by one DCP
+    `DefaultStager` kept for the checkpointer's life: its copy buffers are allocated at the
+    first save and reused (one more copy of this rank's state stays in host memory), so
+    later saves do not page-fault fresh memory in. With `async_staging` the copy runs in
+    the stager's thread and save() returns before it is made; the caller then owes a
+    `wait_staged()` before it mutates the state (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        rank: int,
+        world_size: int,
+        async_save: bool,
+        async_staging: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        verify_digests: bool = True,
+    ) -> None:
+        """`process_group`: the group DCP and the load broadcast use. None creates a
+        dedicated gloo group, so every rank must construct the checkpointer at the same
+        point (new_group is collective). A separate gloo group is what lets async saves run
+        collectives from a background thread while training uses the default group (which
+        may be NCCL) on the main thread, and keeps checkpoint collectives out of the
+        training group's sequence.
+
+        `async_staging` (async saves only): save() returns before the staging copy is made;
+        the caller must call `wait_staged()` before it next mutates the saved tensors in
+        place. Off, save() returns once the copy is made (nothing is owed).
+
+        Retention is not done here: the service prunes (`checkpoints.retention`).
+        """
+        if async_staging and not async_save:
+            raise ValueError("async_staging needs async_save")
+        self.root = Path(root)
+        self.rank = rank
+        self.world_size = world_size
+        self.async_save = async_save
+        self.async_staging = async_staging
+        self.verify_digests = verify_digests
+        self._distributed = dist.is_available() and dist.is_initialized()
+        if self._distributed:
+            self._pg: dist.ProcessGroup | None = (
+                process_group if process_group is not None else dist.new_group(backend="gloo")
+            )
+            self._coordinator = dist.get_rank(self._pg) == 0
+        else:
+            if world_size != 1:
+                raise ValueError("world_size > 1 needs an initialised torch.distributed")
+            self._pg = None
+            self._coordinator = True
+        # One background thread: it writes (after the staging copy is made), then (rank 0)
+        # commits. Saves never overlap because save() waits for the previous one first.
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager: DefaultStager | None = None
+        self._staging: Future[Any] | None = None
+        self._inflight: Future[CheckpointCommitted | None] | None = None
+        self._inflight_id: tuple[int, int, Path] | None = None
+        self._pending: list[CheckpointCommitted] = []
+        self._last_saved: tuple[int, int] | None = None
+
+    # ---------------------------------------------------------------------------------
+    # save
+    # ---------------------------------------------------------------------------------
+
+    def save(
+        self,
+        *,
+        step: int,
+        attempt: int,
+        state: dict[str, Any],
+        manifest_fields: dict[str, Any],
+        rank_extra: dict[str, Any] | None = None,
+    ) -> float:
+        """Save `state` (as from `get_state_dict`) as checkpoint (step, attempt). Every rank
+        calls it at the same step. Returns the seconds the caller was blocked (including
+        waiting for a previous async save)."""
+        started = time.perf_counter()
+        self._wait_inflight()
+        if self._last_saved == (step, attempt):
+            # E.g. a CHECKPOINT control then a STOP at the same step: already saved. Every
+            # rank makes the same decision (same call sequence), so collectives stay aligned.
+            return time.perf_counter() - started
+        manifest = manifest_for(step, attempt, manifest_fields, world_size=self.world_size)
+        path = step_dir(self.root, step, attempt)
+        path.mkdir(parents=True, exist_ok=True)
+        if self._coordinator:
+            uncommit(path)
+        extra = None
+        if rank_extra is not None:
+            # Serialised now (the RNG states of this step), written with the shard.
+            buf = io.BytesIO()
+            torch.save(rank_extra, buf)
+            extra = buf.getvalue()
+
+        if self.async_save:
+            staged = self._stage(state)
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
+            self._inflight_id = (step, attempt, path)
+            self._inflight = self._executor.submit(
+                self._write_and_commit, path, manifest, staged, extra
+            )
+            if not self.async_staging:
+                self.wait_staged()
+        else:
+            commit = self._write_and_commit(path, manifest, state, extra)
+            if commit is not None:
+                self._pending.append(commit)
+        self._last_saved = (step, attempt)
+        return time.perf_counter() - started
+
+    def _stage(self, state: dict[str, Any]) -> Future[Any]:
+        """Start the staging copy of `state` in the stager's thread."""
+        if self._stager is None:
+            accelerator = torch.accelerator.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    # Pinned buffers and non-blocking device copies only where there is a
+                    # device to copy from; shared memory is for process mode, unused here.
+                    use_pinned_memory=accelerator,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=accelerator,
+                )
+            )
+        staged = self._stager.stage(state)
+        assert isinstance(staged, Future)  # use_async_staging
+        self._staging = staged
+        return staged
+
+    def wait_staged(self) -> float:
+        """Block until the in-flight async save's staging copy is made; from then on the
+        saved tensors may change. Returns the seconds waited. Raises CheckpointSaveError
+        here, in the caller, when the copy failed: this rank then stops as it would on a
+        failed synchronous save, rather than train on while its peers wait in the save's
+        collectives for a write that will never start."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return 0.0
+        started = time.perf_counter()
+        try:
+            staging.result()
+        except BaseException as e:
+            if self._inflight_id is None:
+                raise
+            step, attempt, path = self._inflight_id
+            raise CheckpointSaveError(step, attempt, path, e) from e
+        return time.perf_counter() - started
+
+    def _write_and_commit(
+        self,
+        path: Path,
+        manifest: Manifest,
+        state: dict[str, Any] | Future[Any],
+        extra: bytes | None,
+    ) -> CheckpointCommitted | None:
+        """Steps 1-3 of the commit protocol (`checkpoints.commit`), in the caller (sync)
+        or the background thread."""
+        if extra is not None:
+            atomic_write_bytes(path / rank_extra_name(self.rank), extra)
+        if isinstance(state, Future):
+            state = state.result()
+        writer = DigestingWriter(path)
+        # Looked up on the module at call time (tests hold the write by patching it).
+        state_dict_saver.save(
+            state, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed
+        )
+        if not self._coordinator:
+            return None
+        return commit(self.root, path, manifest, streamed=writer.shard_digests)
+
+    def _wait_inflight(self) -> None:
+        """Block until the in-flight async save (if any) is done; raise if it failed."""
+        if self._inflight is not None:
+            self._collect(block=True)
+
+    def _collect(self, *, block: bool) -> None:
+        fut, ident = self._inflight, self._inflight_id
+        if fut is None or ident is None or (not block and not fut.done()):
+            return
+        # The write is over, so is its staging (a failed one is reported just below).
+        self._inflight, self._inflight_id, self._staging = None, None, None
+        try:
+            result = fut.result()
+        # DCP's CheckpointException derives from BaseException, not Exception.
+        except BaseException as e:
+            step, attempt, path = ident
+            raise CheckpointSaveError(step, attempt, path, e) from e
+        if result is not None:
+            self._pending.append(result)
+
+    # ---------------------------------------------------------------------------------
+    # commits
+    # ---------------------------------------------------------------------------------
+
+    def poll_commits(self) -> list[CheckpointCommitted]:
+        """Commits made since the last call (group rank 0; [] elsewhere). Non-blocking.
+        Raises CheckpointSaveError, on the ranks where it is observed, when the background
+        save failed: a lost checkpoint is never silent."""
+        self._collect(block=False)
+        out, self._pending = self._pending, []
+        return out
+
+    def finalize(self) -> list[CheckpointCommitted]:
+        """Wait for the in-flight save; return the commits not yet polled."""
+        self._wait_inflight()
+        out, self._pending = self._pending, []
+        return out
+
+    def close(self) -> list[CheckpointCommitted]:
+        """finalize() and release the background threads and the staging buffers."""
+        try:
+            return self.finalize()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    # ---------------------------------------------------------------------------------
+    # load
+    # ---------------------------------------------------------------------------------
+
+    def load_latest(self, state: dict[str, Any]) -> LoadOutcome | None:
+        """Load the newest good committed checkpoint into `state` in place (DCP reshards
+        to the current world size). Every rank calls it; group rank 0 chooses (verifying
+        digests) and broadcasts its choice so all ranks load the same checkpoint even if
+        one is committed meanwhile. None when there is no good checkpoint."""
+        self._wait_inflight()  # never read a folder we are still writing
+        choice: list[Any] = [None]
+        if self._coordinator:
+            choice[0] = find_latest_good(self.root, verify_digests=self.verify_digests)
+        if self._distributed:
+            dist.broadcast_object_list(choice, group=self._pg, group_src=0)
+        info, skipped = choice[0]
+        if info is None:
+            return None
+        dcp.load(
+            state,
+            checkpoint_id=info.path,
+            process_group=self._pg,
+            no_dist=not self._distributed,
+        )
+        rank_extra = None
+        extra_path = info.path / rank_extra_name(self.rank)
+        if info.world_size == self.world_size and extra_path.is_file():
+            # Our own file (digest-checked on rank 0); RNG states hold tuples and numpy
+            # arrays, which weights_only loading refuses.
+            rank_extra = torch.load(extra_path, map_location="cpu", weights_only=False)
+        return LoadOutcome(info=info, skipped=skipped, rank_extra=rank_extra)

@@ -1,0 +1,297 @@
+"""The storage side of a DCP save: shard files digested while they are written.
+
+The manifest needs the sha256 of every file of a checkpoint. Reading every shard back after
+DCP wrote it costs a second pass over all the bytes, on one rank. Instead each rank hashes
+the bytes of its own shard files as they go to the file (`DigestingStream`), and returns
+the digests beside its DCP write results. DCP gathers every rank's write results to the
+coordinator before it writes `.metadata`, so the coordinator ends the save holding the
+digest of every shard file without reading any of them (`DigestingWriter.shard_digests`).
+
+What is hashed is exactly the sequence of bytes handed to the file, in order. DCP's shard
+writer only appends (torch.save's zip writer refuses to write out of order), so that
+sequence is the file's content. Anything that seeks or truncates makes a stream give up its
+digest, and the committer hashes such a file from disk instead (`describe_files`), as it
+does for every file without a streamed digest or whose size on disk differs from the count
+of bytes hashed.
+
+It extends DCP's `FileSystemWriter` and `FileSystem` (`create_stream`, `write_data`,
+`finish`), internals that older torch releases shape differently: hence the torch floor in
+pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import io
+import os
+import sys
+import threading
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future as TorchFuture
+
+from checkpoints.manifest import FileEntry
+
+# DCP's shard files; `.metadata` and our own files are small and hashed from disk.
+SHARD_SUFFIX = ".distcp"
+# Start the disk writeback of a shard every this many bytes (Linux), so the disk works
+# while the next tensors are serialised and hashed, and the closing fsync finds little
+# left to write: the save's time tends to max(CPU, disk) instead of their sum. Durability
+# still comes from that fsync alone.
+WRITEBACK_EVERY_BYTES = 32 * 1024 * 1024
+# Marks the write results that carry digests rather than tensor locations. They travel to
+# the coordinator with DCP's own results and are taken out before `.metadata` is written,
+# so the checkpoint's DCP metadata is exactly what a plain FileSystemWriter writes.
+_DIGEST_FQN_PREFIX = "__elastrain_file_digest__/"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamedDigest:
+    """sha256 and length of the bytes written to one file, in order."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+class DigestingStream:
+    """A binary file that hashes every byte written through it.
+
+    Only the methods DCP's writer uses are offered (write, tell, flush, fileno, close);
+    seek/truncate would break "digest == content", so they void the digest instead.
+    """
+
+    def __init__(self, raw: io.BufferedWriter, on_close: Any) -> None:
+        self._raw = raw
+        self._hash = hashlib.sha256()
+        self._size = 0
+        self._valid = True
+        self._on_close = on_close
+        self._closed = False
+        self._flushed_to = 0  # bytes whose writeback was started
+
+    def write(self, data: Any) -> int:
+        try:
+            view = memoryview(data).cast("B")
+        except TypeError:  # not C-contiguous: hash a contiguous copy of the same bytes
+            view = memoryview(bytes(memoryview(data)))
+        written = self._raw.write(view)
+        # A buffered writer in blocking mode writes everything or raises; hash what it
+        # says it wrote all the same.
+        self._hash.update(view[:written])  # releases the GIL on large buffers
+        self._size += written
+        if self._size - self._flushed_to >= WRITEBACK_EVERY_BYTES:
+            self._start_writeback()
+        return written
+
+    def _start_writeback(self) -> None:
+        """Ask the kernel to start writing what we wrote so far (does not wait for it)."""
+        self._raw.flush()
+        start_writeback(self._raw.fileno(), self._flushed_to, self._size - self._flushed_to)
+        self._flushed_to = self._size
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._valid = False
+        return self._raw.seek(offset, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        self._valid = False
+        return self._raw.truncate(size)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._raw.close()
+        if self._valid and self._size == self._raw_size():
+            self._on_close(self._size, self._hash.hexdigest())
+
+    def _raw_size(self) -> int:
+        try:
+            return os.stat(self._raw.name).st_size
+        except OSError:
+            return -1
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+def _load_sync_file_range() -> Any:
+    """libc's sync_file_range (Linux; Python's os module does not offer it), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing a file range to disk without waiting. Best effort: durability comes
+    from the fsync that closes every shard, so a failure here is ignored."""
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+class DigestingFileSystem(FileSystem):
+    """DCP's local file system, with shard files opened for writing through a digest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()  # DCP may write several files from several threads
+        self._digests: dict[str, StreamedDigest] = {}
+
+    @contextmanager
+    def create_stream(
+        self, path: str | os.PathLike[str], mode: str
+    ) -> Generator[io.IOBase, None, None]:
+        path = Path(path)
+        if mode != "wb" or not path.name.endswith(SHARD_SUFFIX):
+            with super().create_stream(path, mode) as plain:
+                yield plain
+            return
+        name = path.name
+
+        def record(size: int, sha256: str) -> None:
+            with self._lock:
+                self._digests[name] = StreamedDigest(name=name, size=size, sha256=sha256)
+
+        with self._lock:
+            self._digests.pop(name, None)  # a rewrite must never keep an old digest
+        digesting = DigestingStream(path.open("wb"), record)
+        try:
+            # Duck-typed: DCP's writer only uses the methods DigestingStream offers.
+            yield cast(io.IOBase, digesting)
+        finally:
+            digesting.close()
+
+    def take_digests(self) -> list[StreamedDigest]:
+        with self._lock:
+            out = list(self._digests.values())
+            self._digests.clear()
+        return out
+
+
+class DigestingWriter(FileSystemWriter):
+    """FileSystemWriter (one file per rank, fsync per file) whose shard files are hashed
+    as they are written. After a save, on the coordinator, `shard_digests` maps every
+    shard file name (relative to the checkpoint folder) to its size and sha256."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        # The staging copy is made by the checkpointer's own stager (checkpointer.py), so
+        # no staging options here; sync_files: a file is durable before the manifest
+        # names it.
+        super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self._digesting_fs = DigestingFileSystem()
+        self.fs = self._digesting_fs
+        self.shard_digests: dict[str, FileEntry] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)
+        self._digesting_fs.take_digests()
+        self.shard_digests = {}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        with without_zip_crc32():
+            written = super().write_data(plan, planner)
+            results = list(written.wait())
+        results.extend(_digest_result(d) for d in self._digesting_fs.take_digests())
+        out: TorchFuture[list[WriteResult]] = TorchFuture()
+        out.set_result(results)
+        return out
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        digests, dcp_results = split_digest_results(results)
+        self.shard_digests = digests
+        super().finish(metadata, dcp_results)
+
+
+_crc32_lock = threading.Lock()
+_crc32_off_depth = 0  # writes in progress (saves of several checkpointers may overlap)
+_crc32_saved = True  # the setting to restore when the last of them ends
+
+
+@contextmanager
+def without_zip_crc32() -> Generator[None, None, None]:
+    """torch.save without the zip format's per-record crc32 while a shard is written.
+
+    DCP writes every tensor with torch.save, whose zip writer computes a crc32 of each
+    record by default: a large share of the CPU of writing a shard (docs/bench-checkpoint.md),
+    on top of the sha256 the manifest already holds for the whole file.
+    torch.load never checks that crc32 (same load time with or without it), so dropping
+    it loses no check a load makes. The flag is process-wide in torch; a torch.save
+    elsewhere in the process during a shard write also goes without crc32, which nothing
+    that reads it with torch.load can tell.
+    """
+    global _crc32_off_depth, _crc32_saved
+    with _crc32_lock:
+        if _crc32_off_depth == 0:
+            _crc32_saved = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _crc32_off_depth += 1
+    try:
+        yield
+    finally:
+        with _crc32_lock:
+            _crc32_off_depth -= 1
+            if _crc32_off_depth == 0:
+                torch.serialization.set_crc32_options(_crc32_saved)
+
+
+def _digest_result(digest: StreamedDigest) -> WriteResult:
+    return WriteResult(
+        index=MetadataIndex(fqn=_DIGEST_FQN_PREFIX + digest.name),
+        size_in_bytes=digest.size,
+        storage_data=digest,
+    )
+
+
+def split_digest_results(
+    results: Iterable[list[WriteResult]],
+) -> tuple[dict[str, FileEntry], list[list[WriteResult]]]:
+    """(file name -> entry, DCP's own results) from every rank's write results."""
+    digests: dict[str, FileEntry] = {}
+    dcp_results: list[list[WriteResult]] = []
+    for rank_results in results:
+        kept: list[WriteResult] = []
+        for result in rank_results:
+            if isinstance(result.storage_data, StreamedDigest):
+                d = result.storage_data
+                digests[d.name] = FileEntry(size=d.size, sha256=d.sha256)
+            else:
+                kept.append(result)
+        dcp_results.append(kept)
+    return digests, dcp_results

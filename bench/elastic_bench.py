@@ -92,9 +92,15 @@ def _epoch(iso: str) -> float:
     return moment.timestamp()
 
 
-def _first_point(client: Any, job_id: int, attempt: int) -> dict[str, Any]:
-    return min((p for p in _metrics(client, job_id) if p["attempt"] == attempt),
-               key=lambda p: p["step"])  # fmt: skip
+def _first_point(client: Any, job_id: int, attempt: int, timeout: float = 60) -> dict[str, Any]:
+    """The attempt's first step. Metrics reach the API in batches, in order, shortly after
+    the job shows RUNNING: wait for the attempt's first batch."""
+    points = _wait(
+        lambda: [p for p in _metrics(client, job_id) if p["attempt"] == attempt],
+        timeout,
+        f"job {job_id} attempt {attempt}'s first step",
+    )
+    return min(points, key=lambda p: p["step"])
 
 
 def wait_for_warm_pool(minimum: int, timeout: float = 120) -> None:
@@ -123,14 +129,12 @@ def elastrain_trial(
     wait_for(
         client, job_id, lambda j: j["attempt"] == 2 and j["state"] == "RUNNING", what="resumed"
     )
-    time.sleep(1)
     resumed = _first_point(client, job_id, 2)
     t_add = time.time()
     nodes.add(1)
     t_joined = time.time()  # the new raylet is registered (`Cluster.wait_for_nodes`)
     wait_for(client, job_id, lambda j: j["attempt"] == 3 and j["state"] == "RUNNING",
              what="grown", timeout=300)  # fmt: skip
-    time.sleep(1)
     grown = _first_point(client, job_id, 3)
     client.post(f"/v1/jobs/{job_id}/cancel")
     wait_terminal(client, job_id, timeout=120)

@@ -47,7 +47,7 @@ bench: $(BIN)/elastrain
 	@.ci/setup-system postgresql
 	$(BIN)/python bench/all.py $(if $(PARTS),--parts $(PARTS))
 
-# The same scripts on small sizes with few repeats, baselines included (about 5 minutes on
+# The same scripts on small sizes with few repeats, baselines included (5-6 minutes on
 # 2 cores): checks that each still runs; reports go to a temp dir, not docs/. `make test`
 # ends with it.
 bench-quick: $(BIN)/elastrain

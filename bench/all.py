@@ -65,9 +65,8 @@ PARTS = (
          (), ("--jobs", "200", "--requests", "100", "--runs", "1")),
     Part("metrics", "4. Metrics of a 1,000,000-step job", "metrics_bench.py",
          (), ("--steps", "20000", "--repeats", "3")),
-    # Quick: one trial each, and Ray Train's worker-group start timeout
-    # at 5 s instead of 60 s, which its node-loss recovery waits out (so the baseline's
-    # recovery path still runs, in seconds).
+    # Quick: one trial each, and Ray Train's worker-group start timeout at 5 s instead of
+    # 60 s, which its node-loss recovery waits out (its recovery path still runs, sooner).
     Part("elastic", "Start, node loss and node return vs Ray Train and torchrun",
          "elastic_bench.py", (),
          ("--repeats", "1", "--baseline-repeats", "1", "--ray-train-start-timeout", "5")),

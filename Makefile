@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-deps test-fast lint bench clean
+.PHONY: demo test test-deps test-fast lint bench bench-quick clean
 
 $(BIN)/elastrain: pyproject.toml
 	@echo "installing into $(VENV)"
@@ -25,11 +25,13 @@ demo: $(BIN)/elastrain
 test-deps:
 	@.ci/setup-system
 
-# The whole suite: unit, integration (real Ray, real PostgreSQL), chaos, browser.
+# The whole suite: unit, integration (real Ray, real PostgreSQL), chaos, browser; then every
+# bench script in its quick mode (bench-quick), so a bench that breaks fails CI too.
 test: test-deps $(BIN)/elastrain
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
+	$(BIN)/python bench/all.py --quick
 
 test-fast: $(BIN)/elastrain
 	@.ci/setup-system postgresql
@@ -38,11 +40,19 @@ test-fast: $(BIN)/elastrain
 lint: $(BIN)/elastrain
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
 
-# Every steady-state benchmark (issue 14), one after another: docs/benchmarks.md gets the
-# run record, docs/bench-*.md each part's full report. PARTS=scheduler,metrics for some.
+# Every benchmark under bench/, one after another (~45 minutes): docs/benchmarks.md gets
+# the run record and each part's headline table, docs/bench-*.md each part's full report
+# (between markers; the notes around them stay). PARTS=scheduler,metrics for some.
 bench: $(BIN)/elastrain
 	@.ci/setup-system postgresql
 	$(BIN)/python bench/all.py $(if $(PARTS),--parts $(PARTS))
+
+# The same scripts on small sizes with few repeats, baselines included (5-6 minutes on
+# 2 cores): checks that each still runs; reports go to a temp dir, not docs/. `make test`
+# ends with it.
+bench-quick: $(BIN)/elastrain
+	@.ci/setup-system postgresql
+	$(BIN)/python bench/all.py --quick $(if $(PARTS),--parts $(PARTS))
 
 clean:
 	rm -rf $(VENV) .elastrain .pytest_cache

@@ -1,15 +1,23 @@
-"""Every part of issue 14's steady-state benchmarks, alone or all together, in one command.
+"""Every benchmark under `bench/`, alone or all together, in one command.
 
-Each part is its own script (it writes its full report to `docs/bench-<part>.md`); this
-runs the chosen parts one after another, records the machine, the versions, the load
-average before and after each part, its command and its wall time, and writes that run
-record and each part's headline table into `docs/benchmarks.md`, each between its own
-markers (a part run alone replaces its block only; the status and the analysis written
-around the blocks stay).
+Each part is its own script (it writes its full report to `docs/bench-<part>.md`, between
+markers: the notes written around them stay); this runs the chosen parts one after
+another, records the machine, the versions, the load average before and after each part,
+its command and its wall time, and writes that run record and each part's headline table
+into `docs/benchmarks.md`, each between its own markers (a part run alone replaces its
+block only; the status and the analysis written around the blocks stay). It exits non-zero
+when a part's script failed, after running the others.
 
-    .venv/bin/python bench/all.py                        # every part (about 40 minutes)
+    .venv/bin/python bench/all.py                        # every part (about 45 minutes)
     .venv/bin/python bench/all.py --parts scheduler,metrics
     .venv/bin/python bench/all.py --quick                # small sizes: checks the scripts run
+
+`--quick` is what CI runs (`make bench-quick`, part of `make test`): every script end to
+end on small sizes, with few repeats, the baselines included; its reports go to a temp
+dir and its numbers are not figures.
+
+The other files under `bench/` are these scripts' helpers, run with them, and
+`screenshots.py` (see HELPERS and NOT_BENCHES below).
 """
 
 from __future__ import annotations
@@ -57,8 +65,23 @@ PARTS = (
          (), ("--jobs", "200", "--requests", "100", "--runs", "1")),
     Part("metrics", "4. Metrics of a 1,000,000-step job", "metrics_bench.py",
          (), ("--steps", "20000", "--repeats", "3")),
+    # Quick: one trial each, and Ray Train's worker-group start timeout at 5 s instead of
+    # 60 s, which its node-loss recovery waits out (its recovery path still runs, sooner).
+    Part("elastic", "Start, node loss and node return vs Ray Train and torchrun",
+         "elastic_bench.py", (),
+         ("--repeats", "1", "--baseline-repeats", "1", "--ray-train-start-timeout", "5")),
+    Part("training", "Training throughput per strategy and world size (CPU, gloo)",
+         "training_bench.py", (), ("--steps", "8")),
+    Part("packages", "Shipping a working directory", "package_bench.py",
+         (), ("--repeats", "1", "--data-mb", "4")),
 )  # fmt: skip
 BY_NAME = {p.name: p for p in PARTS}
+#: The other files under bench/: helpers the parts' scripts import or start, and a script
+#: that measures nothing (it takes the dashboard's screenshots in docs/). A new script must
+#: be one of these or a part (tests/unit/test_bench_all.py checks), so none rots unseen.
+HELPERS = frozenset({"all.py", "report_blocks.py", "scratch_db.py", "step_log.py",
+                     "plain_torchrun.py", "torchrun_loop.py"})  # fmt: skip
+NOT_BENCHES = frozenset({"screenshots.py"})
 
 
 def versions() -> str:
@@ -82,8 +105,9 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} CPUs{memory}, {platform.system()} {platform.release()}"
 
 
-def run_part(part: Part, *, quick: bool, out: Path) -> list[str]:
-    """Run one part's script; its record (command, load, time, outcome, headline table)."""
+def run_part(part: Part, *, quick: bool, out: Path) -> tuple[bool, list[str]]:
+    """Run one part's script: did it succeed, and its record (command, load, time,
+    outcome, headline table)."""
     args = part.quick if quick else part.full
     argv = [sys.executable, f"bench/{part.script}", *args, "--out", str(out)]
     shown = " ".join(["python", f"bench/{part.script}", *args])
@@ -103,7 +127,8 @@ def run_part(part: Part, *, quick: bool, out: Path) -> list[str]:
     table = first_table(out.read_text()) if out.exists() else None
     lines += [table, ""] if table else ["(no table written)", ""]
     lines.append(f"Full report: [{part.doc.name}]({part.doc.name})")
-    return lines
+    print(f"== {part.name}: {seconds:.0f} s, exit {done.returncode}", flush=True)
+    return done.returncode == 0, lines
 
 
 def main() -> None:
@@ -133,11 +158,17 @@ def main() -> None:
     target = scratch / args.out.name if args.quick else args.out
     text = args.out.read_text() if args.out.exists() else "# Benchmarks\n"
     text = replace_block(text, "run", "\n".join(header))
+    failed: list[str] = []
+    started = time.monotonic()
     for part in parts:
         out = scratch / part.doc.name if args.quick else part.doc
-        text = replace_block(text, part.name, "\n".join(run_part(part, quick=args.quick, out=out)))
+        ok, record = run_part(part, quick=args.quick, out=out)
+        failed += [] if ok else [part.name]
+        text = replace_block(text, part.name, "\n".join(record))
         target.write_text(text)  # after each part: a long run that stops keeps what it did
-    print(f"wrote {target}")
+    print(f"wrote {target}; {time.monotonic() - started:.0f} s in all")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)} (see the output above)")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ baseline starts the same loop with `torchrun --standalone --nproc_per_node 3` on
 machine (no Ray) and measures launch -> first step.
 
     .venv/bin/python bench/elastic_bench.py [--repeats 5] [--baseline-repeats 5]
+
+The report goes between its markers in `--out` (docs/bench-elastic.md): the notes written
+around them stay. `bench/all.py --quick` runs it with one trial of each and Ray Train's
+worker-group start timeout lowered (`--ray-train-start-timeout`), to check that it runs.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray
 from ray.cluster_utils import Cluster
 
+from bench.report_blocks import write_block
 from contracts.messages import Phase
 from contracts.spec import JobSpec
 from tests.integration.cluster_service import Nodes, multi_node_service
@@ -60,6 +65,13 @@ SPEC = tiny_gpt_spec(
     failure={"max_restarts": 3},
 )
 PHASES = [p.value for p in Phase]
+#: The service's settings. Its API answers only the Host names it is configured for
+#: (ELASTRAIN_ALLOWED_HOSTS), as a user's server is told its own; Starlette's TestClient
+#: sends `Host: testserver`.
+SERVICE = {"grow_interval_s": GROW_INTERVAL_S, "allowed_hosts": ["testserver"]}
+#: Ray Train's own knob for how long a worker group waits for its placement group (Ray's
+#: default 60 s); read by the Train controller, a process the raylets start, hence the env.
+RAY_TRAIN_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 
 
 # -- elastrain ------------------------------------------------------------------------------
@@ -80,9 +92,15 @@ def _epoch(iso: str) -> float:
     return moment.timestamp()
 
 
-def _first_point(client: Any, job_id: int, attempt: int) -> dict[str, Any]:
-    return min((p for p in _metrics(client, job_id) if p["attempt"] == attempt),
-               key=lambda p: p["step"])  # fmt: skip
+def _first_point(client: Any, job_id: int, attempt: int, timeout: float = 60) -> dict[str, Any]:
+    """The attempt's first step. Metrics reach the API in batches, in order, shortly after
+    the job shows RUNNING: wait for the attempt's first batch."""
+    points = _wait(
+        lambda: [p for p in _metrics(client, job_id) if p["attempt"] == attempt],
+        timeout,
+        f"job {job_id} attempt {attempt}'s first step",
+    )
+    return min(points, key=lambda p: p["step"])
 
 
 def wait_for_warm_pool(minimum: int, timeout: float = 120) -> None:
@@ -111,14 +129,12 @@ def elastrain_trial(
     wait_for(
         client, job_id, lambda j: j["attempt"] == 2 and j["state"] == "RUNNING", what="resumed"
     )
-    time.sleep(1)
     resumed = _first_point(client, job_id, 2)
     t_add = time.time()
     nodes.add(1)
     t_joined = time.time()  # the new raylet is registered (`Cluster.wait_for_nodes`)
     wait_for(client, job_id, lambda j: j["attempt"] == 3 and j["state"] == "RUNNING",
              what="grown", timeout=300)  # fmt: skip
-    time.sleep(1)
     grown = _first_point(client, job_id, 3)
     client.post(f"/v1/jobs/{job_id}/cancel")
     wait_terminal(client, job_id, timeout=120)
@@ -358,13 +374,22 @@ def main() -> None:
     parser.add_argument("--baseline-repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("docs/bench-elastic.md"))
     parser.add_argument("--no-curves", action="store_true", help="skip the loss-curve runs")
+    parser.add_argument(
+        "--ray-train-start-timeout",
+        type=float,
+        default=None,
+        help=f"seconds ({RAY_TRAIN_START_TIMEOUT_ENV}); unset: Ray's default, 60",
+    )
     args = parser.parse_args()
+    if args.ray_train_start_timeout is not None:
+        # Set before any cluster starts: the raylets, and so the Train controller, inherit it.
+        os.environ[RAY_TRAIN_START_TIMEOUT_ENV] = f"{args.ray_train_start_timeout:g}"
 
     ours: list[dict[str, float]] = []
     timelines: list[dict[str, dict[str, float]]] = []
     with (
         tempfile.TemporaryDirectory() as tmp,
-        multi_node_service(Path(tmp), grow_interval_s=GROW_INTERVAL_S) as (client, nodes),
+        multi_node_service(Path(tmp), **SERVICE) as (client, nodes),
     ):
         wait_for_warm_pool(WORKERS)
         for i in range(args.repeats):
@@ -387,25 +412,59 @@ def main() -> None:
             bare.append(torchrun_trial(Path(tmp) / f"trial{i}"))
             print("torchrun", i, bare[-1], flush=True)
 
+    summary, trials = report(args, ours, timelines, theirs, bare, curves)
+    # Two blocks, so the notes written between them (and around them) stay.
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_block(args.out, "elastic-report", summary, new_document=TITLE)
+    write_block(args.out, "elastic-trials", trials)
+    print(summary, trials, sep="\n\n")
+
+
+TITLE = "# Start, node loss and return: elastrain vs plain Ray Train elastic vs torchrun\n"
+
+
+def command(args: argparse.Namespace) -> str:
+    words = ["python bench/elastic_bench.py", f"--repeats {args.repeats}",
+             f"--baseline-repeats {args.baseline_repeats}"]  # fmt: skip
+    if args.no_curves:
+        words.append("--no-curves")
+    if args.ray_train_start_timeout is not None:
+        words.append(f"--ray-train-start-timeout {args.ray_train_start_timeout:g}")
+    return " ".join(words)
+
+
+def report(
+    args: argparse.Namespace,
+    ours: list[dict[str, float]],
+    timelines: list[dict[str, dict[str, float]]],
+    theirs: list[dict[str, float]],
+    bare: list[dict[str, float]],
+    curves: list[tuple[int, float, float, int]],
+) -> tuple[str, str]:
+    """The summary (setup, the side-by-side table, the timelines) and every trial."""
+
     def row(label: str, key: str, fmt: str = ".1f", *, ray_train: bool = True,
             torchrun: bool = False) -> str:  # fmt: skip
         b = shown(median(theirs, key), fmt) if ray_train else "—"
         c = shown(median(bare, key), fmt) if torchrun else "—"
         return f"| {label} | {shown(median(ours, key), fmt)} | {b} | {c} |"
 
+    start_timeout = (
+        "60 s (default)"
+        if args.ray_train_start_timeout is None
+        else f"{args.ray_train_start_timeout:g} s"
+    )
     first_submit = ours[0]["submit_to_step_s"]
     later_submits = [t["submit_to_step_s"] for t in ours[1:]] or [first_submit]
-    lines = [
-        "# Start, node loss and return: elastrain vs plain Ray Train elastic vs torchrun",
-        "",
-        f"`python bench/elastic_bench.py --repeats {args.repeats} --baseline-repeats "
-        f"{args.baseline_repeats}` on a 2-core machine: `ray.cluster_utils.Cluster`, CPU-less",
-        f"head + {WORKERS} worker nodes of 1 logical CPU; gpt (2 layers, 32 wide, seq 32),",
-        "global batch 24, DDP, checkpoint every 5 steps, min 1 / max 3 workers. elastrain grow",
-        f"interval {GROW_INTERVAL_S:g} s, 1 warm process per node; Ray Train resize monitor",
-        "interval 5 s, other settings default; torchrun `--standalone --nproc_per_node 3`, no",
-        "Ray. Medians of the trials, side by side in one run; times end at the wall clock of",
-        "the first optimizer step after the event.",
+    summary = [
+        f"`{command(args)}` on a {os.cpu_count()}-core machine: `ray.cluster_utils.Cluster`, "
+        f"CPU-less head + {WORKERS} worker nodes of 1 logical CPU; gpt (2 layers, 32 wide, "
+        "seq 32), global batch 24, DDP, checkpoint every 5 steps, min 1 / max 3 workers. "
+        f"elastrain grow interval {GROW_INTERVAL_S:g} s, 1 warm process per node; Ray Train "
+        f"resize monitor interval 5 s, worker-group start timeout {start_timeout}, other "
+        "settings default; torchrun `--standalone --nproc_per_node 3`, no Ray. Medians of the "
+        "trials, side by side in one run; times end at the wall clock of the first optimizer "
+        "step after the event.",
         "",
         "| | elastrain | Ray Train elastic | torchrun |",
         "| --- | ---: | ---: | ---: |",
@@ -440,7 +499,8 @@ def main() -> None:
         "when the scheduler saw the node gone, a resize's at the grow decision.",
         "",
         *timeline_table(timelines),
-        "",
+    ]
+    trials = [
         "Every trial (elastrain):",
         "",
         *[f"- {t}" for t in ours],
@@ -452,19 +512,17 @@ def main() -> None:
         "Every trial (torchrun):",
         "",
         *[f"- {t}" for t in bare],
-        "",
     ]
     if curves:
-        lines += [
+        trials += [
+            "",
             "## Loss curve: a node lost mid-run (the world size column), vs an uninterrupted run",
             "",
             "| step | interrupted | uninterrupted | world size (interrupted) |",
             "| ---: | ---: | ---: | ---: |",
             *[f"| {s} | {x:.5f} | {y:.5f} | {w} |" for s, x, y, w in curves],
         ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(summary), "\n".join(trials)
 
 
 if __name__ == "__main__":

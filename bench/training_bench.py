@@ -7,6 +7,8 @@ the job's own metrics: median step time over the steady-state steps, tokens/s, a
 time from submit (the job's created_at) to the end of its first step.
 
     .venv/bin/python bench/training_bench.py [--steps 40] [--out docs/bench-training.md]
+
+The report goes between its markers in `--out`; notes written around them stay.
 """
 
 from __future__ import annotations
@@ -21,8 +23,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report_blocks import write_block
 from tests.integration.ray_service import ray_service, submit, tiny_gpt_spec, wait_terminal
 
+#: The API answers only the Host names it is configured for (ELASTRAIN_ALLOWED_HOSTS), as a
+#: user's server is told its own; Starlette's TestClient sends `Host: testserver`.
+SERVICE = {"allowed_hosts": ["testserver"]}
+#: Steps up to this one (process group warm-up, first allocations) are left out of the rates.
+STEADY_AFTER = 5
 GPT = {"n_layer": 2, "n_embd": 64, "n_head": 4, "seq_len": 64}
 CASES = [
     ("ddp", {"kind": "ddp"}, 1),
@@ -52,7 +60,10 @@ CASES = [
 
 def run(steps: int) -> list[dict[str, object]]:
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, ray_service(Path(tmp), num_cpus=4) as client:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        ray_service(Path(tmp), num_cpus=4, **SERVICE) as client,
+    ):
         for name, strategy, workers in CASES:
             spec = tiny_gpt_spec(
                 f"bench-{name}-{workers}",
@@ -66,7 +77,7 @@ def run(steps: int) -> list[dict[str, object]]:
             job = wait_terminal(client, job_id, timeout=900)
             assert job["state"] == "SUCCEEDED", job
             points = client.get(f"/v1/jobs/{job_id}/metrics").json()
-            steady = [p for p in points if p["step"] > 5]
+            steady = [p for p in points if p["step"] > STEADY_AFTER]
             step_time = statistics.median(p["step_time_s"] for p in steady)
             created = datetime.fromisoformat(job["created_at"]).timestamp()
             first = min(points, key=lambda p: p["step"])
@@ -87,19 +98,21 @@ def run(steps: int) -> list[dict[str, object]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--steps", type=int, default=40, help=f"per job; above {STEADY_AFTER} (the steady steps)"
+    )
     parser.add_argument("--out", type=Path, default=Path("docs/bench-training.md"))
     args = parser.parse_args()
+    if args.steps <= STEADY_AFTER:
+        parser.error(f"--steps must be above {STEADY_AFTER}: the figures are of later steps")
     started = time.time()
     rows = run(args.steps)
     lines = [
-        "# Training throughput on CPU (gloo)",
-        "",
         f"`python bench/training_bench.py --steps {args.steps}`: gpt workload {GPT}, global batch 32,",
         "micro-batch 16, 1 CPU per worker, local Ray with 4 logical CPUs on a 2-core machine, one job",
         "at a time (4 workers share 2 cores: those rows measure that it works and what a rank holds,",
         "not speed; tensor parallelism's per-block all-reduces over gloo on CPU are pure cost here).",
-        "Steps/s and tokens/s are medians over steps 6..N; submit -> first step is from",
+        f"Steps/s and tokens/s are medians over steps {STEADY_AFTER + 1}..{args.steps}; submit -> first step is from",
         "the job's creation to the end of its first optimizer step (Ray worker start, process",
         "group, model build, first step).",
         "",
@@ -114,8 +127,12 @@ def main() -> None:
         )
     lines += ["", f"Total bench time {time.time() - started:.0f} s."]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    block = "\n".join(lines)
+    write_block(args.out, "training-report", block, new_document=TITLE)
+    print(block)
+
+
+TITLE = "# Training throughput on CPU (gloo)\n"
 
 
 if __name__ == "__main__":

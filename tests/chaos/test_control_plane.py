@@ -11,16 +11,20 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from ray.cluster_utils import Cluster
+from sqlalchemy import make_url
 
+from checkpoints import list_committed
+from contracts.storage import JobStorage
+from tests.conftest import PG_ADMIN_URL
 from tests.e2e.server import ServerHandle, serve_argv, start_server
 from tests.integration.ray_service import tiny_gpt_spec, wait_for, wait_terminal
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos]
 
@@ -50,12 +54,14 @@ def _env(cluster: Cluster, namespace: str) -> dict[str, str]:
 
 
 def _pg_cluster() -> tuple[str, str]:
+    """The local cluster (version, name) serving the tests' PostgreSQL (tests/conftest.py)."""
+    port = str(make_url(PG_ADMIN_URL).port or 5432)
     out = subprocess.run(["pg_lsclusters", "-h"], capture_output=True, text=True, check=True)
     for line in out.stdout.splitlines():
-        version, name, port, *_ = line.split()
-        if port == "5432":
+        version, name, cluster_port, *_ = line.split()
+        if cluster_port == port:
             return version, name
-    raise AssertionError(f"no PostgreSQL cluster on port 5432: {out.stdout}")
+    raise AssertionError(f"no local PostgreSQL cluster on port {port}: {out.stdout}")
 
 
 def _assert_whole_history(http: httpx.Client, job_id: int) -> None:
@@ -66,6 +72,14 @@ def _assert_whole_history(http: httpx.Client, job_id: int) -> None:
     assert steps == list(range(1, STEPS + 1))  # every step stored, none twice
     catalogue = [c["step"] for c in http.get(f"/v1/jobs/{job_id}/checkpoints").json()]
     assert sorted(catalogue) == list(range(10, STEPS + 1, 10))  # every commit, once
+
+
+#: What `elastrain serve` logs when a scheduler pass raises (service/scheduler.py).
+PASS_FAILED = "scheduler pass failed"
+
+
+def _newest_commit(checkpoints: Path) -> int:
+    return max((c.step for c in list_committed(checkpoints)), default=0)
 
 
 def test_postgresql_restarted_while_a_job_runs(
@@ -79,13 +93,27 @@ def test_postgresql_restarted_while_a_job_runs(
         job_id = server.submit(SPEC)["id"]
         with server.http() as http:
             wait_for(http, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 5)
+            checkpoints = JobStorage.of(server.storage_path, job_id).checkpoints
+            passes_failed = server.server_log().count(PASS_FAILED)
             version, name = _pg_cluster()
             subprocess.run(
                 ["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "stop", "-m", "fast"],
                 check=True, timeout=60,
             )  # fmt: skip
             try:
-                time.sleep(3)  # passes fail meanwhile; training goes on
+                # Down long enough to matter: a scheduler pass has failed on it, and the
+                # workers, which never touch the database, committed a checkpoint meanwhile
+                # (its report must then be stored once the database is back).
+                newest = _newest_commit(checkpoints)
+                wait_until(
+                    lambda: server.server_log().count(PASS_FAILED) > passes_failed, 60,
+                    "a scheduler pass failed on the stopped database",
+                    detail=lambda: server.server_log()[-3000:],
+                )  # fmt: skip
+                wait_until(
+                    lambda: _newest_commit(checkpoints) > newest, 120,
+                    f"training went on: a checkpoint after step {newest} committed",
+                )  # fmt: skip
                 down = http.get("/healthz")
                 assert down.status_code == 503 and "unavailable" in down.json()["database"]
                 assert http.get(f"/v1/jobs/{job_id}").status_code == 503

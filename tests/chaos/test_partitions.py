@@ -19,9 +19,9 @@ import contextlib
 import json
 import os
 import secrets
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +31,13 @@ from fastapi.testclient import TestClient
 
 from api.main import create_app
 from checkpoints.fence import read_fence
-from checkpoints.layout import iter_step_dirs
+from checkpoints.layout import DCP_METADATA_NAME, iter_step_dirs
 from checkpoints.manifest import ManifestError, read_manifest
 from contracts.storage import JobStorage
 from service.settings import Settings
 from tests.chaos.netns_cluster import HEALTH_CHECK_ENV, NetnsCluster, Node
 from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_terminal
+from tests.waiting import exited, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos]
 
@@ -151,21 +152,26 @@ def test_the_job_survives_the_node_and_the_zombie_writes_nothing(
 
             undo = FAULTS[fault](cluster, big)
             cluster.wait_dead(big)
-            zombies = [p for p in big.pids() if "ray::Worker" in _comm(p)]
+            zombie = Zombie(
+                JobStorage.of(tmp_path / "storage", job_id),
+                pids=[p for p in big.pids() if "ray::Worker" in _comm(p)],
+            )
             resumed = wait_for(
                 client, job_id, lambda j: j["state"] == "RUNNING" and j["attempt"] == 2,
                 what="resume at world size 1", timeout=120,
             )  # fmt: skip
             assert resumed["world_size"] == 1
             if fault == "partition":
-                # A true zombie: cut off, its worker processes are still alive.
-                assert zombies and all(_alive(p) for p in zombies), zombies
-                _wait_for_log(
-                    JobStorage.of(tmp_path / "storage", job_id).log_file(attempt=1, rank=0),
-                    "was superseded by attempt 2",
-                )
-            time.sleep(3)  # let the zombie try whatever it would
-            undo()
+                # A true zombie: cut off, its worker processes are still alive, and it meets
+                # the fence while still cut off.
+                assert zombie.pids and not any(map(exited, zombie.pids)), zombie.pids
+                wait_until(zombie.settled, 120, "the cut-off attempt stops at the fence and "
+                           "settles its saves", detail=zombie.describe)  # fmt: skip
+            undo()  # the node heals or thaws (nothing to undo after a raylet kill)
+            # Whatever the old attempt's processes would still do once they run again, they
+            # have done before its node starts anew (which kills every leftover on it).
+            wait_until(zombie.done, 120, "the old attempt's processes stop at the fence or "
+                       "exit", detail=zombie.describe)  # fmt: skip
             cluster.start_raylet(big)  # the node comes back (a new raylet)
 
             grown = wait_for(
@@ -224,19 +230,43 @@ def _comm(pid: int) -> str:
         return ""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+@dataclass
+class Zombie:
+    """Attempt 1's processes on the failed node, cut off from the control plane."""
 
+    storage: JobStorage
+    pids: list[int]
 
-def _wait_for_log(path: Path, text: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return
-        time.sleep(0.5)
-    tail = path.read_text(errors="replace")[-2000:] if path.exists() else "(no log)"
-    raise AssertionError(f"{path}: {text!r} never logged; tail:\n{tail}")
+    @property
+    def rank0_log(self) -> Path:
+        return self.storage.log_file(attempt=1, rank=0)
+
+    def stopped_at_the_fence(self) -> bool:
+        """Its rank 0 (the one that commits checkpoints and reports) saw the newer attempt
+        and stopped, saying so (workers/loop.py `stops_when_superseded`)."""
+        log = self.rank0_log
+        return log.exists() and "was superseded by attempt 2" in log.read_text(errors="replace")
+
+    def unsettled_saves(self) -> list[Path]:
+        """Its checkpoint folders whose write is not over (no DCP `.metadata` yet, so no
+        commit decided): an async save can outlive the loop that started it."""
+        return [
+            d.path
+            for d in iter_step_dirs(self.storage.checkpoints)
+            if d.attempt == 1 and not (d.path / DCP_METADATA_NAME).exists()
+        ]
+
+    def settled(self) -> bool:
+        """Rank 0 stopped at the fence and every save it had started is over (refused at
+        the fence, or committed before the fence moved)."""
+        return self.stopped_at_the_fence() and not self.unsettled_saves()
+
+    def done(self) -> bool:
+        """Nothing more can come from it: settled, or every process exited."""
+        return self.settled() or all(map(exited, self.pids))
+
+    def describe(self) -> str:
+        alive = [p for p in self.pids if not exited(p)]
+        log = self.rank0_log
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+        return f"alive: {alive}; unsettled saves: {self.unsettled_saves()}\n{tail}"

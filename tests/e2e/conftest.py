@@ -5,6 +5,8 @@
   stopped after the test; `argv` runs something else, e.g. `elastrain serve` with the
   scheduler for tests that train for real.
 - `browser`: Debian's /usr/bin/chromium driven by Playwright (no `playwright install`).
+  Without either the browser tests FAIL, saying how to install them; leave them out on
+  purpose with `-m 'not browser'`.
 - `page`: a fresh browser context and page; uncaught page errors fail the test.
 - `open_dashboard(page, srv, route)`: load the dashboard at a hash route;
   `wait_for_chart(page, n_points)`: until the job page's loss chart holds n points.
@@ -79,14 +81,23 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerHandle]]:
         srv.stop()
 
 
+#: Where a browser test without a browser fails (never skips: a skip would let CI pass
+#: with the dashboard untested).
+NO_BROWSER_HELP = (
+    "install Chromium with `make test-deps` (.ci/setup-system chromium) and Playwright with "
+    "pip install -e '.[test]'; to leave the browser tests out on purpose, deselect them: "
+    "pytest -m 'not browser' (as `make test-fast` does)"
+)
+
+
 @pytest.fixture(scope="session")
 def browser() -> Iterator[Any]:
     if chromium_path() is None:
-        message = "Chromium is not installed (apt-get install chromium chromium-driver)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    sync_api = pytest.importorskip("playwright.sync_api")
+        pytest.fail(f"Chromium is not installed: {NO_BROWSER_HELP}", pytrace=False)
+    try:
+        from playwright import sync_api
+    except ImportError as exc:
+        pytest.fail(f"Playwright cannot be imported ({exc}): {NO_BROWSER_HELP}", pytrace=False)
     with sync_api.sync_playwright() as pw:
         chromium = launch_chromium(pw)
         yield chromium

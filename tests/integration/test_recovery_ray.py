@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from tests.integration.ray_service import (
     wait_for,
     wait_terminal,
 )
+from tests.waiting import exited, wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -104,9 +104,10 @@ def test_corrupt_latest_checkpoint_falls_back_and_says_so(service: TestClient) -
     # Crash every worker (training stops: no more commits, and no process survives with
     # the state in memory), then flip a byte in every shard of the newest checkpoint
     # before the relaunched attempt loads it.
-    for pid in placement["details"]["pids"].values():
-        os.kill(int(pid), signal.SIGKILL)
-    time.sleep(1.0)
+    pids = [int(pid) for pid in placement["details"]["pids"].values()]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: all(map(exited, pids)), 30, f"the killed workers {pids} are gone")
     newest = list_committed(root)[0]
     for shard in newest.path.glob("*.distcp"):
         data = bytearray(shard.read_bytes())

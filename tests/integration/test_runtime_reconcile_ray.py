@@ -29,6 +29,7 @@ from service.runtime_client import RuntimeClient
 from service.scheduler import Scheduler
 from service.settings import Settings
 from tests.integration.ray_service import submit, tiny_gpt_spec
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -111,16 +112,6 @@ def runtime_workers(namespace: str) -> list[Any]:
     return list(ray.get(runtime.workers.remote(), timeout=30))
 
 
-def wait_until(what: str, done: Callable[[], bool], timeout: float = 60) -> None:
-    """For what the runtime finishes on its own after a pass (processes letting go at a
-    step boundary, Ray's resource view catching up): no further passes run."""
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached in {timeout}s: {what}")
-        time.sleep(0.1)
-
-
 def all_let_go(namespace: str) -> bool:
     return not any(w.busy or w.held is not None for w in runtime_workers(namespace))
 
@@ -151,8 +142,10 @@ def test_a_release_that_fails_leaves_nothing_reserved_after_the_next_pass(
 
     plane.scheduler.run_pass()
     assert reserved_groups(cluster) == []
-    wait_until("the processes let go of the job", lambda: all_let_go(cluster))
-    wait_until("Ray sees the CPUs free", cpus_free)
+    # What the runtime finishes on its own after that pass (processes letting go at a step
+    # boundary, Ray's resource view catching up): no further passes run.
+    wait_until(lambda: all_let_go(cluster), 60, "the processes let go of the job")
+    wait_until(cpus_free, 60, "Ray sees the CPUs free")
 
     # ... and the next job gets them.
     other = submit(plane.client, spec("next"))
@@ -171,8 +164,8 @@ def test_a_fresh_database_stops_the_jobs_it_does_not_know_within_two_passes(
     for _ in range(2):
         fresh.scheduler.run_pass()
     assert reserved_groups(cluster) == []
-    wait_until("the old job's processes let go", lambda: all_let_go(cluster))
-    wait_until("Ray sees the CPUs free", cpus_free)
+    wait_until(lambda: all_let_go(cluster), 60, "the old job's processes let go")
+    wait_until(cpus_free, 60, "Ray sees the CPUs free")
 
     # Its own job 1 is a new job: a fresh start, not the old job 1's state adopted.
     new = submit(fresh.client, spec("new"))

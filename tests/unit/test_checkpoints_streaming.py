@@ -310,7 +310,7 @@ def test_async_save_holds_the_values_of_its_step(
 
 
 def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """Train with async saves every 2 steps, each save's write held until the next
+    """Train 6 steps with async saves every 2, each save's write held until the next
     optimizer step has begun (so the save cannot finish, and clear its staging, on its
     own first); record at every optimizer step whether a staging copy was still pending."""
     import time
@@ -319,6 +319,7 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
     from contracts.spec import JobSpec
     from workers.api import NullHooks, TrainContext
 
+    max_steps = 6
     made: list[ShardedCheckpointer] = []
     pending_at_update: list[bool] = []
     original_make_checkpointer, original_make_strategy = loop.make_checkpointer, loop.make_strategy
@@ -340,16 +341,19 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
         return strategy
 
     def held_save(*args: Any, **kwargs: Any) -> Any:
-        seen, deadline = len(pending_at_update), time.monotonic() + 3
-        while len(pending_at_update) == seen and time.monotonic() < deadline:
-            time.sleep(0.005)  # the last save has no next step: it goes after 3 s
+        seen, deadline = len(pending_at_update), time.monotonic() + 60
+        # Held until the next step updates; the last save has no next step.
+        while seen < max_steps and len(pending_at_update) == seen:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no optimizer step began after the save at step {seen}")
+            time.sleep(0.005)
         return original_save(*args, **kwargs)
 
     loop.make_checkpointer, loop.make_strategy = make_checkpointer, make_strategy
     state_dict_saver.save = held_save
     spec = JobSpec.model_validate(
         {"name": "s", "workload": {"name": "synthetic", "params": {"num_samples": 64}},
-         "training": {"global_batch_size": 8, "micro_batch_size": 4, "max_steps": 6},
+         "training": {"global_batch_size": 8, "micro_batch_size": 4, "max_steps": max_steps},
          "checkpoint": {"every_steps": 2, "async_save": True}}
     )  # fmt: skip
     job = Path(root)

@@ -8,6 +8,8 @@ table cannot drift apart.
 
 from __future__ import annotations
 
+import copy
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -497,9 +499,24 @@ def test_the_table_takes_exactly_the_allowed_transitions() -> None:
     assert taken == allowed
 
 
-def test_decide_is_pure() -> None:
-    view, observed = job(S.RUNNING), facts(nodes("a", "c"), alive=("a", "c"), report=report())
-    assert decide(view, observed) == decide(view, observed)
+@pytest.mark.parametrize(("view", "observed", "expected"), ROWS)
+def test_decide_reads_only_its_arguments_and_changes_none(
+    view: JobView, observed: Facts, expected: list[Action], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler hands `decide` views it keeps from pass to pass (service.observe's
+    ViewCache) and reports whose metrics it stores afterwards: deciding must leave them as
+    they were. And the answer comes from the arguments alone: the same for equal copies,
+    and with no clock but `facts.now`."""
+
+    def no_clock() -> float:
+        raise AssertionError("decide read the clock: its time is facts.now")
+
+    before = copy.deepcopy((view, observed))
+    monkeypatch.setattr(time, "time", no_clock)
+    monkeypatch.setattr(time, "monotonic", no_clock)
+    assert decide(*copy.deepcopy((view, observed))) == expected
+    assert decide(view, observed) == expected
+    assert (view, observed) == before
 
 
 # -- the pieces ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 
 import ray
 from ray import PlacementGroupID
@@ -136,9 +137,14 @@ class Runtime:
             self.pool.forget_job(driver.request.job)
 
     def workers(self) -> list[WorkerInfo]:
-        """The pool's processes that answered (for tests, benches and debugging)."""
+        """The pool's processes that answered, busy as the pool lends them (their last
+        answer may predate it; for tests, benches and debugging)."""
         with self.pool.lock:
-            return [w.info for w in self.pool.workers.values() if w.info is not None]
+            return [
+                replace(w.info, busy=w.busy)
+                for w in self.pool.workers.values()
+                if w.info is not None
+            ]
 
     # -- rank 0's calls ----------------------------------------------------------------------
     def push_many(self, key: AttemptKey, messages: list[WorkerMessage]) -> None:

@@ -66,15 +66,17 @@ def commit(
     manifest: Manifest,
     *,
     streamed: Mapping[str, FileEntry] | None = None,
+    owner: str = "",
 ) -> CheckpointCommitted:
     """Step 3, on group rank 0 once every shard and DCP's `.metadata` are durable in
     `path` (a step folder under the job's checkpoint `root`): digests, then the manifest,
     last. `streamed`: the shard digests taken while writing (hashed from disk otherwise).
-    Raises Superseded, writing nothing, when a newer attempt of the job has started."""
+    Raises Superseded, writing nothing, when a newer attempt of the job has started, or
+    the folder is now another database's job's (`owner`: the saving job's database)."""
     # A superseded attempt (its node partitioned away, its replacement running) must
     # never commit: the fence on storage says who is current (checkpoints/fence.py).
     fence = read_fence(root.parent)  # the job's folder (contracts.storage)
-    if fence.superseded(manifest.attempt):
+    if fence.superseded(manifest.attempt, owner):
         raise Superseded(manifest.attempt, fence.current)
     manifest.files = describe_files(path, known=streamed)
     manifest.total_bytes = sum(f["size"] for f in manifest.files.values())

@@ -41,12 +41,19 @@ log = logging.getLogger("elastrain.checkpoints")
 class Fence:
     starts: tuple[tuple[int, float], ...] = ()
     """(attempt, when it was launched), in order."""
+    owner: str = ""
+    """The database whose job this folder holds (`contracts.runtime.JobRef`; "" in a fence
+    written before fences had owners). Job ids restart at 1 in every database: an attempt
+    of another database's job 1 is superseded here whatever its number."""
 
     @property
     def current(self) -> int:
         return max((a for a, _ in self.starts), default=0)
 
-    def superseded(self, attempt: int) -> bool:
+    def superseded(self, attempt: int, owner: str = "") -> bool:
+        """Is `attempt` (of `owner`'s job; "": not said) no longer the current one?"""
+        if owner and self.owner and owner != self.owner:
+            return True
         return self.current > attempt
 
     def replaced_at(self, attempt: int) -> float | None:
@@ -87,13 +94,16 @@ def read_fence(job_root: Path) -> Fence:
         raise FenceUnreadable(path, exc.strerror or repr(exc)) from exc
     try:
         raw = json.loads(data.decode())  # written as UTF-8 (advance_fence)
-        return Fence(starts=tuple((int(a), float(t)) for a, t in raw["starts"]))
+        starts = tuple((int(a), float(t)) for a, t in raw["starts"])
+        return Fence(starts=starts, owner=str(raw.get("owner", "")))
     except (ValueError, KeyError, TypeError) as exc:
         raise FenceUnreadable(path, f"not a fence: {exc}") from exc
 
 
-def advance_fence(job_root: Path, attempt: int, at: float) -> Fence:
-    """Record that `attempt` starts now (the control plane, before launching it).
+def advance_fence(job_root: Path, attempt: int, at: float, *, owner: str = "") -> Fence:
+    """Record that `attempt` of `owner`'s job starts now (the control plane, before
+    launching it). A folder another database owns is moved aside first
+    (`checkpoints.owner.claim_job_folder`): call that before this.
 
     An unreadable fence is replaced by one that starts at `attempt`: the control plane
     knows which attempt is current, and every older one stays fenced out. What is lost is
@@ -105,11 +115,12 @@ def advance_fence(job_root: Path, attempt: int, at: float) -> Fence:
     except FenceUnreadable as exc:
         log.warning("%s; writing a new fence from attempt %d", exc, attempt)
         fence = Fence()
-    if attempt <= fence.current:
+    if attempt <= fence.current and fence.owner == owner:
         return fence  # never move backwards (a relaunch of the same attempt number)
-    fence = Fence(starts=(*fence.starts, (attempt, at)))
+    starts = fence.starts if attempt <= fence.current else (*fence.starts, (attempt, at))
+    fence = Fence(starts=starts, owner=owner)
     job_root.mkdir(parents=True, exist_ok=True)
-    payload = {"starts": [list(s) for s in fence.starts]}
+    payload = {"owner": fence.owner, "starts": [list(s) for s in fence.starts]}
     atomic_write_bytes(fence_path(job_root), json.dumps(payload).encode())
     return fence
 
@@ -127,10 +138,11 @@ class FenceWatcher:
     """Checks the fence cheaply enough to do it every step: the file is read again only
     when its modification time changes."""
 
-    def __init__(self, job_root: Path, attempt: int) -> None:
+    def __init__(self, job_root: Path, attempt: int, owner: str = "") -> None:
         self.path = fence_path(job_root)
         self.job_root = job_root
         self.attempt = attempt
+        self.owner = owner
         self._seen: int | None = None
         self._fence = Fence()
 
@@ -146,5 +158,5 @@ class FenceWatcher:
         if mtime != self._seen:
             self._fence = read_fence(self.job_root)
             self._seen = mtime  # only once read: an unreadable fence is read again
-        if self._fence.superseded(self.attempt):
+        if self._fence.superseded(self.attempt, self.owner):
             raise Superseded(self.attempt, self._fence.current)

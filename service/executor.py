@@ -236,6 +236,15 @@ class Executor:
         #: Running jobs' open bucket summaries, as this executor stored them; the scheduler
         #: clears them whenever its hold on the lease may have lapsed.
         self.buckets = metric_store.OpenBuckets()
+        self._database: str | None = None
+
+    @property
+    def database(self) -> str:
+        """This database's identity (`service.identity`), which owns its jobs' folders."""
+        if self._database is None:
+            with session_scope(self.sessions) as session:
+                self._database = identity.database_id(session)
+        return self._database
 
     def execute(self, view: JobView, actions: Sequence[Action]) -> bool:
         """Apply what was decided on `view`. False when nothing was done: the job moved
@@ -337,9 +346,10 @@ class Executor:
         """The job's folder is this database's before its workers read a checkpoint there."""
         root = JobStorage.of(self.storage_path, request.job_id).root
         try:
-            moved = claim_job_folder(root, request.database)
+            moved = claim_job_folder(root, self.database)
         except OSError as exc:
-            log.error("job %s: cannot mark its folder as this database's: %s", request.job_id, exc)
+            log.error("job %s: cannot move another database's folder aside: %s",
+                      request.job_id, exc)  # fmt: skip
             return
         if moved is not None:
             log.warning("job %s: %s belonged to another database; moved to %s",
@@ -350,7 +360,8 @@ class Executor:
         Carry on if storage refuses: the database fences every report anyway, and a zombie
         is rarer than a full disk."""
         try:
-            advance_fence(JobStorage.of(self.storage_path, job_id).root, attempt, time.time())
+            root = JobStorage.of(self.storage_path, job_id).root
+            advance_fence(root, attempt, time.time(), owner=self.database)
         except OSError as exc:
             log.error("job %s: cannot write its attempt fence: %s", job_id, exc)
 

@@ -69,6 +69,7 @@ class ShardedCheckpointer:
         async_staging: bool = False,
         process_group: dist.ProcessGroup | None = None,
         verify_digests: bool = True,
+        owner: str = "",
     ) -> None:
         """`process_group`: the group DCP and the load broadcast use. None creates a
         dedicated gloo group, so every rank must construct the checkpointer at the same
@@ -91,6 +92,7 @@ class ShardedCheckpointer:
         self.async_save = async_save
         self.async_staging = async_staging
         self.verify_digests = verify_digests
+        self.owner = owner  # the database whose job this is: commits check the fence names it
         self._distributed = dist.is_available() and dist.is_initialized()
         if self._distributed:
             self._pg: dist.ProcessGroup | None = (
@@ -221,7 +223,9 @@ class ShardedCheckpointer:
         )
         if not self._coordinator:
             return None
-        return commit(self.root, path, manifest, streamed=writer.shard_digests)
+        return commit(
+            self.root, path, manifest, streamed=writer.shard_digests, owner=self.owner
+        )
 
     def _wait_inflight(self) -> None:
         """Block until the in-flight async save (if any) is done; raise if it failed."""

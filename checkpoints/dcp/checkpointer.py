@@ -223,9 +223,7 @@ class ShardedCheckpointer:
         )
         if not self._coordinator:
             return None
-        return commit(
-            self.root, path, manifest, streamed=writer.shard_digests, owner=self.owner
-        )
+        return commit(self.root, path, manifest, streamed=writer.shard_digests, owner=self.owner)
 
     def _wait_inflight(self) -> None:
         """Block until the in-flight async save (if any) is done; raise if it failed."""

@@ -104,6 +104,8 @@ class DataParallelStrategy(Strategy):
         control: Control = Control.NONE,
         wait_staged: Callable[[], float] = no_staging_wait,
     ) -> StepResult:
+        # What every rank must hold alike before any updates its weights: the global loss
+        # and rank 0's control (`workers.agreement`).
         agreement = StepAgreement(control)
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -125,8 +127,8 @@ class DataParallelStrategy(Strategy):
                 loss.backward()
 
         # Not carried yet: the clipping's norm all-reduce carries the agreement where that
-        # sums over every rank (FSDP); else it goes on its own now, in flight while the
-        # gradients are unscaled and clipped.
+        # sums over every rank (FSDP, tensor parallel with one replica); else it goes on its
+        # own now, in flight while the gradients are unscaled and clipped.
         clipping_carries = self._clipping_carries(agreement)
         if not clipping_carries:
             agreement.start()

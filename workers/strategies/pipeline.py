@@ -265,6 +265,8 @@ class PipelineStrategy(Strategy):
     ) -> StepResult:
         if not microbatches:
             raise ValueError("a pipeline step needs at least one micro-batch")
+        # What every rank must hold alike before any updates its weights: the global loss
+        # and rank 0's control (`workers.agreement`).
         agreement = StepAgreement(control)
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from contracts.messages import Control, StepMetrics
-from workers.api import ALL_DELIVERED
 
 
 class FileHooks:
@@ -26,8 +25,8 @@ class FileHooks:
     def poll_control(self) -> Control:
         return Control.STOP if (self.folder / "stop").exists() else Control.NONE
 
-    def delivered_step(self) -> int:
-        return ALL_DELIVERED  # written at once: nothing to keep for the service
+    def undelivered(self) -> list[StepMetrics]:
+        return []  # written at once: nothing to keep for the service
 
 
 class SilentHooks(FileHooks):

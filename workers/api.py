@@ -8,7 +8,7 @@ tests) and talks to the outside world only through `TrainHooks`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -111,10 +111,6 @@ class AttemptAborted(Exception):
     """The attempt was released while this rank was still training."""
 
 
-#: `TrainHooks.delivered_step` of hooks that hand every message over at once (in-process).
-ALL_DELIVERED = 2**62
-
-
 class TrainHooks(Protocol):
     """How the loop talks to the service. Called on rank 0 only; must not block."""
 
@@ -126,10 +122,10 @@ class TrainHooks(Protocol):
         """What the service asks of the group now (Control.NONE when nothing)."""
         ...
 
-    def delivered_step(self) -> int:
-        """The last step whose metrics are known to have reached the service (-1: none
-        yet). The loop keeps every later point with each checkpoint, so an attempt that
-        resumes from it can hand back what never arrived (a partitioned node's zombie)."""
+    def undelivered(self) -> Sequence[StepMetrics]:
+        """The metric points sent but not known to have reached the service, oldest
+        first. The loop saves them with each checkpoint, so an attempt that resumes from
+        it can hand back what never arrived (a partitioned node's zombie)."""
         ...
 
 
@@ -146,8 +142,8 @@ class NullHooks:
     def poll_control(self) -> Control:
         return self.controls.pop(0) if self.controls else Control.NONE
 
-    def delivered_step(self) -> int:
-        return ALL_DELIVERED
+    def undelivered(self) -> Sequence[StepMetrics]:
+        return ()  # handed over at once, in-process
 
     @property
     def metrics(self) -> list[StepMetrics]:

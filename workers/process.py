@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,10 @@ log = logging.getLogger("elastrain.worker")
 _PUSH_INTERVAL_S = 0.5
 #: The most an ending attempt waits for its last messages to reach the runtime.
 _FLUSH_TIMEOUT_S = 10.0
+#: The most metric points rank 0 keeps while not known to have reached the runtime: a node
+#: cut off from the service trains on until its attempt is fenced (hundreds of steps at a
+#: small model's speed), and the loop saves these with each checkpoint.
+UNDELIVERED_KEPT = 10_000
 
 
 class RuntimeHooks:
@@ -81,12 +86,15 @@ class RuntimeHooks:
         self.clock = clock
         self._wait = wait  # Ray's, or a test's
         self._in_flight: list[tuple[Any, int]] = []  # (push, its last step or -1)
-        self._delivered = -1
+        self._delivered = -1  # the newest step the runtime is known to have
+        self._undelivered: deque[StepMetrics] = deque(maxlen=UNDELIVERED_KEPT)
         self._pending: list[WorkerMessage] = []
         self._pushed_at = -math.inf
 
     def send(self, message: WorkerMessage) -> None:
         self._pending.append(message)
+        if isinstance(message, StepMetrics):
+            self._undelivered.append(message)
         now = self.clock()
         if isinstance(message, StepMetrics) and now - self._pushed_at < _PUSH_INTERVAL_S:
             return
@@ -113,9 +121,11 @@ class RuntimeHooks:
             if ref in done:
                 self._delivered = max(self._delivered, last)
         self._in_flight = [(ref, last) for ref, last in self._in_flight if ref not in done]
+        while self._undelivered and self._undelivered[0].step <= self._delivered:
+            self._undelivered.popleft()
 
-    def delivered_step(self) -> int:
-        return self._delivered
+    def undelivered(self) -> list[StepMetrics]:
+        return list(self._undelivered)
 
     def flush(self, timeout_s: float = _FLUSH_TIMEOUT_S) -> None:
         """Send what is pending and wait until the runtime has every message sent so far.
@@ -144,8 +154,8 @@ class SilentHooks:
     def poll_control(self) -> Control:
         return Control.NONE
 
-    def delivered_step(self) -> int:
-        return -1  # rank 0's checkpoint manifest carries the points, not this rank's
+    def undelivered(self) -> list[StepMetrics]:
+        return []  # rank 0's checkpoint manifest carries the points, not this rank's
 
 
 def run_at_normal_priority() -> None:

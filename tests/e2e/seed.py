@@ -532,7 +532,7 @@ class _Play:
     # -- the driver and rank 0 ----------------------------------------------------------
     def place(self) -> None:
         """The worker group is up: it reports its placement and, if the job has a good
-        checkpoint, resumes from it (as `workers.loop.resume` does, from the disk)."""
+        checkpoint, resumes from it (as `workers.resume.resume` does, from the disk)."""
         ranks: list[str] = []
         for node in self.sim.alive_nodes(self.job_id):
             fit = int(node.cpus // self.shape.cpus + 1e-9)

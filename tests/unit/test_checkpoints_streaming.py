@@ -315,6 +315,8 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
     own first); record at every optimizer step whether a staging copy was still pending."""
     import time
 
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
     import workers.loop as loop
     from contracts.spec import JobSpec
     from workers.api import NullHooks, TrainContext
@@ -322,23 +324,18 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
     max_steps = 6
     made: list[ShardedCheckpointer] = []
     pending_at_update: list[bool] = []
-    original_make_checkpointer, original_make_strategy = loop.make_checkpointer, loop.make_strategy
+    original_make_checkpointer = loop.make_checkpointer
     original_save = state_dict_saver.save
 
     def make_checkpointer(ctx: Any, spec: Any) -> Any:
         made.append(original_make_checkpointer(ctx, spec))
         return made[-1]
 
-    def make_strategy(kind: Any) -> Any:
-        strategy = original_make_strategy(kind)
-        update = strategy.apply_update
-
-        def apply_update() -> None:
+    def before_update(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        # Every optimizer's step, but torch's own at lr 0 (`get_state_dict` initialising
+        # the optimizer state: zero gradients, no weight changed).
+        if optimizer.param_groups[0]["lr"] != 0:
             pending_at_update.append(made[0]._staging is not None)
-            update()
-
-        strategy.apply_update = apply_update  # type: ignore[method-assign]
-        return strategy
 
     def held_save(*args: Any, **kwargs: Any) -> Any:
         seen, deadline = len(pending_at_update), time.monotonic() + 60
@@ -349,7 +346,8 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
             time.sleep(0.005)
         return original_save(*args, **kwargs)
 
-    loop.make_checkpointer, loop.make_strategy = make_checkpointer, make_strategy
+    loop.make_checkpointer = make_checkpointer
+    register_optimizer_step_pre_hook(before_update)
     state_dict_saver.save = held_save
     spec = JobSpec.model_validate(
         {"name": "s", "workload": {"name": "synthetic", "params": {"num_samples": 64}},

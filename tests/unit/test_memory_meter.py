@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from workers.activation import ActivationMeter
-from workers.loop import MemoryMeter
+from workers.step_metrics import MemoryMeter
 
 
 class Clock:

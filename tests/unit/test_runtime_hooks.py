@@ -59,7 +59,7 @@ def hooks_for(runtime: Runtime, clock: Clock) -> RuntimeHooks:
 
 
 def point(step: int) -> StepMetrics:
-    return StepMetrics(step=step, values={"loss": 1.0})
+    return StepMetrics(step=step, values={"loss": 1.0, "wall_time": 1000.0 + step})
 
 
 def sent(runtime: Runtime) -> list[Any]:
@@ -142,32 +142,52 @@ def test_a_rank_trains_at_normal_priority_not_at_rays_worker_niceness() -> None:
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # per thread
 
 
-def test_rank_0_knows_the_last_step_the_runtime_has_and_nothing_after_a_cut() -> None:
+def test_rank_0_keeps_every_point_the_runtime_is_not_known_to_have() -> None:
     """What the loop keeps with each checkpoint for a resume to hand back: every point
     after the last step the runtime is known to hold."""
     runtime, clock = Runtime(), Clock()
     hooks = hooks_for(runtime, clock)
-    assert hooks.delivered_step() == -1
+    assert hooks.undelivered() == []
     hooks.send(point(1))  # the first goes at once, and is delivered
-    assert hooks.delivered_step() == 1
+    assert hooks.undelivered() == []
     runtime.ready = False  # cut off: pushes go out and never arrive
     for step in range(2, 6):
         clock.now += 1.0
         hooks.send(point(step))
-    assert hooks.delivered_step() == 1
+    assert [p.step for p in hooks.undelivered()] == [2, 3, 4, 5]
     runtime.ready = True  # the network heals: the pending pushes arrive
     clock.now += 1.0
     hooks.send(point(6))
-    assert hooks.delivered_step() == 6
+    assert hooks.undelivered() == []
 
 
 def test_a_checkpoint_keeps_the_newest_points_and_every_undelivered_one() -> None:
-    from workers.loop import kept_with_checkpoint
+    from workers.reports import METRICS_KEPT_WITH_CHECKPOINT, Reports
 
-    recent = [point(s) for s in range(300, 310)]
-    undelivered = [point(s) for s in range(100, 305)]
-    kept = kept_with_checkpoint(recent, undelivered)
-    assert [p.step for p in kept] == list(range(100, 310))
+    runtime, clock = Runtime(), Clock()
+    hooks = hooks_for(runtime, clock)
+    rank0, rank1 = Reports(hooks, rank=0), Reports(hooks, rank=1)
+    newest = METRICS_KEPT_WITH_CHECKPOINT
+    for reports in (rank0, rank1):
+        reports.step(point(1))  # delivered (rank 0's)
+    runtime.ready = False  # cut off: a zombie trains on, twice as long as it keeps points
+    last = 2 * newest + 1
+    for step in range(2, last + 1):
+        clock.now += 1.0
+        for reports in (rank0, rank1):
+            reports.step(point(step))
+    assert [p.step for p in rank0.kept_with_checkpoint()] == list(range(2, last + 1))
+    # Only rank 0 speaks (and tracks delivery); every rank keeps the newest points.
+    assert [p.step for p in rank1.kept_with_checkpoint()] == list(
+        range(last - newest + 1, last + 1)
+    )
+    runtime.ready = True  # the network heals: everything sent has arrived
+    clock.now += 1.0
+    rank0.step(point(last + 1))
+    assert [p.step for p in rank0.kept_with_checkpoint()] == list(
+        range(last - newest + 2, last + 2)
+    )
+    assert [m.step for m in sent(runtime) if isinstance(m, StepMetrics)] == list(range(1, last + 2))
 
 
 def test_the_next_groups_store_listens_from_the_moment_its_port_is_handed_out() -> None:

@@ -53,7 +53,7 @@ PP_TP = {"kind": "pipeline", "pipeline_stages": 2, "tensor_parallel": 2, "microb
 
 def _strategy(strategy: dict[str, Any], rank: int, world_size: int, root: str) -> Any:
     from workers.api import TrainContext
-    from workers.loop import seed_everything
+    from workers.rng import seed_everything
     from workers.strategies import make_strategy
     from workers.workloads import load_workload
 
@@ -91,8 +91,9 @@ def save_after_steps(rank: int, world_size: int, strategy: dict[str, Any], root:
     st, workload = _strategy(strategy, rank, world_size, root)
     samples = [workload.dataset[i] for i in range(4)]
     batch = (torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples]))
+    lr = gpt_spec(strategy).training.learning_rate  # what setup gave the optimizer
     for _ in range(3):
-        st.train_step([batch], 1.0 / 4)
+        st.step([batch], loss_scale=1.0 / 4, lr=lr)
     ckpt = ShardedCheckpointer(Path(root), rank=rank, world_size=world_size, async_save=False)
     ckpt.save(step=3, attempt=0, state=st.state_dict_for_checkpoint(),
               manifest_fields={"strategy": strategy["kind"]})  # fmt: skip

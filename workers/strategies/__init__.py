@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from contracts.spec import StrategyKind
-from workers.strategies.base import Layout, StepOutput, Strategy
+from workers.strategies.base import Layout, MicroBatch, StepResult, Strategy
 
-__all__ = ["Layout", "StepOutput", "Strategy", "make_strategy"]
+__all__ = ["Layout", "MicroBatch", "StepResult", "Strategy", "make_strategy"]
 
 
 def make_strategy(kind: StrategyKind) -> Strategy:

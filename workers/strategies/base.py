@@ -1,22 +1,25 @@
-"""The interface every parallelism strategy (ddp, fsdp, pipeline) implements.
+"""The interface every parallelism strategy (ddp, fsdp, tp, pipeline) implements.
 
-The loop owns the data: for every optimizer step it hands the strategy this rank's share
-of the global batch already cut into micro-batches, plus `loss_scale`, the factor that
-turns a micro-batch's summed loss into this rank's contribution to the global-batch mean
-(so gradients are identical whatever the world size). The strategy owns everything about
-how the model is placed, wrapped, run and synchronised.
+The loop owns the data: for every optimizer step it hands the strategy's `step` this
+rank's share of the global batch already cut into micro-batches, plus `loss_scale`, the
+factor that turns a micro-batch's summed loss into this rank's contribution to the
+global-batch mean (so gradients are identical whatever the world size), and gets back
+what every rank agreed on (the global loss, rank 0's control). The strategy owns
+everything about how the model is placed, wrapped, run and synchronised; each `step`
+reads top to bottom: zero-grad, the micro-batches, clipping, the update.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from contracts.messages import Control
 from contracts.spec import JobSpec
 from workers.activation import ActivationMeter
 from workers.agreement import StepAgreement
@@ -41,16 +44,27 @@ class Layout:
     tp_rank: int = 0
 
 
-@dataclass(frozen=True, kw_only=True)
-class StepOutput:
-    loss: torch.Tensor
-    """This rank's summed per-sample loss over its share, a 0-dim tensor on the device
-    (0 on ranks that see no loss, e.g. non-last pipeline stages); the step agreement sums
-    it over every rank."""
+#: One micro-batch as the loop hands it over: (inputs, targets), on the host.
+MicroBatch = tuple[torch.Tensor, torch.Tensor]
 
-    @property
-    def loss_sum(self) -> float:
-        return float(self.loss.item())  # a host sync: the loop reads the agreed sum instead
+
+def no_staging_wait() -> float:
+    """`Strategy.step`'s `wait_staged` when no checkpoint copy can be pending."""
+    return 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """One optimizer step as every rank agreed on it (`workers.agreement`)."""
+
+    loss_sum: float
+    """The global batch's summed per-sample loss, the same on every rank (the loop divides
+    it by the global batch size for the point on the loss curve)."""
+    control: Control
+    """Rank 0's control (checkpoint, stop), the same on every rank: all act on it at
+    this step."""
+    staging_wait_s: float = 0.0
+    """Seconds the step waited, before its update, for an async checkpoint's staging copy."""
 
 
 class Strategy(ABC):
@@ -63,22 +77,45 @@ class Strategy(ABC):
     #: parameter sets (pipeline stages) needs flattened optimizer state.
     checkpoint_options: Any = None
 
-    @abstractmethod
-    def setup(self, workload: Workload, ctx: TrainContext, spec: JobSpec) -> None:
-        """Place and wrap `workload.model`, build the optimizer (AdamW, spec lr)."""
-
     #: Every rank holds the whole model and optimizer state (ddp): a new group can take
     #: the state from any surviving rank's memory instead of from a checkpoint.
     full_replica: bool = False
 
-    def train_step(
-        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
-    ) -> StepOutput:
-        """One whole optimizer step (`forward_backward` then `optimizer_step`), without a
-        step agreement."""
-        out = self.forward_backward(microbatches, loss_scale)
-        self.optimizer_step()
-        return out
+    #: The max gradient norm (None: no clipping); set in `setup`.
+    grad_clip: float | None = None
+
+    #: Whether the step agreement may ride a collective the step makes anyway (DDP's first
+    #: gradient bucket, the clipping's norm all-reduce); off, it always takes an
+    #: all-reduce of its own (what it costs, and that riding changes no weight, is
+    #: measured and tested against this).
+    agreement_rides_collectives: bool = True
+
+    @abstractmethod
+    def setup(self, workload: Workload, ctx: TrainContext, spec: JobSpec) -> None:
+        """Place and wrap `workload.model`, build the optimizer (AdamW, spec lr)."""
+
+    @abstractmethod
+    def step(
+        self,
+        microbatches: Sequence[MicroBatch],
+        *,
+        loss_scale: float,
+        lr: float,
+        control: Control = Control.NONE,
+        wait_staged: Callable[[], float] = no_staging_wait,
+    ) -> StepResult:
+        """One optimizer step over this rank's share of the global batch, cut into
+        `microbatches`: zero the gradients, accumulate over the micro-batches (gradients
+        synchronised once, with the last), clip, then update the weights at `lr`.
+
+        `loss_scale` turns a micro-batch's summed loss into this rank's share of the
+        global-batch mean. Every rank of a collective group must get the same number of
+        micro-batches (the loop guarantees it), so collectives stay in lockstep.
+        `control` is rank 0's request (NONE elsewhere): before any rank updates its
+        weights, every rank agrees on it and on the global loss (`workers.agreement`).
+        `wait_staged` is called just before the update: an async checkpoint's staging copy
+        of the weights must be complete by then.
+        """
 
     @property
     def activations(self) -> ActivationMeter:
@@ -88,67 +125,30 @@ class Strategy(ABC):
             meter = self.__dict__["_activations"] = ActivationMeter()
         return meter
 
-    def evaluate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def evaluate(self, microbatches: Sequence[MicroBatch]) -> float:
         """Forward only, without dropout: this rank's summed per-sample loss over its share
         (0 where a rank sees no loss). Every rank of a group gets the same number of
         micro-batches, as in training, since forwards may hold collectives (FSDP)."""
         raise NotImplementedError(f"{type(self).__name__} cannot evaluate")
 
-    def set_lr(self, lr: float) -> None:
-        """The learning rate of the next `optimizer_step` (the loop's schedule)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    @abstractmethod
-    def forward_backward(
-        self,
-        microbatches: list[tuple[torch.Tensor, torch.Tensor]],
-        loss_scale: float,
-        agreement: StepAgreement | None = None,
-    ) -> StepOutput:
-        """Forward+backward over the micro-batches, gradients synchronised; no update yet.
-
-        Every rank of a collective group must get the same number of micro-batches (the
-        loop guarantees it), so collectives stay in lockstep. With an `agreement` (the
-        loop's), the strategy offers it this rank's loss as soon as it is known, and may
-        carry it in a gradient collective that sums over every rank (`workers.agreement`);
-        every rank must decide alike whether to.
-        """
-
-    def optimizer_step(self) -> None:
-        """Clip and apply the synchronised gradients."""
-        self.prepare_update()
-        self.apply_update()
-
-    @abstractmethod
-    def prepare_update(self, agreement: StepAgreement | None = None) -> None:
-        """What comes before the weights change (unscale, clip): it touches gradients only.
-        An `agreement` not carried yet is carried by the clipping's norm all-reduce where
-        that sums over every rank, or else started on its own first, so it is in flight
-        while the gradients are clipped."""
-
-    #: The max gradient norm (None: no clipping); set in `setup`.
-    grad_clip: float | None = None
+    def _clipping_carries(self, agreement: StepAgreement) -> bool:
+        """Whether the clipping's norm all-reduce is to carry `agreement`: it is not carried
+        yet, there is clipping, and its all-reduce sums over every rank."""
+        return (
+            self.agreement_rides_collectives
+            and not agreement.settled
+            and self.grad_clip is not None
+            and self._norm_spans_world
+        )
 
     @property
     def _norm_spans_world(self) -> bool:
         """Whether gradient clipping's norm all-reduce sums over every rank."""
         return False
 
-    def _clipping_carry(self, agreement: StepAgreement | None) -> StepAgreement | None:
-        """The agreement for the clipping's norm all-reduce to carry, where it sums over
-        every rank; elsewhere the agreement is started on its own now (if no gradient
-        collective carried it), so it is in flight while the gradients are clipped."""
-        if agreement is None:
-            return None
-        if self.grad_clip is not None and self._norm_spans_world:
-            return agreement
-        agreement.start()
-        return None
-
-    @abstractmethod
-    def apply_update(self) -> None:
-        """The optimizer step: the only part that changes weights and optimizer state."""
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """Model and optimizer state keyed by FQN, as `torch.distributed.checkpoint` wants

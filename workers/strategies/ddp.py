@@ -1,4 +1,5 @@
-"""Data parallelism: `DataParallelStrategy` (what ddp and fsdp share) and `DDPStrategy`.
+"""Data parallelism: `DataParallelStrategy` (the step ddp, fsdp and tp share) and
+`DDPStrategy`, whose gradient all-reduce carries the step agreement (its comm hook).
 
 Every rank is one data-parallel replica (Layout dp = world_size). Gradient accumulation
 over the micro-batches skips gradient sync on all but the last one; the loop's
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import abstractmethod
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from types import EllipsisType
 from typing import Any
@@ -20,10 +22,18 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from contracts.messages import Control
 from contracts.spec import JobSpec, MixedPrecision
 from workers.agreement import StepAgreement
 from workers.api import TrainContext, Workload
-from workers.strategies.base import Layout, StepOutput, Strategy, microbatch_loss
+from workers.strategies.base import (
+    Layout,
+    MicroBatch,
+    StepResult,
+    Strategy,
+    microbatch_loss,
+    no_staging_wait,
+)
 from workers.strategies.grad_norm import clip_grads_
 
 
@@ -36,7 +46,8 @@ _DTYPES = {MixedPrecision.bf16: torch.bfloat16, MixedPrecision.fp16: torch.float
 
 
 class DataParallelStrategy(Strategy):
-    """The step shared by ddp and fsdp; subclasses wrap the model and switch grad sync."""
+    """The step shared by ddp, fsdp and tp; subclasses wrap the model, switch gradient
+    sync and say whether their gradient sync can carry the step agreement."""
 
     def __init__(self, *, grad_clip: float | EllipsisType | None = ...) -> None:
         # `...`: the spec's training.grad_clip (set in setup); tests may override it.
@@ -84,33 +95,71 @@ class DataParallelStrategy(Strategy):
     def grad_sync(self, enabled: bool) -> AbstractContextManager[None]:
         """A context under which backward syncs gradients across replicas or not."""
 
-    def forward_backward(
+    def step(
         self,
-        microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+        microbatches: Sequence[MicroBatch],
+        *,
         loss_scale: float,
-        agreement: StepAgreement | None = None,
-    ) -> StepOutput:
+        lr: float,
+        control: Control = Control.NONE,
+        wait_staged: Callable[[], float] = no_staging_wait,
+    ) -> StepResult:
+        # What every rank must hold alike before any updates its weights: the global loss
+        # and rank 0's control (`workers.agreement`).
+        agreement = StepAgreement(control)
         self.optimizer.zero_grad(set_to_none=True)
+
+        # Gradient accumulation: gradients are synchronised only by the last micro-batch's
+        # backward (DDP's no_sync, FSDP's requires_gradient_sync off, tp's own all-reduce).
         loss_sum = torch.zeros((), device=self.device)
         last = len(microbatches) - 1
         for i, (inputs, targets) in enumerate(microbatches):
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
             with self.grad_sync(i == last):
-                # forward only under autocast: backward under autocast is discouraged
-                with self._autocast(), self.activations.measuring():
-                    loss, summed = microbatch_loss(
-                        self.model, self.loss_fn, inputs, targets, loss_scale
-                    )
-                loss_sum += summed.float()
-                if i == last and agreement is not None:
-                    # Known before the last backward, whose gradient sync may carry it.
+                loss, summed = self._forward(inputs, targets, loss_scale)
+                loss_sum += summed
+                if i == last:
+                    # This rank's loss is known before the last backward: DDP's first
+                    # gradient bucket carries the agreement (`allreduce_carrying_agreement`).
                     agreement.offer(self._reported(loss_sum))
                     self.carry_in_gradient_sync(agreement)
                 if self.scaler is not None:
-                    loss = self.scaler.scale(loss)
+                    loss = self.scaler.scale(loss)  # fp16: scaled, or small gradients underflow
                 loss.backward()
-        return StepOutput(loss=self._reported(loss_sum))
+
+        # Not carried yet: the clipping's norm all-reduce carries the agreement where that
+        # sums over every rank (FSDP, tensor parallel with one replica); else it goes on its
+        # own now, in flight while the gradients are unscaled and clipped.
+        clipping_carries = self._clipping_carries(agreement)
+        if not clipping_carries:
+            agreement.start()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
+        if self.grad_clip is not None:
+            self.clip_gradients(self.grad_clip, agreement if clipping_carries else None)
+        loss_total, agreed = agreement.wait()
+
+        # The update: the only part that changes weights and optimizer state, so an async
+        # checkpoint's staging copy (made during this step's forward and backward) must be
+        # complete first, or this step would leak into the previous step's checkpoint.
+        staging_wait_s = wait_staged()
+        self._set_lr(lr)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skipped when the gradients overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return StepResult(loss_sum=loss_total, control=agreed, staging_wait_s=staging_wait_s)
+
+    def _forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's forward: (loss to call backward on, detached summed loss)."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        # Forward only under autocast: backward under autocast is discouraged.
+        with self._autocast(), self.activations.measuring():
+            loss, summed = microbatch_loss(self.model, self.loss_fn, inputs, targets, loss_scale)
+        return loss, summed.float()
 
     def _reported(self, loss_sum: torch.Tensor) -> torch.Tensor:
         return loss_sum if self._reports_loss else torch.zeros_like(loss_sum)
@@ -118,7 +167,7 @@ class DataParallelStrategy(Strategy):
     def carry_in_gradient_sync(self, agreement: StepAgreement) -> None:
         """Have the last micro-batch's gradient sync carry `agreement`, where it can (DDP)."""
 
-    def evaluate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def evaluate(self, microbatches: Sequence[MicroBatch]) -> float:
         was_training = self.model.training
         self.model.eval()
         total = torch.zeros((), device=self.device)
@@ -139,20 +188,6 @@ class DataParallelStrategy(Strategy):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def prepare_update(self, agreement: StepAgreement | None = None) -> None:
-        carry = self._clipping_carry(agreement)
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
-        if self.grad_clip is not None:
-            self.clip_gradients(self.grad_clip, carry)
-
-    def apply_update(self) -> None:
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
 
     def clip_gradients(self, max_norm: float, carry: StepAgreement | None = None) -> None:
         """Scale the gradients to a global norm of at most `max_norm`; `carry`: a step
@@ -242,7 +277,8 @@ class DDPStrategy(DataParallelStrategy):
         return ddp
 
     def carry_in_gradient_sync(self, agreement: StepAgreement) -> None:
-        self._carrier.agreement = agreement
+        if self.agreement_rides_collectives:
+            self._carrier.agreement = agreement
 
     def grad_sync(self, enabled: bool) -> AbstractContextManager[None]:
         assert isinstance(self.model, DistributedDataParallel)

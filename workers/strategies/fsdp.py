@@ -8,6 +8,10 @@ With `strategy.tensor_parallel: N` (2-D, as torchtitan composes them) the model 
 split over groups of N consecutive ranks (`workers.strategies.tensor_parallel`), then
 FSDP shards each tensor-parallel shard over the data-parallel ranks of the (dp, tp) mesh:
 parameters are DTensors placed (Shard(0) over dp, their tp placement over tp).
+
+The step is `DataParallelStrategy.step` (`workers.strategies.ddp`): with gradient sync off,
+FSDP2 accumulates unsharded gradients and reduce-scatters them at the last micro-batch's
+backward; the step agreement rides the clipping's squared-norm all-reduce, if any.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ group per (stage, tp rank) for the gradient all-reduce, and with T > 1 a tensor-
 group per (replica, stage) inside which the stage's layers are split (3-D parallelism).
 
 Data. The loop gives every rank of a replica the same share, cut into its micro-batches.
-`train_step` concatenates them in consecutive groups of up to `M` (the spec's
+`step` concatenates them in consecutive groups of up to `M` (the spec's
 `strategy.microbatches`) loop micro-batches; each group is one `schedule.step`, split
 into `m` EQUAL pipeline micro-batches, `m` the largest divisor of the group's sample count
 that is <= `M` (`PipelineStage` sizes its receive buffers from the first micro-batch, so
@@ -35,12 +35,12 @@ share is empty runs no schedule and contributes zero gradients to the all-reduce
 
 Loss and gradients. The schedule's loss is the micro-batch's SUMMED per-sample loss
 (`loss_fn` mean times the micro-batch size) with `scale_grads=False`, so after all
-groups each stage holds the gradient of its replica's summed loss. `train_step` then
+groups each stage holds the gradient of its replica's summed loss. `step` then
 multiplies by `loss_scale / dp` and all-reduces (SUM) over the stage's dp group: the
 replicas' gradients are AVERAGED, exactly like DDP/FSDP, so `grad_reduction = "mean"` and
 the loop passes `loss_scale = layout.dp / global_batch_size`
 (what `workers.loop` passes for every strategy). Scaling after the sum rather than inside
-the loss changes nothing but rounding, and keeps the unscaled loss for `StepOutput`.
+the loss changes nothing but rounding, and keeps the unscaled loss for the agreement.
 Then, like the ddp/fsdp strategies, gradients are clipped to a global norm of
 `training.grad_clip` (the norm spans all stages: one scalar all-reduce over the pipeline
 group) and AdamW (`fused=False`, deterministic) steps.
@@ -49,7 +49,7 @@ group) and AdamW (`fused=False`, deterministic) steps.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import EllipsisType
 from typing import cast
@@ -63,10 +63,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from contracts.messages import Control
 from contracts.spec import JobSpec, PipelineSchedule
 from workers.agreement import StepAgreement
 from workers.api import TrainContext, Workload
-from workers.strategies.base import Layout, StepOutput, Strategy
+from workers.strategies.base import (
+    Layout,
+    MicroBatch,
+    StepResult,
+    Strategy,
+    no_staging_wait,
+)
 from workers.strategies.collectives import all_reduce_scaled, broadcast_from_first, local
 from workers.strategies.ddp import grad_clip_of
 from workers.strategies.grad_norm import clip_grads_
@@ -229,7 +236,7 @@ class PipelineStrategy(Strategy):
     # -- training ----------------------------------------------------------------------
 
     def _schedule_steps(
-        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
+        self, microbatches: Sequence[MicroBatch]
     ) -> Iterator[tuple[PipelineScheduleSingle, int, tuple[torch.Tensor, ...], torch.Tensor]]:
         """The schedule runs of a share: consecutive groups of up to `microbatches` loop
         micro-batches, each as (schedule, chunks, the first stage's args, targets), on the
@@ -247,39 +254,72 @@ class PipelineStrategy(Strategy):
             args = (inputs.to(self.device, non_blocking=True),) if self.is_first else ()
             yield schedule, chunks, args, targets.to(self.device, non_blocking=True)
 
-    def forward_backward(
+    def step(
         self,
-        microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+        microbatches: Sequence[MicroBatch],
+        *,
         loss_scale: float,
-        agreement: StepAgreement | None = None,
-    ) -> StepOutput:
+        lr: float,
+        control: Control = Control.NONE,
+        wait_staged: Callable[[], float] = no_staging_wait,
+    ) -> StepResult:
         if not microbatches:
-            raise ValueError("train_step needs at least one micro-batch")
+            raise ValueError("a pipeline step needs at least one micro-batch")
+        # What every rank must hold alike before any updates its weights: the global loss
+        # and rank 0's control (`workers.agreement`).
+        agreement = StepAgreement(control)
         self.optimizer.zero_grad(set_to_none=True)
+
+        # Gradient accumulation: one schedule run per group of loop micro-batches (each
+        # run interleaves its chunks' forwards and backwards over the stages); gradients
+        # add up across runs and are synchronised over the replicas once, after the last.
         loss_sum = torch.zeros((), device=self.device)
         for schedule, chunks, args, targets in self._schedule_steps(microbatches):
-            losses: list[torch.Tensor] = []
-            # The schedule interleaves the chunks' forwards and backwards: the meter sees
-            # all of them, counted per chunk (the stage's activations per micro-batch).
-            with self.activations.measuring(per=chunks):
-                if self.is_last:
-                    schedule.step(*args, target=targets, losses=losses, return_outputs=False)
-                else:
-                    schedule.step(*args, return_outputs=False)
-            if self.is_last:
-                loss_sum += torch.stack([loss.detach() for loss in losses]).sum()
+            loss_sum += self._run_schedule(schedule, chunks, args, targets)
         self._scale_and_sync_grads(loss_scale)
-        out = StepOutput(loss=loss_sum if self._reports_loss else torch.zeros_like(loss_sum))
-        if agreement is not None:
-            agreement.offer(out.loss)
-        return out
+        agreement.offer(loss_sum if self._reports_loss else torch.zeros_like(loss_sum))
+
+        # The clipping's norm all-reduce over the stages carries the agreement where that
+        # sums over every rank (one replica); else it goes on its own now, in flight while
+        # the gradients are clipped.
+        clipping_carries = self._clipping_carries(agreement)
+        if not clipping_carries:
+            agreement.start()
+        if self.grad_clip is not None:
+            self._clip_grads(self.grad_clip, agreement if clipping_carries else None)
+        loss_total, agreed = agreement.wait()
+
+        # The update, once an async checkpoint's staging copy of the weights is complete.
+        staging_wait_s = wait_staged()
+        self._set_lr(lr)
+        self.optimizer.step()
+        return StepResult(loss_sum=loss_total, control=agreed, staging_wait_s=staging_wait_s)
+
+    def _run_schedule(
+        self,
+        schedule: PipelineScheduleSingle,
+        chunks: int,
+        args: tuple[torch.Tensor, ...],
+        targets: torch.Tensor,
+    ) -> torch.Tensor:
+        """One schedule run's forwards and backwards; its summed loss on the last stage
+        (0 elsewhere)."""
+        # The meter sees every chunk's forward, counted per chunk (the stage's activations
+        # per micro-batch).
+        with self.activations.measuring(per=chunks):
+            if not self.is_last:
+                schedule.step(*args, return_outputs=False)
+                return torch.zeros((), device=self.device)
+            losses: list[torch.Tensor] = []
+            schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+        return torch.stack([loss.detach() for loss in losses]).sum()
 
     @property
     def _reports_loss(self) -> bool:
         """The last stage holds the loss; its tensor-parallel ranks all hold the same one."""
         return self.is_last and self.layout.tp_rank == 0
 
-    def evaluate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def evaluate(self, microbatches: Sequence[MicroBatch]) -> float:
         """The schedule's forward-only run (`eval`) over the same chunking as training; the
         loss is on the last stage."""
         was_training = self.model.training
@@ -298,19 +338,11 @@ class PipelineStrategy(Strategy):
             self.model.train(was_training)
         return total if self._reports_loss else 0.0
 
-    def prepare_update(self, agreement: StepAgreement | None = None) -> None:
-        carry = self._clipping_carry(agreement)
-        if self.grad_clip is not None:
-            self._clip_grads(self.grad_clip, carry)
-
     @property
     def _norm_spans_world(self) -> bool:
         # The clipping's all-reduces (over the stage's tp ranks, then over the stages)
         # together sum over every rank when there is one replica.
         return self.layout.dp == 1 and bool(self._norm_groups())
-
-    def apply_update(self) -> None:
-        self.optimizer.step()
 
     def _scale_and_sync_grads(self, loss_scale: float) -> None:
         """grad <- mean over replicas of (loss_scale * grad)."""

@@ -10,7 +10,9 @@ checkpoint need to treat the model as one.
 The `tp` strategy runs `dp = world / tp` replicas of a tensor-parallel model. Replicas
 average their gradients like DDP, bucketed over the local shards, once per step after
 the last micro-batch's backward (DDP's backward-overlapped buckets do not take DTensor
-parameters). Elasticity is on dp: the tp degree is fixed for a job.
+parameters). Elasticity is on dp: the tp degree is fixed for a job. The step is
+`DataParallelStrategy.step` (`workers.strategies.ddp`), with that all-reduce as its
+gradient sync.
 """
 
 from __future__ import annotations

@@ -1,0 +1,93 @@
+"""The loop's side of sharded checkpoints (`checkpoints.dcp`): the checkpointer of an
+attempt, what a save writes beside the model and optimizer state (the manifest's layout,
+data position and extras, each rank's RNG streams), and what it reads back."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from contracts.messages import StepMetrics
+from contracts.spec import JobSpec
+from workers.api import TrainContext
+from workers.rng import get_rng_states
+from workers.strategies import Strategy
+
+if TYPE_CHECKING:  # imported when made, so `workers` imports without DCP loaded
+    from checkpoints.dcp import ShardedCheckpointer
+
+log = logging.getLogger("elastrain.workers.checkpointing")
+
+
+def make_checkpointer(ctx: TrainContext, spec: JobSpec) -> ShardedCheckpointer:
+    from checkpoints.dcp import ShardedCheckpointer
+
+    return ShardedCheckpointer(
+        ctx.checkpoint_root,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        async_save=spec.checkpoint.async_save,
+        # Every step waits for the staging copy before its update (`Strategy.step`).
+        async_staging=spec.checkpoint.async_save,
+    )
+
+
+def save_checkpoint(
+    checkpointer: ShardedCheckpointer,
+    strategy: Strategy,
+    ctx: TrainContext,
+    spec: JobSpec,
+    done: int,
+    *,
+    reason: str,
+    metrics: Iterable[StepMetrics] = (),
+) -> float:
+    """Save a checkpoint of step `done`; returns the seconds training was blocked."""
+    training = spec.training
+    layout = strategy.layout
+    blocked = checkpointer.save(
+        step=done,
+        attempt=ctx.attempt,
+        state=strategy.state_dict_for_checkpoint(),
+        manifest_fields={
+            "strategy": spec.strategy.label,
+            "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp},
+            "data_position": {
+                "step": done,
+                "samples_consumed": done * training.global_batch_size,
+            },
+            "extra": {
+                "seed": training.seed,
+                "global_batch_size": training.global_batch_size,
+                "micro_batch_size": training.micro_batch_size,
+                "metrics": [m.to_point() for m in metrics],
+                # With the manifest's commit time: the save's seconds (Prometheus).
+                "save_started_at": time.time(),
+            },
+        },
+        rank_extra=get_rng_states(ctx.world_size),
+    )
+    if ctx.rank == 0:
+        log.info("checkpoint at step %d (%s): blocked %.3fs", done, reason, blocked)
+    return float(blocked)
+
+
+def saved_metrics(extra: dict[str, Any]) -> tuple[StepMetrics, ...]:
+    """The metric points a checkpoint's manifest carries (see `save_checkpoint`)."""
+    return tuple(StepMetrics.from_point(p) for p in extra.get("metrics") or ())
+
+
+@contextlib.contextmanager
+def settles_staging(checkpointer: ShardedCheckpointer) -> Iterator[None]:
+    """Leaving by an exception, first let an async save's staging copy finish: this
+    process's state may live on for the next attempt (ReplicaMemory), which must not
+    change it under the copy."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # the failure being raised says more
+            checkpointer.wait_staged()
+        raise

@@ -105,6 +105,10 @@ class TrainContext:
     abort: threading.Event | None = None
     """Set by the launcher glue when the attempt is released under the loop: every rank
     checks it between steps and raises `AttemptAborted` (no collective needed)."""
+    database: str = ""
+    """The database the job is stored in: the job's folder must be fenced by it
+    (`checkpoints.fence.Fence.owner`), else another database's job of the same id owns it
+    now and this rank writes nothing more."""
 
 
 class AttemptAborted(Exception):

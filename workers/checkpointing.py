@@ -32,6 +32,7 @@ def make_checkpointer(ctx: TrainContext, spec: JobSpec) -> ShardedCheckpointer:
         async_save=spec.checkpoint.async_save,
         # Every step waits for the staging copy before its update (`Strategy.step`).
         async_staging=spec.checkpoint.async_save,
+        owner=ctx.database,
     )
 
 

@@ -112,7 +112,7 @@ def _train(
     stalled = 0.0  # seconds the last checkpoint save blocked training (goodput)
     # A newer attempt of the job exists (this one's node was declared lost but its
     # processes live on): stop before doing or writing anything more (checkpoints/fence.py).
-    fence = FenceWatcher(ctx.checkpoint_root.parent, ctx.attempt)
+    fence = FenceWatcher(ctx.checkpoint_root.parent, ctx.attempt, owner=ctx.database)
     with stops_when_superseded(ctx), settles_staging(checkpointer):
         for step in range(start_step, max_steps):
             if ctx.abort is not None and ctx.abort.is_set():

@@ -346,6 +346,7 @@ class WorkerProcess:
             log_path=log_path,
             storage_root=Path(a.storage_path),
             abort=self._abort,
+            database=a.database,
         )
         try:
             package = self._use_package(a)

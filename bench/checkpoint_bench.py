@@ -11,8 +11,8 @@ Writes the report into its block of docs/bench-checkpoint.md (the notes around i
 Definitions:
 - blocked: seconds the training loop waited for the checkpointer: in save() (sync: DCP
   write with fsync, sha256 taken while writing, manifest) plus, for async saves with
-  overlapped staging, `wait_staged()` before the next optimizer step (as workers/loop.py
-  does) until the staging copy is made.
+  overlapped staging, `wait_staged()` before the next optimizer step (as every strategy's
+  `step` does) until the staging copy is made.
 - extra: how much longer the K steps right after save() took than K steps without a save,
   less the staging wait counted in blocked (the background copy, write and hashing
   competing with training for CPU and memory bandwidth).
@@ -70,7 +70,7 @@ def train_step(
     ckpt: ShardedCheckpointer | None = None,
 ) -> float:
     """One step; returns the seconds waited for an async save's staging copy (before the
-    optimizer step, as workers/loop.py waits)."""
+    optimizer step, as a strategy's `step` waits)."""
     x = torch.randn(8, width)
     optim.zero_grad()
     F.mse_loss(model(x), x).backward()

@@ -323,6 +323,8 @@ class TimelineMark:
     phase: Phase
     at: float
     detail: str = ""
+    source: RestoreSource | None = None
+    """Where STATE_RESTORED took the state from; None for a fresh start and other phases."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -351,6 +353,7 @@ class Timeline:
                     "seconds": round(mark.at - prev, 3),
                     "since_start_s": round(mark.at - start, 3),
                     "detail": mark.detail,
+                    "source": mark.source.value if mark.source is not None else None,
                 }
             )
             prev = mark.at

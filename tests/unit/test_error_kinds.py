@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+from datetime import timedelta
+from typing import Any
+
 import pytest
+import torch
 import torch.distributed as dist
 
 from contracts.messages import ErrorKind, WorkerError
 from workers.errors import error_kind
+from workers.rendezvous import host_store
 from workers.workloads import WorkloadError
 
 # What gloo raised in torch 2.13 on CPU to the surviving rank when its peer's process
@@ -49,6 +56,48 @@ class PeerResetError(RuntimeError):
 )
 def test_error_kind(exc: BaseException, kind: ErrorKind) -> None:
     assert error_kind(exc) == kind
+
+
+def _rank(rank: int, port: int, ddp: bool, kinds: Any) -> None:
+    """Rank 1 exits after two steps; rank 0 reports the kind of what its next step raised."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4)) if ddp else None
+    for step in range(50):
+        if rank == 1 and step == 2:
+            os._exit(0)  # the peer's process is gone: no goodbye
+        try:
+            if model is not None:
+                model(torch.randn(2, 4)).sum().backward()
+            else:
+                dist.all_reduce(torch.ones(1000))
+        except Exception as exc:
+            kinds.put(error_kind(exc).value)
+            kinds.close()
+            kinds.join_thread()  # delivered before the hard exit (no gloo teardown to hang in)
+            os._exit(0)
+    kinds.put("no error")
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["all_reduce", "ddp_backward"])
+def test_a_real_gloo_peer_loss_is_peer_lost(ddp: bool) -> None:
+    # What gloo raises here is what `_GLOO_PEER_GONE` must recognise, in this torch.
+    spawn = mp.get_context("spawn")
+    kinds = spawn.Queue()
+    store = host_store("127.0.0.1", 2, timedelta(seconds=60))  # listening before the ranks
+    ranks = [spawn.Process(target=_rank, args=(r, store.port, ddp, kinds)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        assert kinds.get(timeout=120) == ErrorKind.PEER_LOST.value
+    finally:
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
 
 
 def test_the_kind_survives_the_database() -> None:

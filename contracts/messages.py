@@ -56,12 +56,28 @@ class DriverStatus(str, Enum):
         )
 
 
+class ErrorKind(str, Enum):
+    """What kind of failure a `WorkerError` records, set where the error is made (the rank's
+    process knows what it caught, the driver knows which process died or hung). The driver
+    and the scheduler decide on this, never on the type name or the message text."""
+
+    RAISED = "raised"  # the workload or the loop raised: maybe transient, retried
+    CONFIGURATION = "configuration"  # the workload cannot be built from the spec: not retried
+    PEER_LOST = "peer_lost"  # a collective failed because a peer went away: an echo, not a cause
+    PROCESS_DIED = "process_died"  # the rank's process died (the driver saw it go)
+    STUCK = "stuck"  # the rank did not return in the grace after another rank failed
+    ABORTED = "aborted"  # the attempt was released while it ran
+    DRIVER_LOST = "driver_lost"  # the runtime no longer knows the attempt
+    GROUP_FAILED = "group_failed"  # the group failed and no rank said why
+    BUSY = "busy"  # the process was still running another attempt
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerError:
     """Why an attempt failed, as a record rather than a string to re-parse."""
 
     type: str
-    """The exception's class name (`ValueError`), or `DriverLost` / `WorkerGroupError`."""
+    """The exception's class name (`ValueError`), for people; decisions read `kind`."""
     message: str
     """The most specific line of the exception's text."""
     rank: int | None = None
@@ -71,12 +87,14 @@ class WorkerError:
     step: int | None = None
     """The optimizer step the rank was on (None: before training started)."""
     traceback: str = ""
+    kind: ErrorKind = ErrorKind.RAISED
 
     @classmethod
     def from_exception(
         cls,
         exc: BaseException,
         *,
+        kind: ErrorKind = ErrorKind.RAISED,
         rank: int | None = None,
         node_id: str | None = None,
         hostname: str | None = None,
@@ -97,6 +115,7 @@ class WorkerError:
             pid=pid,
             step=step,
             traceback=traceback,
+            kind=kind,
         )
 
     @property
@@ -126,6 +145,7 @@ class WorkerError:
             "pid": self.pid,
             "step": self.step,
             "traceback": self.traceback,
+            "kind": self.kind.value,
         }
 
     @classmethod
@@ -139,7 +159,32 @@ class WorkerError:
             pid=data.get("pid"),
             step=data.get("step"),
             traceback=str(data.get("traceback") or ""),
+            kind=_kind_of(data),
         )
+
+
+#: What rows stored before errors had a kind said in `type`.
+_LEGACY_KINDS = {
+    "WorkloadError": ErrorKind.CONFIGURATION,
+    "WorkerDied": ErrorKind.PROCESS_DIED,
+    "WorkerStuck": ErrorKind.STUCK,
+    "Aborted": ErrorKind.ABORTED,
+    "DriverLost": ErrorKind.DRIVER_LOST,
+    "WorkerGroupError": ErrorKind.GROUP_FAILED,
+    "WorkerBusy": ErrorKind.BUSY,
+}
+
+
+def _kind_of(data: dict[str, Any]) -> ErrorKind:
+    """The stored kind; a row written before errors had one gets the kind its made-up type
+    name stood for (else RAISED), so old failures still count as what they were."""
+    stored = data.get("kind")
+    if stored is not None:
+        try:
+            return ErrorKind(stored)
+        except ValueError:
+            return ErrorKind.RAISED
+    return _LEGACY_KINDS.get(str(data.get("type")), ErrorKind.RAISED)
 
 
 class Control(str, Enum):
@@ -278,6 +323,8 @@ class TimelineMark:
     phase: Phase
     at: float
     detail: str = ""
+    source: RestoreSource | None = None
+    """Where STATE_RESTORED took the state from; None for a fresh start and other phases."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -306,6 +353,7 @@ class Timeline:
                     "seconds": round(mark.at - prev, 3),
                     "since_start_s": round(mark.at - start, 3),
                     "detail": mark.detail,
+                    "source": mark.source.value if mark.source is not None else None,
                 }
             )
             prev = mark.at

@@ -41,6 +41,7 @@ from contracts.messages import (
     Control,
     DriverReport,
     DriverStatus,
+    ErrorKind,
     EventKind,
     WorkerError,
 )
@@ -414,10 +415,11 @@ def _on_failure(job: JobView, facts: Facts, report: DriverReport) -> list[Action
     lost_driver = report.status == DriverStatus.LOST
     error = report.error or WorkerError(
         type="DriverLost" if lost_driver else "WorkerGroupError",
+        kind=ErrorKind.DRIVER_LOST if lost_driver else ErrorKind.GROUP_FAILED,
         message="driver lost" if lost_driver else "worker group failed",
     )
     step = progress(job, report)
-    if error.type in CONFIGURATION_ERRORS:
+    if error.kind == ErrorKind.CONFIGURATION:
         # Deterministic: every restart would fail the same way, after a backoff each.
         return [
             EndAttempt(outcome=AttemptOutcome.FAILED, error=error, step=step, count_restart=False),
@@ -662,10 +664,6 @@ class FailureDecision:
     reason: str
     delay_s: float = 0.0
 
-
-#: Errors that say the job is misconfigured (its workload cannot be built from the spec:
-#: a missing module, params the factory refuses): the job fails at once, unretried.
-CONFIGURATION_ERRORS = frozenset({"WorkloadError"})
 
 #: The same error at the same step this many times in a row fails the job: a restart
 #: would only repeat it.

@@ -13,7 +13,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from contracts.messages import Control, DriverReport, DriverStatus, WorkerError
+from contracts.messages import Control, DriverReport, DriverStatus, ErrorKind, WorkerError
 from contracts.runtime import RUNTIME_NAME, AttemptKey, LaunchRequest, Reconcile
 from service.capacity import ClusterCapacity, NodeCapacity
 from service.settings import Settings
@@ -148,7 +148,10 @@ class RuntimeClient:
 
 
 def _lost(why: str) -> DriverReport:
-    return DriverReport(status=DriverStatus.LOST, error=WorkerError(type="DriverLost", message=why))
+    return DriverReport(
+        status=DriverStatus.LOST,
+        error=WorkerError(type="DriverLost", kind=ErrorKind.DRIVER_LOST, message=why),
+    )
 
 
 HEAD_RESOURCE = "node:__internal_head__"

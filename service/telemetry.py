@@ -135,10 +135,10 @@ def _report_samples(messages: Iterable[object], tenant: str) -> Iterator[Sample]
                 yield Sample(CHECKPOINT_SAVE, (), seconds)
         elif isinstance(message, Timeline):
             yield Sample(STARTS, (message.cause,), message.total_s)
-            for phase in message.phases():
-                if phase["phase"] == Phase.STATE_RESTORED.value:
-                    source = "peer" if "peer" in str(phase["detail"]) else "checkpoint"
-                    yield Sample(RESTORES, (source,), float(phase["seconds"]))
+            for mark, phase in zip(message.marks, message.phases(), strict=True):
+                # A fresh start (no source) restored nothing: not a restore to time.
+                if mark.phase == Phase.STATE_RESTORED and mark.source is not None:
+                    yield Sample(RESTORES, (mark.source.value,), float(phase["seconds"]))
         elif isinstance(message, StepMetrics):
             stall = goodput.step_seconds(message.values)[1]
             if stall > 0:

@@ -101,7 +101,12 @@ def _train(
         attempt=ctx.attempt, recent=reports.recent,
     )  # fmt: skip
     reports.send(
-        TimelineMark(phase=Phase.STATE_RESTORED, at=time.time(), detail=describe_restore(restored))
+        TimelineMark(
+            phase=Phase.STATE_RESTORED,
+            at=time.time(),
+            detail=describe_restore(restored),
+            source=restored.source if restored is not None else None,
+        )
     )
 
     # Every strategy averages gradients over the dp replicas; each replica's summed

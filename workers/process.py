@@ -35,6 +35,7 @@ import ray
 from contracts.group import Assignment, HeldState, RunOutcome, WorkerInfo
 from contracts.messages import (
     Control,
+    ErrorKind,
     EventKind,
     Phase,
     StepMetrics,
@@ -43,6 +44,7 @@ from contracts.messages import (
     WorkerEvent,
     WorkerMessage,
 )
+from contracts.runtime import AttemptKey
 from contracts.storage import JobStorage
 
 if TYPE_CHECKING:  # torch is imported when the process starts, not by the runtime
@@ -74,7 +76,7 @@ class RuntimeHooks:
     def __init__(
         self,
         runtime: Any,
-        key: tuple[int, int],
+        key: AttemptKey,
         take_control: Callable[[], Control],
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -211,7 +213,7 @@ class WorkerProcess:
         self._abort = threading.Event()
         # Controls pushed by the runtime, by attempt, until that attempt's rank 0 takes them
         # (one can arrive before the rank it is for has started).
-        self._controls: dict[tuple[int, int], list[Control]] = {}
+        self._controls: dict[AttemptKey, list[Control]] = {}
         self._hosted_store: TCPStore | None = None  # the next group's, until rank 0 takes it
 
     def describe(self) -> WorkerInfo:
@@ -257,15 +259,12 @@ class WorkerProcess:
             if self._busy:
                 self._abort.set()
 
-    def control(self, key: tuple[int, int], controls: list[Control]) -> None:
+    def control(self, key: AttemptKey, controls: list[Control]) -> None:
         """The runtime's requests for an attempt whose rank 0 runs here (or will)."""
-        job_id, attempt = key
         with self._lock:
-            self._controls.setdefault((int(job_id), int(attempt)), []).extend(
-                Control(c) for c in controls
-            )
+            self._controls.setdefault(AttemptKey(*key), []).extend(Control(c) for c in controls)
 
-    def _take_control(self, key: tuple[int, int]) -> Control:
+    def _take_control(self, key: AttemptKey) -> Control:
         with self._lock:
             queued = self._controls.get(key)
             return queued.pop(0) if queued else Control.NONE
@@ -281,14 +280,16 @@ class WorkerProcess:
             if self._busy:
                 return RunOutcome(
                     rank=assignment.rank,
-                    error=WorkerError(type="WorkerBusy", message=f"{self.name} is busy"),
+                    error=WorkerError(
+                        type="WorkerBusy", kind=ErrorKind.BUSY, message=f"{self.name} is busy"
+                    ),
                 )
             self._busy = True
             self._abort.clear()
             if assignment.database != self.database:  # never another database's job 1
                 self.memory.forget()
                 self.database = assignment.database
-            key = (assignment.job_id, assignment.attempt)
+            key = AttemptKey(assignment.job_id, assignment.attempt)
             # Requests for attempts that ended here (or never started) are moot now.
             self._controls = {k: v for k, v in self._controls.items() if k == key}
         try:
@@ -325,6 +326,7 @@ class WorkerProcess:
         import torch.distributed as dist
 
         from workers.api import AttemptAborted, TrainContext
+        from workers.errors import error_kind
         from workers.loop import train
 
         if self.memory.job_id not in (None, a.job_id):
@@ -369,7 +371,7 @@ class WorkerProcess:
             hooks: Any = SilentHooks()
             if a.rank == 0:
                 runtime = ray.get_actor(a.runtime_name, namespace=a.namespace)
-                key = (a.job_id, a.attempt)
+                key = AttemptKey(a.job_id, a.attempt)
                 hooks = RuntimeHooks(runtime, key, lambda: self._take_control(key))
                 hooks.send(TimelineMark(phase=Phase.GROUP_FORMED, at=time.time()))
                 if package is not None:
@@ -387,6 +389,7 @@ class WorkerProcess:
         except Exception as exc:
             error = WorkerError.from_exception(
                 exc,
+                kind=error_kind(exc),
                 rank=a.rank,
                 node_id=self.node_id,
                 hostname=socket.gethostname(),

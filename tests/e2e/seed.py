@@ -58,6 +58,7 @@ from contracts.messages import (
     DriverStatus,
     EventKind,
     Phase,
+    RestoreSource,
     StepMetrics,
     Timeline,
     TimelineMark,
@@ -568,7 +569,8 @@ class _Play:
             self.step = info.step
             self._log(f"resumed from {info.path} at step {info.step}")
         restored = f"checkpoint step {info.step}" if info is not None else "fresh start"
-        self._mark(Phase.STATE_RESTORED, detail=restored)
+        source = RestoreSource.CHECKPOINT if info is not None else None
+        self._mark(Phase.STATE_RESTORED, detail=restored, source=source)
         self.first_step = self.step + 1
         self._pass()
         self.run.advance(FIRST_STEP_S)
@@ -635,11 +637,18 @@ class _Play:
     def _log(self, message: str) -> None:
         self.run.log(self.job_id, self.attempt, message)
 
-    def _mark(self, phase: Phase, *, at: float | None = None, detail: str = "") -> None:
+    def _mark(
+        self,
+        phase: Phase,
+        *,
+        at: float | None = None,
+        detail: str = "",
+        source: RestoreSource | None = None,
+    ) -> None:
         """A phase of the attempt's start reached (at the run's time: simulated seconds,
         moved with the other timestamps afterwards)."""
         at = self.run.now() if at is None else at
-        self._marks.append(TimelineMark(phase=phase, at=at, detail=detail))
+        self._marks.append(TimelineMark(phase=phase, at=at, detail=detail, source=source))
 
     def _send_timeline(self) -> None:
         """The first step is done: the driver sends the attempt's timeline, right after

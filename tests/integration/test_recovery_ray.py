@@ -67,6 +67,11 @@ def test_kill_9_of_a_worker_restarts_from_checkpoint_and_succeeds(service: TestC
     assert steps == list(range(1, STEPS + 1))
     timelines = [e for e in events(service, job_id) if e["kind"] == "timeline"]
     assert [t["details"]["cause"] for t in timelines] == ["submitted", "failed"], timelines
+    restored = [p for p in timelines[1]["details"]["phases"] if p["phase"] == "state_restored"]
+    assert [p["source"] for p in restored] == ["peer"], timelines
+    # The attempt's failure is the killed process, not a survivor's broken collective.
+    (failure,) = [e for e in events(service, job_id) if e["kind"] == "worker_error"]
+    assert (failure["details"]["kind"], failure["details"]["rank"]) == ("process_died", 1), failure
 
 
 def test_checkpoint_now_saves_off_schedule(service: TestClient) -> None:

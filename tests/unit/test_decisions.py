@@ -20,6 +20,7 @@ from contracts.messages import (
     Control,
     DriverReport,
     DriverStatus,
+    ErrorKind,
     EventKind,
     Placement,
     StepMetrics,
@@ -277,7 +278,9 @@ ROWS: list[Any] = [
         [
             EndAttempt(
                 outcome=AttemptOutcome.FAILED,
-                error=WorkerError(type="DriverLost", message="driver lost"),
+                error=WorkerError(
+                    type="DriverLost", kind=ErrorKind.DRIVER_LOST, message="driver lost"
+                ),
                 step=30,
                 count_restart=True,
             ),
@@ -706,7 +709,10 @@ def test_placement_message_gives_rank_order() -> None:
 
 def test_a_workload_that_cannot_be_built_fails_at_once_unretried() -> None:
     broken = WorkerError(
-        type="WorkloadError", message="workload.entrypoint: cannot import module 'x'", rank=0
+        type="KeyError",  # the kind decides, whatever the exception's class
+        kind=ErrorKind.CONFIGURATION,
+        message="workload.entrypoint: cannot import module 'x'",
+        rank=0,
     )
     actions = decide(job(S.RUNNING), facts(report=report(DriverStatus.FAILED, error=broken)))
     assert actions[0] == EndAttempt(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from contracts.group import HeldState, WorkerInfo
-from contracts.messages import WorkerError
+from contracts.messages import ErrorKind, WorkerError
 from contracts.runtime import JobRef
 from contracts.spec import JobSpec
 from tests.factories import spec_dict
@@ -85,9 +85,14 @@ def test_warm_target(node_cpus: float, busy: int, per_node: int, expected: int) 
     assert warm_target(node_cpus=node_cpus, busy=busy, per_node=per_node) == expected
 
 
-ECHO = WorkerError(type="RuntimeError", message="Connection closed by peer [10.0.0.2]:1234", rank=0)
-OWN = WorkerError(type="ValueError", message="bad batch", rank=1)
-DIED = WorkerError(type="WorkerDied", message="the process of rank 2 died", rank=2)
+# The kind decides, not the text: ECHO's message says nothing of a peer, OWN's does.
+ECHO = WorkerError(type="RuntimeError", kind=ErrorKind.PEER_LOST, message="read error", rank=0)
+OWN = WorkerError(type="ValueError", message="Connection reset by peer in my data", rank=1)
+DIED = WorkerError(
+    type="ActorDiedError", kind=ErrorKind.PROCESS_DIED, message="the process died", rank=2
+)
+STUCK = WorkerError(type="WorkerStuck", kind=ErrorKind.STUCK, message="did not let go", rank=0)
+CONFIG = WorkerError(type="WorkloadError", kind=ErrorKind.CONFIGURATION, message="x", rank=3)
 
 
 @pytest.mark.parametrize(
@@ -97,6 +102,9 @@ DIED = WorkerError(type="WorkerDied", message="the process of rank 2 died", rank
         ([ECHO, OWN], OWN),  # a real error before an echo of it
         ([ECHO], ECHO),  # nothing better
         ([OWN, DIED], DIED),
+        ([STUCK, OWN], OWN),  # a rank hung behind a failed one is not the cause
+        ([ECHO, STUCK], ECHO),  # only echoes: the first
+        ([ECHO, CONFIG, OWN], CONFIG),
     ],
 )
 def test_cause_of(errors: list[WorkerError], expected: WorkerError) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from contracts.group import Assignment
 from contracts.messages import Control, EventKind, StepMetrics, WorkerEvent
+from contracts.runtime import AttemptKey
 from tests.unit.test_workers_train import make_spec
 from workers.process import (
     _PUSH_INTERVAL_S,
@@ -55,7 +56,7 @@ def hooks_for(runtime: Runtime, clock: Clock) -> RuntimeHooks:
     def wait(refs: list[Any], **_: Any) -> tuple[list[Any], list[Any]]:
         return (list(refs), []) if runtime.ready else ([], list(refs))
 
-    return RuntimeHooks(runtime, (7, 2), runtime.take_control, clock=clock, wait=wait)
+    return RuntimeHooks(runtime, AttemptKey(7, 2), runtime.take_control, clock=clock, wait=wait)
 
 
 def point(step: int) -> StepMetrics:
@@ -109,11 +110,13 @@ def test_a_control_costs_no_remote_call_and_flushes_metrics_first() -> None:
 def test_the_process_keeps_pushed_controls_by_attempt_until_its_rank_0_takes_them() -> None:
     process = WorkerProcess.__new__(WorkerProcess)  # no Ray, no torch: only the mailbox
     process._lock, process._controls = threading.Lock(), {}
-    process.control((7, 2), [Control.CHECKPOINT])  # before rank 0 of attempt 2 started
-    process.control([7, 1], ["stop"])  # keys and values as Ray may unpickle them
-    assert process._take_control((7, 1)) == Control.STOP
-    assert process._take_control((7, 2)) == Control.CHECKPOINT
-    assert process._take_control((7, 2)) == Control.NONE
+    process.control(AttemptKey(7, 2), [Control.CHECKPOINT])  # before rank 0 of attempt 2 started
+    process.control([7, 1], ["stop"])  # keys and values as plain data: still one key shape
+    assert list(process._controls) == [AttemptKey(7, 2), AttemptKey(7, 1)]
+    assert all(type(k) is AttemptKey for k in process._controls)
+    assert process._take_control(AttemptKey(7, 1)) == Control.STOP
+    assert process._take_control(AttemptKey(7, 2)) == Control.CHECKPOINT
+    assert process._take_control(AttemptKey(7, 2)) == Control.NONE
 
 
 def test_a_rank_trains_at_normal_priority_not_at_rays_worker_niceness() -> None:

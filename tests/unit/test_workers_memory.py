@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from contracts.messages import RestoreSource
+from contracts.messages import Phase, RestoreSource, TimelineMark
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_workers_train import STEPS, make_spec
 from workers.api import Control, NullHooks, TrainContext
@@ -97,6 +97,16 @@ def test_the_new_group_resumes_from_memory_without_a_checkpoint(run: dict[str, A
     # Rank 0's metric points travel with the state, like those saved with a checkpoint.
     assert [m.step for m in resumed.metrics] == [1, 2, 3]
     assert not any(e.event.value == "checkpoint_fallback" for e in after.events)
+    # The timeline says where the state came from as a type, not in its text.
+    assert _restored_from(after) == RestoreSource.PEER
+    assert _restored_from(run["rank0"]["first"]) is None  # a fresh start
+
+
+def _restored_from(hooks: NullHooks) -> RestoreSource | None:
+    (mark,) = [
+        m for m in hooks.messages if isinstance(m, TimelineMark) and m.phase == Phase.STATE_RESTORED
+    ]
+    return mark.source
 
 
 def test_no_step_is_lost_and_the_curve_is_the_same(run: dict[str, Any]) -> None:

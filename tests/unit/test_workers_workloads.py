@@ -101,6 +101,19 @@ def test_load_workload_errors_name_the_field(spec: dict, message: str) -> None:
         load_workload(WorkloadSpec.model_validate(spec))
 
 
+def refusing_factory(size: int = 1) -> Workload:
+    """A user's factory that refuses its params with an ordinary exception."""
+    raise KeyError(f"no model of size {size}")
+
+
+def test_a_factory_that_raises_while_building_is_a_configuration_error() -> None:
+    # Not retried (the scheduler fails the job at once on a WorkloadError), and the job's
+    # failure says what the factory said.
+    spec = WorkloadSpec(entrypoint=f"{__name__}:refusing_factory", params={"size": 7})
+    with pytest.raises(WorkloadError, match=r"refusing_factory raised KeyError .*size 7"):
+        load_workload(spec)
+
+
 def test_custom_entrypoint() -> None:
     w = load_workload(
         WorkloadSpec(entrypoint="workers.workloads.synthetic:build", params={"num_samples": 8})

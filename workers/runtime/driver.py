@@ -31,6 +31,7 @@ from contracts.messages import (
     Control,
     DriverReport,
     DriverStatus,
+    ErrorKind,
     Phase,
     Placement,
     Resumed,
@@ -367,7 +368,8 @@ class AttemptDriver:
             except ray.exceptions.RayActorError as exc:
                 self.pool.give_back(worker, None, alive=False)
                 outcomes[rank] = WorkerError(
-                    type="WorkerDied",
+                    type=type(exc).__name__,
+                    kind=ErrorKind.PROCESS_DIED,
                     message=f"the process of rank {rank} died: {str(exc).splitlines()[0][:300]}",
                     rank=rank,
                     node_id=worker.node_id,
@@ -398,7 +400,9 @@ class AttemptDriver:
         if errors:
             return DriverStatus.FAILED, cause_of(errors)
         if any(isinstance(o, RunOutcome) and o.aborted for o in outcomes):
-            return DriverStatus.FAILED, WorkerError(type="Aborted", message="attempt released")
+            return DriverStatus.FAILED, WorkerError(
+                type="AttemptAborted", kind=ErrorKind.ABORTED, message="attempt released"
+            )
         rank0 = outcomes[0]
         assert isinstance(rank0, RunOutcome)
         return (DriverStatus.STOPPED if rank0.stopped_early else DriverStatus.SUCCEEDED), None
@@ -448,21 +452,22 @@ def private_worker_options(spec: JobSpec) -> dict[str, Any] | None:
 
 def cause_of(errors: Sequence[WorkerError]) -> WorkerError:
     """The error that explains the failure: a process that died, else an error that is not
-    merely a survivor's broken collective, else the first."""
-    died = [e for e in errors if e.type == "WorkerDied"]
+    merely a survivor's broken collective (nor a rank stuck behind one), else the first."""
+    died = [e for e in errors if e.kind == ErrorKind.PROCESS_DIED]
     if died:
         return died[0]
-    own = [e for e in errors if not _is_collective_echo(e)]
+    own = [e for e in errors if e.kind not in _ECHOES]
     return (own or list(errors))[0]
 
 
-def _is_collective_echo(error: WorkerError) -> bool:
-    text = error.message.lower()
-    return any(
-        marker in text
-        for marker in ("connection closed by peer", "connection reset", "broken pipe", "timed out")
-    )
+#: Kinds that follow from another rank's failure rather than explain it.
+_ECHOES = frozenset({ErrorKind.PEER_LOST, ErrorKind.STUCK})
 
 
 def _stuck(rank: int) -> WorkerError:
-    return WorkerError(type="WorkerStuck", message=f"rank {rank} did not let go in time", rank=rank)
+    return WorkerError(
+        type="WorkerStuck",
+        kind=ErrorKind.STUCK,
+        message=f"rank {rank} did not let go in time",
+        rank=rank,
+    )

@@ -43,7 +43,16 @@ def load_workload(spec: WorkloadSpec, *, storage_root: Path | None = None) -> Wo
         raise WorkloadError(f"workload.params do not fit {entrypoint}: {exc}") from exc
     except ValueError:
         pass  # no introspectable signature (a C callable): let the call itself complain
-    workload = factory(**params)
+    try:
+        workload = factory(**params)
+    except WorkloadError:
+        raise
+    except Exception as exc:
+        # A factory that cannot build the workload from these params will not build it on a
+        # retry either: a configuration error, with the factory's own words.
+        raise WorkloadError(
+            f"workload: {entrypoint} raised {type(exc).__name__} while building: {exc}"
+        ) from exc
     if not isinstance(workload, Workload):
         raise WorkloadError(
             f"workload.entrypoint: {entrypoint} returned {type(workload).__name__}, "

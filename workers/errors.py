@@ -1,0 +1,48 @@
+"""What kind of failure a rank's exception is, decided where it was caught.
+
+The driver and the scheduler decide on `contracts.messages.ErrorKind` alone; this module is
+the one place that looks at an exception to name its kind.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from contracts.messages import ErrorKind
+from workers.workloads import WorkloadError
+
+#: Words gloo's transport puts in the error a rank gets when a peer of its collective went
+#: away (closed its end, reset the connection, stopped answering).
+_GLOO_PEER_GONE = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+)
+
+
+def error_kind(exc: BaseException) -> ErrorKind:
+    """The kind of `exc`, caught from a rank's training: a workload that cannot be built is
+    a configuration error; a collective broken by a peer that went away is an echo of that
+    peer's failure (PEER_LOST); anything else the workload or the loop raised (RAISED)."""
+    if isinstance(exc, WorkloadError):
+        return ErrorKind.CONFIGURATION
+    if isinstance(exc, (dist.DistNetworkError, dist.DistBackendError)):
+        return ErrorKind.PEER_LOST
+    if _is_gloo_peer_gone(exc):
+        return ErrorKind.PEER_LOST
+    return ErrorKind.RAISED
+
+
+def _is_gloo_peer_gone(exc: BaseException) -> bool:
+    """Whether `exc` is gloo's report of a peer gone from a collective.
+
+    Gloo raises a plain RuntimeError for it (not torch's DistNetworkError: its transport
+    errors reach Python untranslated, in torch 2.13 for all-reduce and for DDP's backward
+    alike), and nothing but its text tells it from any other RuntimeError. So the text is
+    read here, once, at the source; everything downstream reads the kind.
+    """
+    if type(exc) is not RuntimeError:
+        return False
+    text = str(exc).lower()
+    return "gloo" in text and any(marker in text for marker in _GLOO_PEER_GONE)

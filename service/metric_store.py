@@ -86,16 +86,20 @@ def update_summaries_of(
         old = stored.get(key)
         merged = summary if old is None else merge(old, summary)
         merged_all[key] = merged
-        fields = {f: getattr(merged, f) for f in _FIELDS}
         if old is None:
-            new.append({"job_id": key[0], "width": key[1], "bucket": key[2], **fields})
+            new.append({"job_id": key[0], "width": key[1], "bucket": key[2], **_fields(merged)})
         elif merged != old:  # most points set no new extreme in a coarse bucket
-            changed.append({"k_job_id": key[0], "k_width": key[1], "k_bucket": key[2], **fields})
+            changed.append({"k_job_id": key[0], "k_width": key[1], "k_bucket": key[2],
+                            **_fields(merged)})  # fmt: skip
     if new:
         session.execute(_INSERT_BUCKETS, new)
     if changed:
         session.execute(_UPDATE_BUCKETS, changed)
     return merged_all
+
+
+def _fields(summary: Summary) -> dict[str, Any]:
+    return {f: getattr(summary, f) for f in _FIELDS}
 
 
 class OpenBuckets:

@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Row, Table, and_, bindparam, delete, insert, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, load_only
 
 from contracts.messages import (
     CheckpointCommitted,
@@ -162,12 +162,21 @@ class Running(NamedTuple):
     attempt: Attempt
 
 
+#: Only what a steady report reads and changes (a hundred jobs' specs and other JSON
+#: would be decoded every pass for nothing). Reading any other column raises: a lazy load
+#: would be a query per job.
+_STEADY_COLUMNS = (
+    load_only(Job.id, Job.state, Job.attempt, Job.step, Job.latest_loss, Job.compute_s,
+              Job.kept_s, Job.stall_s, raiseload=True),
+    load_only(Attempt.id, Attempt.job_id, Attempt.number, Attempt.report_seq, raiseload=True),
+)  # fmt: skip
 _RUNNING = (
     select(Job, Attempt)
     .join(Attempt, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt))
     .where(Job.id.in_(bindparam("ids", expanding=True)))
     .order_by(Job.id)
     .with_for_update(of=Job)
+    .options(*_STEADY_COLUMNS)
 )
 
 

@@ -33,9 +33,9 @@ from service import cluster, executor, metric_store
 from service.auth import Principal
 from service.jobs import (
     JobNotFound,
-    create_job,
     get_job,
     get_job_row,
+    insert_job,
     list_events,
     list_jobs,
     request_checkpoint,
@@ -202,7 +202,7 @@ def submit_job(
     check_workload_code(spec, settings)
     check_data_paths(spec, settings.storage_path)
     check_auto_fits(spec, session, settings)
-    job = create_job(session, spec=spec, owner=who.tenant)
+    job = insert_job(session, spec=spec, owner=who.tenant)
     session.commit()
     return _job(job, status.HTTP_201_CREATED, {"Location": f"/v1/jobs/{job.id}"})
 

@@ -1,4 +1,4 @@
-"""A submit: `service.jobs.create_job` in the API's one transaction stores the job's row,
+"""A submit: `service.jobs.insert_job` in the API's one transaction stores the job's row,
 its labels and its "submitted" event, whole or not at all, and answers with the row it
 stored. On SQLite and PostgreSQL (the fixtures run each test on both)."""
 
@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.main import create_app
 from contracts.spec import JobSpec
-from service.jobs import create_job
+from service.jobs import create_job, insert_job
 from service.models import Event, Job, JobLabel
 from service.settings import Settings
 from tests.conftest import PG_ADMIN_URL
@@ -47,12 +47,17 @@ def test_a_submit_stores_the_job_its_labels_and_its_event(
     engine: Engine, overrides: dict[str, Any]
 ) -> None:
     spec = JobSpec.model_validate(spec_dict(**overrides))
-    with Session(engine, expire_on_commit=False) as session:
-        job = create_job(session, spec=spec, owner="acme")
+    with Session(engine) as session:
+        job = insert_job(session, spec=spec, owner="acme")
         session.commit()
-    answered = {c.name: getattr(job, c.name) for c in _JOBS.c}
+    answered = dict(job._mapping)
     with Session(engine) as session:
         row = dict(session.execute(select(_JOBS).where(_JOBS.c.id == job.id)).one()._mapping)
+        loaded = create_job(session, spec=spec, owner="acme")  # the same, as an ORM object
+        assert {c.name: getattr(loaded, c.name) for c in _JOBS.c} == {
+            **row, "id": loaded.id, "created_at": loaded.created_at,
+            "updated_at": loaded.updated_at,
+        }  # fmt: skip
         labels = {
             key: value
             for key, value in session.execute(

@@ -214,7 +214,7 @@ def _timestamp(moment: datetime) -> float:
     return aware.timestamp()
 
 
-def _moved(job: Job | reports.Running, view: JobView) -> bool:
+def _moved(job: Job, view: JobView) -> bool:
     """The job is no longer where its decision saw it (another state or attempt): a
     user's cancel or another scheduler got there first, and the next pass decides again."""
     return (job.state, job.attempt) != (view.state, view.attempt.number if view.attempt else 0)
@@ -285,13 +285,13 @@ class Executor:
                 locked = reports.lock_running(session, [view.id for view, _ in batch])
                 todo = []
                 for view, action in batch:
-                    job = locked.get(view.id)
-                    if job is None or _moved(job, view):
+                    running = locked.get(view.id)
+                    if running is None or _moved(running.job, view):
                         log.info("job %s moved since it was observed; deciding again", view.id)
-                    elif not reports.appends_only(job, action.report):
+                    elif not reports.appends_only(running.job, action.report):
                         alone.append((view, action))
                     else:
-                        todo.append((job, action.report))
+                        todo.append((running, action.report))
                         samples += telemetry.report_samples(action.report, tenant=view.owner)
                 stored = reports.persist_steady_reports(session, todo, buckets=self.buckets)
         except Exception:

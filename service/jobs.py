@@ -12,27 +12,12 @@ or not at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-import psycopg
-from sqlalchemy import (
-    Dialect,
-    Engine,
-    Row,
-    Select,
-    String,
-    Table,
-    bindparam,
-    func,
-    insert,
-    select,
-    true,
-)
-from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy import Row, Table, bindparam, func, insert, select
 from sqlalchemy.orm import Session
 
 from contracts.messages import (
@@ -62,25 +47,17 @@ class StaleAttempt(Exception):
         self.current = current
 
 
-# The submit and get-by-id statements, built once: building a statement per call cost more
-# CPU than executing it (about 0.1-0.4 ms a request, most on PostgreSQL).
+# Built once: building and cache-keying a statement per call cost more than running it.
 _JOBS = cast(Table, Job.__table__)
 _INSERT_JOB = insert(_JOBS).returning(*_JOBS.c)
-_LABELS = cast(Table, JobLabel.__table__)
-_EVENTS = cast(Table, Event.__table__)
-_INSERT_LABELS = insert(_LABELS)
-_INSERT_EVENT = insert(_EVENTS)
+_INSERT_LABELS = insert(cast(Table, JobLabel.__table__))
+_INSERT_EVENT = insert(cast(Table, Event.__table__))
 _SELECT_JOB = select(_JOBS).where(_JOBS.c.id == bindparam("job_id"))
-
-#: The columns a new job's row is stored with that the spec does not give, with their
-#: Python-side defaults (what Core's INSERT would add). Columns without one stay NULL.
-_JOB_DEFAULTS = [(c.name, c.default) for c in _JOBS.c if c.default is not None]
-#: A job row with every column NULL, for the columns a new job leaves unset.
-_NULL_JOB = dict.fromkeys(c.name for c in _JOBS.c)
 
 
 def job_row_values(spec: JobSpec, *, owner: str) -> dict[str, Any]:
-    """The `jobs` columns a new job starts with (also used by bulk loaders such as benches)."""
+    """The `jobs` columns a new job starts with that its spec gives (the others take their
+    defaults); also used by bulk loaders such as benches."""
     return {
         "owner": owner,
         "name": spec.name,
@@ -94,187 +71,31 @@ def job_row_values(spec: JobSpec, *, owner: str) -> dict[str, Any]:
     }
 
 
-def new_job_values(spec: JobSpec, *, owner: str) -> dict[str, Any]:
-    """Every column a new job's row is stored with but its id: `job_row_values`, and each
-    other column's Python-side default evaluated as Core's INSERT would. Both ways of
-    storing a submit (`insert_job`, `store_submitted_job` on PostgreSQL) store this dict,
-    so both store the same row."""
-    values = {name: _default_value(default) for name, default in _JOB_DEFAULTS}
-    values.update(job_row_values(spec, owner=owner))
-    return values
-
-
-def _default_value(default: Any) -> Any:
-    # A callable default is wrapped to take the execution context; ours (utcnow, dict)
-    # ignore it.
-    return default.arg(None) if default.is_callable else default.arg
-
-
-def _submitted_event(at: datetime) -> dict[str, Any]:
-    """The "submitted" event's columns but its job_id."""
-    event = _event_values(
-        0, kind=EventKind.TRANSITION, reason="submitted", to_state=JobState.PENDING, at=at
-    )
-    del event["job_id"]
-    return event
-
-
 def insert_job(session: Session, *, spec: JobSpec, owner: str = "default") -> Row[Any]:
-    """Store a submitted job (its row, labels and "submitted" event); returns the job's row.
+    """Store a submitted job: its row, its labels and its "submitted" event, in the
+    session's transaction (the caller commits); returns the job's row, every column of it,
+    so that it answers the submit without reading the row back.
 
-    Core statements, not the ORM unit of work: one INSERT ... RETURNING for the job, one
-    multi-row INSERT for the labels, one for the event. That is about half the CPU of
-    `session.add` + two flushes. The row has every column, so it answers the request by
-    itself. In the session's transaction; the API's submit uses `store_submitted_job`.
-    """
-    job = session.execute(_INSERT_JOB, new_job_values(spec, owner=owner)).one()
+    Three Core statements, the same on every database: the job's INSERT ... RETURNING, one
+    INSERT of all its labels, one of its event. Not the ORM's unit of work: that costs the
+    API measurably more CPU per submit (docs/bench-api.md)."""
+    job = session.execute(_INSERT_JOB, job_row_values(spec, owner=owner)).one()
     if spec.labels:
         session.execute(
             _INSERT_LABELS,
             [{"job_id": job.id, "key": k, "value": v} for k, v in spec.labels.items()],
         )
-    session.execute(_INSERT_EVENT, {"job_id": job.id, **_submitted_event(job.created_at)})
+    session.execute(
+        _INSERT_EVENT,
+        _event_values(
+            job.id,
+            kind=EventKind.TRANSITION,
+            reason="submitted",
+            to_state=JobState.PENDING,
+            at=job.created_at,
+        ),
+    )
     return job
-
-
-def store_submitted_job(engine: Engine, *, spec: JobSpec, owner: str) -> dict[str, Any]:
-    """Store a submitted job as `insert_job` does, in a transaction of its own (committed
-    when this returns); returns the job's row as a dict of every column.
-
-    On PostgreSQL one statement in autocommit (`_PostgresSubmit`): three statements, a
-    BEGIN and a COMMIT through the ORM session and SQLAlchemy's execution machinery cost
-    about 0.8 ms of the API's CPU per submit; this costs about 0.25 ms. Elsewhere (SQLite)
-    `insert_job` in a session, committed.
-    """
-    if engine.dialect.name != "postgresql":
-        with Session(engine) as session:
-            row = insert_job(session, spec=spec, owner=owner)
-            session.commit()
-        return row._asdict()
-    values = new_job_values(spec, owner=owner)
-    job_id = _postgres_submit(engine.dialect, tuple(values)).execute(
-        engine, values, spec.labels, _submitted_event(values["created_at"])
-    )
-    # Every column is one this process chose (no server-side defaults or triggers on
-    # `jobs`): the stored row is the values sent, so RETURNING carries the id alone.
-    return {**_NULL_JOB, **values, "id": job_id}
-
-
-@dataclass(frozen=True, slots=True)
-class _PostgresSubmit:
-    """A submit as one data-modifying CTE: the job's INSERT ... RETURNING id, its labels'
-    INSERT from two unnested arrays and its event's INSERT, all reading the new id.
-
-    Compiled once per process and run on the pool's DBAPI connection in autocommit (one
-    statement is atomic on its own): no BEGIN or COMMIT round trips, and none of the
-    ORM's or Core's per-statement work (the statement cache lookup, execution context,
-    result metadata for 30 columns), which was most of a submit's CPU. The binds go
-    through their column types' own bind processors, so the values sent are the ones
-    Core would send (`tests/integration/test_submit_store.py` compares the stored rows).
-    """
-
-    sql: str
-    processors: tuple[tuple[str, Callable[[Any], Any]], ...]
-
-    @classmethod
-    def compile(cls, dialect: Dialect, columns: tuple[str, ...]) -> _PostgresSubmit:
-        compiled = _postgres_submit_statement(columns).compile(dialect=dialect)
-        processors = []
-        for name, bind in compiled.binds.items():
-            process = bind.type.dialect_impl(dialect).bind_processor(dialect)
-            if process is not None:
-                processors.append((name, process))
-        return cls(compiled.string, tuple(processors))
-
-    def execute(
-        self,
-        engine: Engine,
-        values: dict[str, Any],
-        labels: dict[str, str],
-        event: dict[str, Any],
-    ) -> int:
-        params = {
-            **values,
-            **{f"event_{name}": value for name, value in event.items()},
-            "label_keys": list(labels),
-            "label_values": list(labels.values()),
-        }
-        for name, process in self.processors:
-            params[name] = process(params[name])
-        raw = engine.raw_connection()  # checked out (and pinged) as for any statement
-        try:
-            return self._run(raw, params)
-        except psycopg.Error as exc:
-            # What SQLAlchemy's own execution raises, so callers (and the API's 503 on
-            # OperationalError) see no difference.
-            raise DBAPIError.instance(
-                self.sql,
-                params,
-                exc,
-                psycopg.Error,
-                hide_parameters=engine.hide_parameters,
-                connection_invalidated=not raw.is_valid,
-                dialect=engine.dialect,
-            ) from exc
-        finally:
-            raw.close()
-
-    def _run(self, raw: Any, params: dict[str, Any]) -> int:
-        driver: psycopg.Connection[Any] = raw.driver_connection
-        try:
-            driver.autocommit = True
-            try:
-                with driver.cursor() as cursor:
-                    cursor.execute(self.sql, params)
-                    row = cursor.fetchone()
-            finally:
-                if not driver.broken:
-                    driver.autocommit = False  # as the pool's other users expect it
-        except psycopg.Error:
-            if driver.broken:
-                raw.invalidate()  # a lost connection goes, not back to the pool
-            raise
-        assert row is not None
-        job_id: int = row[0]
-        return job_id
-
-
-_POSTGRES_SUBMITS: dict[tuple[type[Dialect], tuple[str, ...]], _PostgresSubmit] = {}
-
-
-def _postgres_submit(dialect: Dialect, columns: tuple[str, ...]) -> _PostgresSubmit:
-    key = (type(dialect), columns)
-    submit = _POSTGRES_SUBMITS.get(key)
-    if submit is None:
-        submit = _POSTGRES_SUBMITS[key] = _PostgresSubmit.compile(dialect, columns)
-    return submit
-
-
-def _postgres_submit_statement(columns: tuple[str, ...]) -> Select[tuple[int]]:
-    job = (
-        insert(_JOBS)
-        .values({name: bindparam(name, type_=_JOBS.c[name].type) for name in columns})
-        .returning(_JOBS.c.id)
-        .cte("job")
-    )
-    pairs = (
-        func.unnest(
-            bindparam("label_keys", type_=ARRAY(String)),
-            bindparam("label_values", type_=ARRAY(String)),
-        )
-        .table_valued("key", "value")
-        .render_derived()
-    )
-    labels = insert(_LABELS).from_select(
-        ["job_id", "key", "value"],
-        select(job.c.id, pairs.c.key, pairs.c.value).select_from(job).join(pairs, true()),
-    )
-    event_columns = [c for c in _EVENTS.c if c.name not in ("id", "job_id")]
-    event = insert(_EVENTS).from_select(
-        ["job_id", *(c.name for c in event_columns)],
-        select(job.c.id, *(bindparam(f"event_{c.name}", type_=c.type) for c in event_columns)),
-    )
-    return select(job.c.id).add_cte(labels.cte("labels"), event.cte("event"))
 
 
 def create_job(session: Session, *, spec: JobSpec, owner: str = "default") -> Job:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Row, and_, delete, func, insert, select, text, tuple_
+from sqlalchemy import Row, Table, and_, bindparam, delete, func, insert, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from service.metric_summary import (
@@ -64,9 +64,10 @@ def update_summaries_of(
 ) -> dict[BucketKey, Summary]:
     """Fold newly stored (step, values) of each job into its bucket summaries: one read of
     the buckets they touch (all jobs at once) that `known` does not answer (None there: no
-    row), the merge here (`metric_summary.merge`), one upsert of those that changed.
-    Returns every touched bucket's summary as stored now. One writer per job (the
-    scheduler, under the job's row lock), so read-merge-write is safe."""
+    row), the merge here (`metric_summary.merge`), one insert of the new buckets' rows and
+    one update of the changed ones'. Returns every touched bucket's summary as stored now.
+    One writer per job (the scheduler, under the job's row lock), so read-merge-write is
+    safe."""
     fresh = {
         (job_id, *key): summary
         for job_id, points in points_by_job.items()
@@ -79,17 +80,26 @@ def update_summaries_of(
     if missing := [key for key in fresh if key not in known]:
         stored.update(_stored_summaries(session, missing))
     merged_all: dict[BucketKey, Summary] = {}
-    changed = []
+    new: list[dict[str, Any]] = []
+    changed: list[dict[str, Any]] = []
     for key, summary in fresh.items():
         old = stored.get(key)
         merged = summary if old is None else merge(old, summary)
         merged_all[key] = merged
-        if merged != old:  # most points set no new extreme in a coarse bucket
-            changed.append({"job_id": key[0], "width": key[1], "bucket": key[2],
-                            **{f: getattr(merged, f) for f in _FIELDS}})  # fmt: skip
+        if old is None:
+            new.append({"job_id": key[0], "width": key[1], "bucket": key[2], **_fields(merged)})
+        elif merged != old:  # most points set no new extreme in a coarse bucket
+            changed.append({"k_job_id": key[0], "k_width": key[1], "k_bucket": key[2],
+                            **_fields(merged)})  # fmt: skip
+    if new:
+        session.execute(_INSERT_BUCKETS, new)
     if changed:
-        _upsert(session, changed)
+        session.execute(_UPDATE_BUCKETS, changed)
     return merged_all
+
+
+def _fields(summary: Summary) -> dict[str, Any]:
+    return {f: getattr(summary, f) for f in _FIELDS}
 
 
 class OpenBuckets:
@@ -150,14 +160,9 @@ class OpenBuckets:
         self._jobs.clear()
 
 
-#: One (job, width, bucket) per element of three arrays: a read of many buckets in one
-#: statement whose text never changes (PostgreSQL; a tuple IN list of hundreds of keys
-#: cost more to compile than to run).
-_STORED_BY_ARRAYS = text(
-    f"SELECT b.job_id, b.width, b.bucket, {', '.join('b.' + f for f in _FIELDS)} "
-    "FROM metric_buckets AS b JOIN unnest(CAST(:jobs AS bigint[]), CAST(:widths AS integer[]), "
-    "CAST(:buckets AS integer[])) AS k(job_id, width, bucket) "
-    "ON b.job_id = k.job_id AND b.width = k.width AND b.bucket = k.bucket"
+_KEY_COLUMNS = tuple_(MetricBucket.job_id, MetricBucket.width, MetricBucket.bucket)
+_STORED = select(*_KEY_COLUMNS.clauses, *(getattr(MetricBucket, f) for f in _FIELDS)).where(
+    _KEY_COLUMNS.in_(bindparam("keys", expanding=True))
 )
 
 
@@ -165,35 +170,21 @@ def _stored_summaries(
     session: Session, keys: list[tuple[int, int, int]]
 ) -> dict[tuple[int, int, int], Summary]:
     """The stored summaries of those (job, width, bucket) keys that have a row."""
-    if session.get_bind().dialect.name == "postgresql":
-        jobs, widths, buckets = (list(column) for column in zip(*keys, strict=True))
-        rows = session.execute(
-            _STORED_BY_ARRAYS, {"jobs": jobs, "widths": widths, "buckets": buckets}
-        ).all()
-    else:
-        key_columns = tuple_(MetricBucket.job_id, MetricBucket.width, MetricBucket.bucket)
-        columns = (*key_columns.clauses, *(getattr(MetricBucket, f) for f in _FIELDS))
-        rows = []
-        for start in range(0, len(keys), _KEYS_PER_QUERY):
-            chunk = keys[start : start + _KEYS_PER_QUERY]
-            rows += session.execute(select(*columns).where(key_columns.in_(chunk))).all()
+    rows: list[Sequence[Any]] = []
+    for start in range(0, len(keys), _KEYS_PER_QUERY):
+        rows += session.execute(_STORED, {"keys": keys[start : start + _KEYS_PER_QUERY]}).all()
     return {(row[0], row[1], row[2]): _summary(row[3:]) for row in rows}
 
 
-def _upsert(session: Session, rows: list[dict[str, Any]]) -> None:
-    """Insert the bucket rows, or overwrite their summary columns where they exist: one
-    statement text, executed for many rows (the driver batches them), so it is compiled
-    once per process rather than once per call."""
-    from sqlalchemy.dialects import postgresql, sqlite
-
-    dialect = session.get_bind().dialect.name
-    # Both dialects spell the upsert alike (ON CONFLICT ... DO UPDATE with `excluded`).
-    dialect_insert: Any = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}[dialect]
-    stmt = dialect_insert(MetricBucket)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=_KEY, set_={f: stmt.excluded[f] for f in _FIELDS}
-    )
-    session.execute(stmt, rows)
+#: Bucket rows written as many parameter sets of one statement text (the driver batches
+#: them): new buckets inserted, changed ones' summary columns overwritten by key.
+_BUCKETS = cast(Table, MetricBucket.__table__)
+_INSERT_BUCKETS = insert(_BUCKETS)
+_UPDATE_BUCKETS = (
+    update(_BUCKETS)
+    .where(*(_BUCKETS.c[k] == bindparam(f"k_{k}") for k in _KEY))
+    .values({f: bindparam(f) for f in _FIELDS})
+)
 
 
 def _buckets(session: Session, job_id: int, width: int, first: int, last: int) -> list[Summary]:

@@ -7,30 +7,14 @@ what an older attempt sends is refused. Like `service.jobs`, functions never com
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
-from sqlalchemy import (
-    ARRAY,
-    BigInteger,
-    Executable,
-    Row,
-    Table,
-    TextClause,
-    and_,
-    any_,
-    bindparam,
-    delete,
-    insert,
-    select,
-    text,
-    update,
-)
-from sqlalchemy.orm import Session
+from sqlalchemy import Row, Table, and_, bindparam, delete, insert, select
+from sqlalchemy.orm import Session, load_only
 
 from contracts.messages import (
     CheckpointCommitted,
@@ -53,10 +37,6 @@ from service.metric_store import (
 )
 from service.metric_summary import Summary
 from service.models import Attempt, CheckpointRecord, Job, Metric, utcnow
-from service.states import JobState
-
-#: Metric rows in bulk through the table (see `persist_steady_reports`).
-_INSERT_METRICS = insert(cast(Table, Metric.__table__))
 
 
 def persist_report(session: Session, job: Job, report: DriverReport) -> None:
@@ -135,7 +115,7 @@ def persist_report(session: Session, job: Job, report: DriverReport) -> None:
                 details=message.error.to_dict(),
             )
     record_metrics(session, job, attempt=attempt.number, points=batch)
-    attempt.report_seq = max(attempt.report_seq, report.seq)
+    _acknowledge(attempt, report)
 
 
 def storable(point: StepMetrics) -> StepMetrics:
@@ -175,49 +155,40 @@ def is_steady(report: DriverReport, *, placed: bool) -> bool:
     )
 
 
-@dataclass(slots=True)
-class Running:
-    """A running job's columns that a steady report changes (and those that say whether the
-    job moved), with its current attempt's, as `lock_running` read them under the job's row
-    lock: plain columns, written back by `persist_steady_reports` in one statement per
-    table (loading a hundred jobs and attempts as ORM objects and flushing them cost more
-    than storing their steps)."""
+class Running(NamedTuple):
+    """A running job and its current attempt, as `lock_running` read them."""
 
-    id: int
-    state: JobState
-    attempt: int
-    step: int
-    latest_loss: float | None
-    compute_s: float | None
-    kept_s: float | None
-    stall_s: float | None
-    attempt_id: int
-    report_seq: int
+    job: Job
+    attempt: Attempt
 
 
+#: Only what a steady report reads and changes (a hundred jobs' specs and other JSON
+#: would be decoded every pass for nothing). Reading any other column raises: a lazy load
+#: would be a query per job.
+_STEADY_COLUMNS = (
+    load_only(Job.id, Job.state, Job.attempt, Job.step, Job.latest_loss, Job.compute_s,
+              Job.kept_s, Job.stall_s, raiseload=True),
+    load_only(Attempt.id, Attempt.job_id, Attempt.number, Attempt.report_seq, raiseload=True),
+)  # fmt: skip
 _RUNNING = (
-    select(Job.id, Job.state, Job.attempt, Job.step, Job.latest_loss, Job.compute_s,
-           Job.kept_s, Job.stall_s, Attempt.id.label("attempt_id"), Attempt.report_seq)
+    select(Job, Attempt)
     .join(Attempt, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt))
+    .where(Job.id.in_(bindparam("ids", expanding=True)))
     .order_by(Job.id)
     .with_for_update(of=Job)
-)  # fmt: skip
-#: PostgreSQL: the ids as one array, so the statement's text never changes (an IN list's
-#: does with its length, and is compiled and planned anew).
-_RUNNING_BY_ARRAY = _RUNNING.where(Job.id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
-_RUNNING_BY_LIST = _RUNNING.where(Job.id.in_(bindparam("ids", expanding=True)))
+    .options(*_STEADY_COLUMNS)
+)
 
 
 def lock_running(session: Session, job_ids: Sequence[int]) -> dict[int, Running]:
-    """The jobs' rows with their current attempts', the jobs' locked for update in id order
+    """The jobs with their current attempts, the jobs' rows locked for update in id order
     (two lockers of overlapping sets then never wait on each other in a cycle). Jobs
     without an attempt, and missing ids, are left out."""
-    stmt = _RUNNING_BY_ARRAY if _on_postgresql(session) else _RUNNING_BY_LIST
-    rows = session.execute(stmt, {"ids": list(job_ids)})
-    return {row.id: Running(**row._mapping) for row in rows}
+    rows = session.execute(_RUNNING, {"ids": list(job_ids)})
+    return {job.id: Running(job, attempt) for job, attempt in rows}
 
 
-def appends_only(job: Running, report: DriverReport) -> bool:
+def appends_only(job: Job, report: DriverReport) -> bool:
     """Whether `report` only adds steps after the job's last stored one (what a running job
     sends every pass), so that `persist_steady_reports` may store it. A report that
     recomputes stored steps (after a resume) replaces rows: `persist_report` stores it."""
@@ -231,7 +202,7 @@ class SteadyStored:
     the jobs whose steps it stored (as they are now) and the summaries of every bucket
     those steps fell in."""
 
-    jobs: list[Running]
+    jobs: list[Job]
     summaries: dict[BucketKey, Summary]
 
     def remember(self, buckets: OpenBuckets) -> None:
@@ -245,139 +216,84 @@ def persist_steady_reports(
     *,
     buckets: OpenBuckets | None = None,
 ) -> SteadyStored:
-    """Store many jobs' steady reports (`is_steady` and `appends_only`) as `persist_report`
-    would, in a fixed number of statements whatever the number of jobs: one insert of every
-    new metric row, one read (of what `buckets` does not know) and one upsert of the bucket
-    summaries they touch, one update of the jobs' rows and one of the attempts'."""
-    rows: list[tuple[Running, StepMetrics]] = []
+    """Store many running jobs' steady reports (`is_steady` and `appends_only`) as
+    `persist_report` stores each, with the same writers, but every job's steps at once
+    (`_store_steps`: one insert of all metric rows, one read of the bucket summaries
+    `buckets` does not know and one write of those that changed)."""
+    steps: list[tuple[Job, int, Sequence[StepMetrics]]] = []
+    for (job, attempt), report in reports:
+        if not appends_only(job, report):
+            raise ValueError(f"job {job.id}: a report that recomputes steps is not steady")
+        points = [m for m in report.messages if isinstance(m, StepMetrics)]
+        if points:
+            steps.append((job, attempt.number, points))
+        _acknowledge(attempt, report)
+    summaries = _store_steps(session, steps, buckets=buckets)
+    return SteadyStored(jobs=[job for job, _, _ in steps], summaries=summaries)
+
+
+def _acknowledge(attempt: Attempt, report: DriverReport) -> None:
+    """The attempt's messages up to the report's are stored: the next poll acknowledges
+    them, and the driver sends them no more."""
+    attempt.report_seq = max(attempt.report_seq, report.seq)
+
+
+#: Metric rows in bulk through the table: an ORM unit of work spent more in Python than
+#: the database spent storing the rows.
+_INSERT_METRICS = insert(cast(Table, Metric.__table__))
+
+
+def _store_steps(
+    session: Session,
+    steps: Sequence[tuple[Job, int, Sequence[StepMetrics]]],
+    *,
+    buckets: OpenBuckets | None = None,
+) -> dict[BucketKey, Summary]:
+    """Store each (job, attempt, points) as the steps that attempt computed (fenced): the
+    metric rows, the bucket summaries, the job's last step and loss and its goodput sums.
+    Every report's steps are stored here, one job's or many jobs' at once. A point
+    re-sent for a step replaces the earlier one; steps at or below the job's last stored
+    one (recomputed after a resume) replace their rows, and the replaced seconds stop
+    counting as kept training (goodput). Steps after it have no row: every writer of
+    metric rows moves the job's step to its newest. Returns the touched buckets'
+    summaries as stored now."""
+    rows: list[dict[str, Any]] = []
     fresh: dict[int, list[tuple[int, dict[str, Any]]]] = {}
     known: dict[BucketKey, Summary | None] = {}
-    advanced: list[Running] = []
-    acknowledged: list[Running] = []
-    for job, report in reports:
-        points = [storable(m) for m in report.messages if isinstance(m, StepMetrics)]
-        if points:
-            if not appends_only(job, report):
-                raise ValueError(f"job {job.id}: a report that recomputes steps is not steady")
-            stored = _last_of_each_step(points)
-            rows.extend((job, p) for p in stored)
-            fresh[job.id] = [(p.step, p.values) for p in stored]
-            if buckets is not None:
-                steps = [p.step for p in stored]
-                known.update(buckets.known(job.id, attempt=job.attempt, step=job.step,
-                                           new_steps=steps) or {})  # fmt: skip
-            _advance(job, stored)
-            advanced.append(job)
-        if report.seq > job.report_seq:
-            job.report_seq = report.seq
-            acknowledged.append(job)
-    _insert_metrics(session, rows)
-    summaries = update_summaries_of(session, fresh, known=known)
-    _update_jobs(session, advanced)
-    _update_attempts(session, acknowledged)
-    return SteadyStored(jobs=advanced, summaries=summaries)
+    for job, attempt, points in steps:
+        if not points:
+            continue
+        check_attempt(job, attempt)
+        stored = _last_of_each_step([storable(p) for p in points])
+        new_steps = [p.step for p in stored]
+        if min(new_steps) <= job.step:
+            _drop_recomputed(session, job, new_steps)
+        elif buckets is not None:
+            cached = buckets.known(job.id, attempt=job.attempt, step=job.step, new_steps=new_steps)
+            known.update(cached or {})
+        rows += _metric_rows(job, attempt, stored)
+        fresh.setdefault(job.id, []).extend((p.step, p.values) for p in stored)
+        _advance(job, stored)
+    if rows:
+        session.execute(_INSERT_METRICS, rows)
+    return update_summaries_of(session, fresh, known=known)
 
 
-def _on_postgresql(session: Session) -> bool:
-    return session.get_bind().dialect.name == "postgresql"
+def _metric_rows(job: Job, attempt: int, points: Sequence[StepMetrics]) -> list[dict[str, Any]]:
+    # `at` takes its column's default.
+    return [
+        {"job_id": job.id, "step": p.step, "attempt": attempt, "values": p.values} for p in points
+    ]
 
 
-#: PostgreSQL statements that take each column as an array (`unnest`): one statement for
-#: any number of rows, whose text never changes (psycopg prepares it once it has run a few
-#: times on a connection), where an executemany ran one statement per row.
-_INSERT_METRICS_BY_ARRAYS = text(
-    "INSERT INTO metrics (job_id, step, attempt, at, values) "
-    "SELECT v.job_id, v.step, v.attempt, :at, CAST(v.vals AS jsonb) "
-    "FROM unnest(CAST(:job_id AS bigint[]), CAST(:step AS integer[]), "
-    "CAST(:attempt AS integer[]), CAST(:vals AS text[])) AS v(job_id, step, attempt, vals)"
-)
-_UPDATE_JOBS_BY_ARRAYS = text(
-    "UPDATE jobs SET step = v.step, latest_loss = v.latest_loss, compute_s = v.compute_s, "
-    "kept_s = v.kept_s, stall_s = v.stall_s, updated_at = :now "
-    "FROM unnest(CAST(:b_id AS bigint[]), CAST(:b_step AS integer[]), "
-    "CAST(:b_latest_loss AS double precision[]), CAST(:b_compute_s AS double precision[]), "
-    "CAST(:b_kept_s AS double precision[]), CAST(:b_stall_s AS double precision[])) "
-    "AS v(id, step, latest_loss, compute_s, kept_s, stall_s) WHERE jobs.id = v.id"
-)
-_UPDATE_ATTEMPTS_BY_ARRAYS = text(
-    "UPDATE attempts SET report_seq = v.report_seq "
-    "FROM unnest(CAST(:b_id AS bigint[]), CAST(:b_report_seq AS integer[])) "
-    "AS v(id, report_seq) WHERE attempts.id = v.id"
-)
-#: Elsewhere (SQLite, in process: a statement per row costs no round trip), executemany.
-_JOBS = cast(Table, Job.__table__)
-_ATTEMPTS = cast(Table, Attempt.__table__)
-_UPDATE_JOBS = (
-    update(_JOBS)
-    .where(_JOBS.c.id == bindparam("b_id"))
-    .values(
-        {c: bindparam(f"b_{c}") for c in ("step", "latest_loss", "compute_s", "kept_s", "stall_s")}
-        | {"updated_at": bindparam("now")}
-    )
-)
-_UPDATE_ATTEMPTS = (
-    update(_ATTEMPTS)
-    .where(_ATTEMPTS.c.id == bindparam("b_id"))
-    .values(report_seq=bindparam("b_report_seq"))
-)
-
-
-def _insert_metrics(session: Session, rows: Sequence[tuple[Running, StepMetrics]]) -> None:
-    if not rows:
-        return
-    if _on_postgresql(session):
-        session.execute(
-            _INSERT_METRICS_BY_ARRAYS,
-            {"job_id": [job.id for job, _ in rows], "step": [p.step for _, p in rows],
-             "attempt": [job.attempt for job, _ in rows],
-             "vals": [json.dumps(p.values) for _, p in rows], "at": utcnow()},
-        )  # fmt: skip
-        return
-    # The table, not the ORM entity: an ORM bulk insert spent more in Python than the
-    # database spent storing the rows. `at` takes its column default.
-    session.execute(
-        _INSERT_METRICS,
-        [{"job_id": job.id, "step": p.step, "attempt": job.attempt, "values": p.values}
-         for job, p in rows],
-    )  # fmt: skip
-
-
-def _update_jobs(session: Session, jobs: Sequence[Running]) -> None:
-    columns: dict[str, list[Any]] = {
-        "b_id": [j.id for j in jobs], "b_step": [j.step for j in jobs],
-        "b_latest_loss": [j.latest_loss for j in jobs], "b_compute_s": [j.compute_s for j in jobs],
-        "b_kept_s": [j.kept_s for j in jobs], "b_stall_s": [j.stall_s for j in jobs],
-    }  # fmt: skip
-    _update(session, _UPDATE_JOBS_BY_ARRAYS, _UPDATE_JOBS, columns, now=utcnow())
-
-
-def _update_attempts(session: Session, jobs: Sequence[Running]) -> None:
-    columns = {"b_id": [j.attempt_id for j in jobs], "b_report_seq": [j.report_seq for j in jobs]}
-    _update(session, _UPDATE_ATTEMPTS_BY_ARRAYS, _UPDATE_ATTEMPTS, columns)
-
-
-def _update(
-    session: Session,
-    by_arrays: TextClause,
-    by_rows: Executable,
-    columns: dict[str, list[Any]],
-    **constants: Any,
-) -> None:
-    """Rows given as `columns` (name -> one value per row): on PostgreSQL as arrays, in one
-    statement; elsewhere executemany, a parameter set per row."""
-    if not columns["b_id"]:
-        return
-    if _on_postgresql(session):
-        session.execute(by_arrays, {**columns, **constants})
-        return
-    names = list(columns)
-    session.execute(
-        by_rows,
-        [
-            dict(zip(names, row, strict=True), **constants)
-            for row in zip(*columns.values(), strict=True)
-        ],
-    )
+def _drop_recomputed(session: Session, job: Job, steps: Sequence[int]) -> None:
+    """Delete the job's rows of `steps` (recomputed by a later attempt); their seconds stop
+    counting as kept training."""
+    where = (Metric.job_id == job.id, Metric.step.in_(steps))
+    replaced = session.scalars(select(Metric.values).where(*where)).all()
+    if replaced:
+        session.execute(delete(Metric).where(*where))
+        job.kept_s = (job.kept_s or 0.0) - sum(step_seconds(v)[0] for v in replaced)
 
 
 def _last_of_each_step(points: Sequence[StepMetrics]) -> list[StepMetrics]:
@@ -385,7 +301,7 @@ def _last_of_each_step(points: Sequence[StepMetrics]) -> list[StepMetrics]:
     return list({p.step: p for p in points}.values())
 
 
-def _advance(job: Job | Running, stored: Sequence[StepMetrics]) -> None:
+def _advance(job: Job, stored: Sequence[StepMetrics]) -> None:
     """The job's goodput sums, last step and last loss after storing `stored`."""
     _account(job, stored)
     last = max(stored, key=lambda p: p.step)
@@ -403,26 +319,9 @@ def record_metrics(
 ) -> int:
     """Persist metric points (`StepMetrics`, or dicts with a 'step'); fenced by attempt.
     Returns how many steps were stored."""
-    if not points:
-        return 0
-    check_attempt(job, attempt)
-    typed = [
-        storable(p if isinstance(p, StepMetrics) else StepMetrics.from_point(p)) for p in points
-    ]
-    steps = [p.step for p in typed]
-    # A recomputed step (after a resume) replaces what an earlier attempt reported: its
-    # seconds stop counting as kept training (goodput).
-    where = (Metric.job_id == job.id, Metric.step.in_(steps))
-    replaced = session.scalars(select(Metric.values).where(*where)).all()
-    if replaced:
-        session.execute(delete(Metric).where(*where))
-        job.kept_s = (job.kept_s or 0.0) - sum(step_seconds(v)[0] for v in replaced)
-    stored = _last_of_each_step(typed)
-    for point in stored:
-        session.add(Metric(job_id=job.id, step=point.step, attempt=attempt, values=point.values))
-    update_summaries(session, job.id, ((p.step, p.values) for p in stored))
-    _advance(job, stored)
-    return len(stored)
+    typed = [p if isinstance(p, StepMetrics) else StepMetrics.from_point(p) for p in points]
+    _store_steps(session, [(job, attempt, typed)])
+    return len({p.step for p in typed})
 
 
 def backfill_metrics(
@@ -430,7 +329,8 @@ def backfill_metrics(
 ) -> int:
     """Store the points of steps the job has no row for, as computed by `attempt`: what a
     checkpoint carried of reports that never arrived (they were in flight when that
-    attempt was stopped). Steps already stored are left alone. Returns how many."""
+    attempt was stopped). Steps already stored are left alone, and so is the job's last
+    loss. Returns how many."""
     if not points:
         return 0
     points = [storable(p) for p in points]
@@ -438,17 +338,16 @@ def backfill_metrics(
     stored = set(
         session.scalars(select(Metric.step).where(Metric.job_id == job.id, Metric.step.in_(steps)))
     )
-    missing = [p for p in points if p.step not in stored]
-    for point in missing:
-        session.add(Metric(job_id=job.id, step=point.step, attempt=attempt, values=point.values))
-    update_summaries(session, job.id, ((p.step, p.values) for p in missing))
-    _account(job, missing)
+    missing = _last_of_each_step([p for p in points if p.step not in stored])
     if missing:
+        session.execute(_INSERT_METRICS, _metric_rows(job, attempt, missing))
+        update_summaries(session, job.id, ((p.step, p.values) for p in missing))
+        _account(job, missing)
         job.step = max(job.step, max(p.step for p in missing))
     return len(missing)
 
 
-def _account(job: Job | Running, points: Sequence[StepMetrics]) -> None:
+def _account(job: Job, points: Sequence[StepMetrics]) -> None:
     """Add newly stored points' seconds to the job's goodput sums."""
     for point in points:
         step_s, stall_s = step_seconds(point.values)

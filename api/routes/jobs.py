@@ -10,14 +10,13 @@ from __future__ import annotations
 import pathlib
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Request, status
+from fastapi import APIRouter, Path, Query, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BeforeValidator, TypeAdapter
 from pydantic_core import to_json
-from sqlalchemy import Engine, Row
-from sqlalchemy.orm import Session, sessionmaker
-from starlette.concurrency import run_in_threadpool
+from sqlalchemy import Row
+from sqlalchemy.orm import Session
 
 from api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from api.errors import Conflict, invalid
@@ -36,10 +35,10 @@ from service.jobs import (
     JobNotFound,
     get_job,
     get_job_row,
+    insert_job,
     list_events,
     list_jobs,
     request_checkpoint,
-    store_submitted_job,
 )
 from service.models import Job
 from service.packages import load_manifest, touch
@@ -156,7 +155,7 @@ def check_data_paths(spec: JobSpec, storage_root: pathlib.Path) -> None:
         )
 
 
-def check_auto_fits(spec: JobSpec, sessions: sessionmaker[Session], settings: Settings) -> None:
+def check_auto_fits(spec: JobSpec, session: Session, settings: Settings) -> None:
     """An `auto` job must fit at some world size in min..max (tensor-parallel degrees need
     sizes they divide), when the workers' memory is known. The 422 carries the plan's
     numbers at max_workers."""
@@ -164,8 +163,7 @@ def check_auto_fits(spec: JobSpec, sessions: sessionmaker[Session], settings: Se
         return
     memory = settings.worker_memory_bytes
     if memory is None and not spec.scaling.use_gpu:
-        with sessions() as session:  # only here: every other submit needs no session
-            snapshot = cluster.current(session)
+        snapshot = cluster.current(session)
         memory = cluster.worker_memory_bytes(snapshot, spec.scaling.cpus_per_worker)
     shape = shape_of(spec)
     if memory is None or shape is None:
@@ -198,30 +196,15 @@ def _parse_labels(raw: list[str] | None) -> dict[str, str]:
     summary="Submit a job",
     responses={422: {"description": "The spec is invalid; `message` says which field and why"}},
 )
-async def submit_job(spec: JobSpec, who: CurrentPrincipal, request: Request) -> Response:
-    # `async`, with one hop of its own to a worker thread for the checks and the insert
-    # (no docstring: it would be the operation's description in OpenAPI). The API's
-    # hottest write then solves no session or settings dependency (a generator and an exit
-    # stack per request) and stores the job in one statement on PostgreSQL
-    # (`store_submitted_job`): FastAPI's machinery and the ORM session were most of its CPU.
-    state = request.app.state
-    return await run_in_threadpool(
-        _submit, spec, who, state.settings, state.engine, state.session_factory
-    )
-
-
-def _submit(
-    spec: JobSpec,
-    who: Principal,
-    settings: Settings,
-    engine: Engine,
-    sessions: sessionmaker[Session],
+def submit_job(
+    spec: JobSpec, session: SessionDep, who: CurrentPrincipal, settings: SettingsDep
 ) -> Response:
     check_workload_code(spec, settings)
     check_data_paths(spec, settings.storage_path)
-    check_auto_fits(spec, sessions, settings)
-    job = store_submitted_job(engine, spec=spec, owner=who.tenant)
-    return _job(job, status.HTTP_201_CREATED, {"Location": f"/v1/jobs/{job['id']}"})
+    check_auto_fits(spec, session, settings)
+    job = insert_job(session, spec=spec, owner=who.tenant)
+    session.commit()
+    return _job(job, status.HTTP_201_CREATED, {"Location": f"/v1/jobs/{job.id}"})
 
 
 @router.get("", response_model=JobList, summary="List jobs, newest first")

@@ -199,16 +199,14 @@ def set_job_state(
     reason: str,
     world_size: int | None = None,
     details: dict[str, Any] | None = None,
-    force: bool = False,
 ) -> Event:
     """The only way a job's state changes: checks the transition, writes the event.
 
     `world_size` is the world size after the transition (defaults to unchanged). Raises
-    `IllegalTransition` unless the state machine allows the move (or `force` is set, which
-    only the control plane's own repair paths use).
+    `IllegalTransition` unless the state machine allows the move.
     """
     from_state = job.state
-    if not force and not can_transition(from_state, to_state):
+    if not can_transition(from_state, to_state):
         raise IllegalTransition(job.id, from_state, to_state)
     before = job.world_size
     after = before if world_size is None else world_size

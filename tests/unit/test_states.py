@@ -136,11 +136,3 @@ def test_timestamps_and_world_size_follow_the_transitions(
         assert sizes == [(None, 2), (2, 2), (2, 1), (1, 1), (1, 1)]
         with pytest.raises(IllegalTransition):
             set_job_state(s, job, JobState.RUNNING, reason="zombie")
-
-
-def test_force_bypasses_the_table_for_repairs(session_factory: sessionmaker[Session]) -> None:
-    job_id = _new_job(session_factory, JobState.SUCCEEDED)
-    with session_scope(session_factory) as s:
-        set_job_state(s, get_job(s, job_id), JobState.FAILED, reason="repair", force=True)
-    with session_factory() as s:
-        assert get_job(s, job_id).state == JobState.FAILED

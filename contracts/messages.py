@@ -11,7 +11,10 @@ sqlalchemy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
@@ -208,32 +211,93 @@ class Placement:
         return tuple(self.nodes[r] for r in sorted(self.nodes))
 
 
+#: A number a workload reports beside the built-in ones (`StepMetrics.custom`).
+Number = float | int
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepMetrics:
-    """One optimizer step. `values` holds loss, lr, step_time_s, samples_per_s,
-    tokens_per_s, world_size, memory, batch_crc, wall_time (see workers.loop)."""
+    """One optimizer step as rank 0 measured it (`workers.step_metrics`).
+
+    Stored flat (`to_values`: the metric table's JSON column, a checkpoint manifest's
+    points, the API's rows), where every reader but this class sees plain names. A float
+    that was not finite is stored as null (`finite`): JSON has no NaN."""
 
     step: int
-    values: dict[str, Any]
+    loss: float | None
+    wall_time: float = field(default_factory=time.time)
+    """When the step finished (wall clock): recovery and growth times are measured from
+    it, not from when the scheduler happened to store the point."""
+    world_size: int | None = None
+    dp: int | None = None
+    pp: int | None = None
+    tp: int | None = None
+    lr: float | None = None
+    step_time_s: float | None = None
+    checkpoint_stall_s: float = 0.0
+    """The checkpoint save that blocked training just before this step (0: none)."""
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    model_flops_per_s: float | None = None
+    """Model FLOPs per second per rank (`workers.flops`)."""
+    mfu: float | None = None
+    """`model_flops_per_s` over the device's peak."""
+    mfu_basis: str | None = None
+    """Where the peak comes from, or why there is no MFU: on an attempt's first step only."""
+    memory: dict[str, int] = field(default_factory=dict)
+    """Bytes per kind (param_bytes, grad_bytes, optimizer_bytes, activation_bytes,
+    rss_bytes...), per rank: the strategy says which kinds it has."""
+    batch_crc: int | None = None
+    """A checksum of the step's global batch: equal curves are checked step by step."""
+    eval_loss: float | None = None
+    custom: dict[str, Number | None] = field(default_factory=dict)
+    """What the workload reported beside these, by its own names (a built-in name wins)."""
 
     @classmethod
-    def from_point(cls, point: dict[str, Any]) -> StepMetrics:
-        """From the flat form `{"step": ..., "loss": ..., ...}` (`to_point`)."""
-        return cls(step=int(point["step"]), values={k: v for k, v in point.items() if k != "step"})
+    def from_point(cls, point: Mapping[str, Any]) -> StepMetrics:
+        """From the flat form (`to_point`); names this class does not have go to `custom`."""
+        known = {k: v for k, v in point.items() if k in _BUILT_IN and k != "loss"}
+        custom = {k: v for k, v in point.items() if k not in _BUILT_IN and k != "step"}
+        if known.get("wall_time") is None:
+            known.pop("wall_time", None)  # made now, like a point without one
+        known["memory"] = dict(known.get("memory") or {})
+        return cls(step=int(point["step"]), loss=point.get("loss"), custom=custom, **known)
+
+    def to_values(self) -> dict[str, Any]:
+        """The flat form without the step (a metric row's `values`): the fields that are
+        set, `loss` always (null when it was not finite), custom names after built-in ones."""
+        values: dict[str, Any] = {k: v for k, v in self.custom.items() if k not in _BUILT_IN}
+        for name in _BUILT_IN:
+            value = getattr(self, name)
+            if (value is not None and value != {}) or name == "loss":
+                values[name] = value
+        return values
 
     def to_point(self) -> dict[str, Any]:
-        """The flat form, as saved in a checkpoint's manifest."""
-        return {"step": self.step, **self.values}
+        """The flat form with the step, as saved in a checkpoint's manifest."""
+        return {"step": self.step, **self.to_values()}
 
-    @property
-    def loss(self) -> float | None:
-        loss = self.values.get("loss")
-        return None if loss is None else float(loss)
+    def finite(self) -> StepMetrics:
+        """This point with every float that is not finite (a diverged loss) as None:
+        PostgreSQL's JSON refuses NaN, so one such point would fail every transaction
+        that stores its report. The chart shows a gap."""
+        changed: dict[str, Any] = {
+            name: None
+            for name in _FLOATS
+            if isinstance(getattr(self, name), float) and not math.isfinite(getattr(self, name))
+        }
+        if any(isinstance(v, float) and not math.isfinite(v) for v in self.custom.values()):
+            changed["custom"] = {
+                k: None if isinstance(v, float) and not math.isfinite(v) else v
+                for k, v in self.custom.items()
+            }
+        return replace(self, **changed) if changed else self
 
-    @property
-    def world_size(self) -> int | None:
-        ws = self.values.get("world_size")
-        return None if ws is None else int(ws)
+
+_BUILT_IN = tuple(f.name for f in fields(StepMetrics) if f.name not in ("step", "custom"))
+_FLOATS = tuple(
+    f.name for f in fields(StepMetrics) if "float" in str(f.type) and f.name != "wall_time"
+)
 
 
 class RestoreSource(str, Enum):
@@ -241,6 +305,59 @@ class RestoreSource(str, Enum):
 
     CHECKPOINT = "checkpoint"
     PEER = "peer"  # a surviving worker's memory: no step since the last checkpoint is lost
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SavedTraining:
+    """What the training loop keeps in a checkpoint manifest's `extra` beside the tensors
+    (`checkpoints.manifest.Manifest.extra` is free-form: this is its one writer's shape)."""
+
+    seed: int | None = None
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    save_started_at: float | None = None
+    """With the manifest's commit time (`created_at`): the save's seconds."""
+    metrics: tuple[StepMetrics, ...] = ()
+    """The newest points, and every one not known to have reached the service: a resume
+    hands back those the service never stored."""
+
+    def to_extra(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "save_started_at": self.save_started_at,
+            _POINTS: [m.to_point() for m in self.metrics],
+        }
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> SavedTraining:
+        """Lenient: a manifest written before a field existed reads as without it."""
+        extra = extra or {}
+
+        def number(name: str, kind: type[int] | type[float]) -> Any:
+            value = extra.get(name)
+            return kind(value) if isinstance(value, int | float) else None
+
+        return cls(
+            seed=number("seed", int),
+            global_batch_size=number("global_batch_size", int),
+            micro_batch_size=number("micro_batch_size", int),
+            save_started_at=number("save_started_at", float),
+            metrics=tuple(StepMetrics.from_point(p) for p in extra.get(_POINTS) or ()),
+        )
+
+    @staticmethod
+    def without_points(manifest: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A manifest as catalogued: without the metric points it carries (they are in the
+        metrics table already; a resume hands back the ones that were not)."""
+        extra = (manifest or {}).get("extra")
+        if not manifest or not isinstance(extra, dict) or _POINTS not in extra:
+            return manifest
+        return {**manifest, "extra": {k: v for k, v in extra.items() if k != _POINTS}}
+
+
+_POINTS = "metrics"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -7,9 +7,8 @@ what an older attempt sends is refused. Like `service.jobs`, functions never com
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple, cast
 
@@ -21,6 +20,7 @@ from contracts.messages import (
     DriverReport,
     EventKind,
     Resumed,
+    SavedTraining,
     StepMetrics,
     Timeline,
     WorkerEvent,
@@ -74,7 +74,7 @@ def persist_report(session: Session, job: Job, report: DriverReport) -> None:
                 world_size=message.world_size or attempt.world_size,
                 path=message.path,
                 size_bytes=message.bytes,
-                manifest=_without_metrics(message.manifest),
+                manifest=SavedTraining.without_points(message.manifest),
             )
         elif isinstance(message, Resumed):
             backfill_metrics(session, job, attempt=message.saved_attempt, points=message.metrics)
@@ -116,35 +116,6 @@ def persist_report(session: Session, job: Job, report: DriverReport) -> None:
             )
     record_metrics(session, job, attempt=attempt.number, points=batch)
     _acknowledge(attempt, report)
-
-
-def storable(point: StepMetrics) -> StepMetrics:
-    """`point` with its non-finite numbers as null: JSON has no NaN or Infinity and
-    PostgreSQL refuses them, so one diverged loss would otherwise fail every transaction
-    that stores its report, and the job's metrics would stop there. The chart shows a gap."""
-    if _finite(point.values):
-        return point
-    return replace(point, values=_nulled(point.values))
-
-
-def _finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return all(_finite(v) for v in value)
-    return True
-
-
-def _nulled(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _nulled(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_nulled(v) for v in value]
-    return value
 
 
 def is_steady(report: DriverReport, *, placed: bool) -> bool:
@@ -264,7 +235,7 @@ def _store_steps(
         if not points:
             continue
         check_attempt(job, attempt)
-        stored = _last_of_each_step([storable(p) for p in points])
+        stored = _last_of_each_step([p.finite() for p in points])
         new_steps = [p.step for p in stored]
         if min(new_steps) <= job.step:
             _drop_recomputed(session, job, new_steps)
@@ -272,7 +243,7 @@ def _store_steps(
             cached = buckets.known(job.id, attempt=job.attempt, step=job.step, new_steps=new_steps)
             known.update(cached or {})
         rows += _metric_rows(job, attempt, stored)
-        fresh.setdefault(job.id, []).extend((p.step, p.values) for p in stored)
+        fresh.setdefault(job.id, []).extend((p.step, p.to_values()) for p in stored)
         _advance(job, stored)
     if rows:
         session.execute(_INSERT_METRICS, rows)
@@ -282,7 +253,8 @@ def _store_steps(
 def _metric_rows(job: Job, attempt: int, points: Sequence[StepMetrics]) -> list[dict[str, Any]]:
     # `at` takes its column's default.
     return [
-        {"job_id": job.id, "step": p.step, "attempt": attempt, "values": p.values} for p in points
+        {"job_id": job.id, "step": p.step, "attempt": attempt, "values": p.to_values()}
+        for p in points
     ]
 
 
@@ -333,7 +305,7 @@ def backfill_metrics(
     loss. Returns how many."""
     if not points:
         return 0
-    points = [storable(p) for p in points]
+    points = [p.finite() for p in points]
     steps = {p.step for p in points}
     stored = set(
         session.scalars(select(Metric.step).where(Metric.job_id == job.id, Metric.step.in_(steps)))
@@ -341,7 +313,7 @@ def backfill_metrics(
     missing = _last_of_each_step([p for p in points if p.step not in stored])
     if missing:
         session.execute(_INSERT_METRICS, _metric_rows(job, attempt, missing))
-        update_summaries(session, job.id, ((p.step, p.values) for p in missing))
+        update_summaries(session, job.id, ((p.step, p.to_values()) for p in missing))
         _account(job, missing)
         job.step = max(job.step, max(p.step for p in missing))
     return len(missing)
@@ -350,7 +322,7 @@ def backfill_metrics(
 def _account(job: Job, points: Sequence[StepMetrics]) -> None:
     """Add newly stored points' seconds to the job's goodput sums."""
     for point in points:
-        step_s, stall_s = step_seconds(point.values)
+        step_s, stall_s = point.step_time_s or 0.0, point.checkpoint_stall_s or 0.0
         job.compute_s = (job.compute_s or 0.0) + step_s
         job.kept_s = (job.kept_s or 0.0) + step_s
         job.stall_s = (job.stall_s or 0.0) + stall_s
@@ -425,12 +397,3 @@ def record_checkpoint(
     )
     session.add(row)
     return row
-
-
-def _without_metrics(manifest: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The manifest as catalogued: without the metric points it carries (they are in the
-    metrics table already; a resume hands back the ones that were not)."""
-    if not manifest or "metrics" not in manifest.get("extra", {}):
-        return manifest
-    extra = {k: v for k, v in manifest["extra"].items() if k != "metrics"}
-    return {**manifest, "extra": extra}

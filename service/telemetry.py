@@ -27,7 +27,14 @@ from prometheus_client.registry import Collector
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
-from contracts.messages import CheckpointCommitted, DriverReport, Phase, StepMetrics, Timeline
+from contracts.messages import (
+    CheckpointCommitted,
+    DriverReport,
+    Phase,
+    SavedTraining,
+    StepMetrics,
+    Timeline,
+)
 from service import goodput
 from service.decisions import Action, AttemptOutcome, EndAttempt, PersistReport, Transition
 from service.models import Job, as_utc, utcnow
@@ -140,7 +147,7 @@ def _report_samples(messages: Iterable[object], tenant: str) -> Iterator[Sample]
                 if mark.phase == Phase.STATE_RESTORED and mark.source is not None:
                     yield Sample(RESTORES, (mark.source.value,), float(phase["seconds"]))
         elif isinstance(message, StepMetrics):
-            stall = goodput.step_seconds(message.values)[1]
+            stall = message.checkpoint_stall_s or 0.0
             if stall > 0:
                 yield Sample(CHECKPOINT_STALL, (), stall)
 
@@ -148,7 +155,7 @@ def _report_samples(messages: Iterable[object], tenant: str) -> Iterator[Sample]
 def _save_seconds(manifest: dict[str, Any] | None) -> float | None:
     if not manifest:
         return None
-    started = (manifest.get("extra") or {}).get("save_started_at")
+    started = SavedTraining.from_extra(manifest.get("extra")).save_started_at
     committed = manifest.get("created_at")
     if isinstance(started, int | float) and isinstance(committed, int | float):
         return max(0.0, float(committed) - float(started))

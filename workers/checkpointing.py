@@ -8,9 +8,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from contracts.messages import StepMetrics
+from contracts.messages import SavedTraining, StepMetrics
 from contracts.spec import JobSpec
 from workers.api import TrainContext
 from workers.rng import get_rng_states
@@ -60,25 +60,19 @@ def save_checkpoint(
                 "step": done,
                 "samples_consumed": done * training.global_batch_size,
             },
-            "extra": {
-                "seed": training.seed,
-                "global_batch_size": training.global_batch_size,
-                "micro_batch_size": training.micro_batch_size,
-                "metrics": [m.to_point() for m in metrics],
-                # With the manifest's commit time: the save's seconds (Prometheus).
-                "save_started_at": time.time(),
-            },
+            "extra": SavedTraining(
+                seed=training.seed,
+                global_batch_size=training.global_batch_size,
+                micro_batch_size=training.micro_batch_size,
+                save_started_at=time.time(),
+                metrics=tuple(metrics),
+            ).to_extra(),
         },
         rank_extra=get_rng_states(ctx.world_size),
     )
     if ctx.rank == 0:
         log.info("checkpoint at step %d (%s): blocked %.3fs", done, reason, blocked)
     return float(blocked)
-
-
-def saved_metrics(extra: dict[str, Any]) -> tuple[StepMetrics, ...]:
-    """The metric points a checkpoint's manifest carries (see `save_checkpoint`)."""
-    return tuple(StepMetrics.from_point(p) for p in extra.get("metrics") or ())
 
 
 @contextlib.contextmanager

@@ -60,7 +60,7 @@ class Reports:
         self.send(point)
         if not self._first_step_marked:
             self._first_step_marked = True
-            self.send(TimelineMark(phase=Phase.FIRST_STEP, at=point.values["wall_time"]))
+            self.send(TimelineMark(phase=Phase.FIRST_STEP, at=point.wall_time))
 
     def commits(self, commits: Iterable[CheckpointCommitted]) -> None:
         for commit in commits:

@@ -13,9 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from contracts.messages import EventKind, RestoreSource, Resumed, StepMetrics, WorkerEvent
+from contracts.messages import (
+    EventKind,
+    RestoreSource,
+    Resumed,
+    SavedTraining,
+    StepMetrics,
+    WorkerEvent,
+)
 from workers.api import TrainContext
-from workers.checkpointing import saved_metrics
 from workers.memory import NOTHING, ReplicaMemory, share_from_peer
 from workers.reports import Reports
 from workers.rng import reseed, set_rng_states
@@ -101,7 +107,7 @@ def resume(
         saved_world_size=outcome.info.world_size,
         world_size=ctx.world_size,
         saved_attempt=outcome.info.attempt,
-        metrics=saved_metrics(outcome.info.manifest.extra),
+        metrics=SavedTraining.from_extra(outcome.info.manifest.extra).metrics,
     )
     if ctx.rank == 0:
         log.info("resumed from %s at step %d", outcome.info.path, step)

@@ -14,6 +14,7 @@ import math
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -65,9 +66,7 @@ class StepMeter:
             first_of_attempt=self._first, memory=self.memory.read(),
         )  # fmt: skip
         self._first = False
-        if eval_loss is not None:
-            point.values["eval_loss"] = eval_loss
-        return point
+        return point if eval_loss is None else replace(point, eval_loss=eval_loss)
 
 
 def step_metrics(
@@ -89,32 +88,29 @@ def step_metrics(
     samples_per_s = global_batch / step_time
     layout = strategy.layout
     flops_per_s, utilisation = mfu(flops_per_sample, global_batch, step_time, world_size, peak[0])
-    values = {
-        "loss": loss,
-        "lr": strategy.optimizer.param_groups[0]["lr"],
-        "step_time_s": step_time,
-        # The checkpoint save that blocked training just before this step (0: none).
-        "checkpoint_stall_s": checkpoint_stall_s,
-        "samples_per_s": samples_per_s,
-        "tokens_per_s": samples_per_s * tokens_per_sample if tokens_per_sample else None,
-        # Model FLOPs per second per rank, and over the device's peak (workers/flops.py).
-        "model_flops_per_s": flops_per_s,
-        "mfu": utilisation,
-        "world_size": world_size,
-        "dp": layout.dp,
-        "pp": layout.pp,
-        "tp": layout.tp,
-        "memory": memory if memory is not None else measure_memory(strategy),
-        "batch_crc": crc,
-        # When the step finished (wall clock): recovery and growth times are measured
-        # from it, not from when the scheduler happened to persist the point.
-        "wall_time": time.time(),
-    }
-    if first_of_attempt:  # where the peak comes from, or why there is no MFU: once
-        values["mfu_basis"] = (
-            peak[1] if flops_per_sample else "the workload gives no flops_per_sample"
-        )
-    return StepMetrics(step=done, values=values)
+    return StepMetrics(
+        step=done,
+        loss=loss,
+        lr=strategy.optimizer.param_groups[0]["lr"],
+        step_time_s=step_time,
+        checkpoint_stall_s=checkpoint_stall_s,
+        samples_per_s=samples_per_s,
+        tokens_per_s=samples_per_s * tokens_per_sample if tokens_per_sample else None,
+        model_flops_per_s=flops_per_s,
+        mfu=utilisation,
+        world_size=world_size,
+        dp=layout.dp,
+        pp=layout.pp,
+        tp=layout.tp,
+        memory=memory if memory is not None else measure_memory(strategy),
+        batch_crc=crc,
+        # Once per attempt: where the peak comes from, or why there is no MFU.
+        mfu_basis=(
+            (peak[1] if flops_per_sample else "the workload gives no flops_per_sample")
+            if first_of_attempt
+            else None
+        ),
+    )
 
 
 class MemoryMeter:

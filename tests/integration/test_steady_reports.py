@@ -32,7 +32,7 @@ JOBS = 3
 
 def report(seq: int, *steps: int, loss_of: Any = lambda step: 10.0 / step) -> DriverReport:
     points = tuple(
-        StepMetrics(step=s, values={"loss": loss_of(s), "step_time_s": 0.1 * s, "checkpoint_stall_s": 0.01})
+        StepMetrics(step=s, loss=loss_of(s), step_time_s=0.1 * s, checkpoint_stall_s=0.01)
         for s in steps
     )  # fmt: skip
     return DriverReport(status=DriverStatus.RUNNING, messages=points, seq=seq)
@@ -141,7 +141,9 @@ def every_point(plan: list[Pass | Between], job: int) -> list[tuple[int, dict[st
             reported.append(step[job])
         elif step.job == job and step.report is not None:
             reported.append(step.report)
-    return [(m.step, m.values) for r in reported for m in r.messages if isinstance(m, StepMetrics)]
+    return [
+        (m.step, m.to_values()) for r in reported for m in r.messages if isinstance(m, StepMetrics)
+    ]
 
 
 def job_row(sessions: sessionmaker[Session], job_id: int) -> tuple[Any, ...]:

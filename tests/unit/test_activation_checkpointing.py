@@ -56,11 +56,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp", "pipeline"])
 def test_same_losses_less_activation_memory(runs: dict[str, Any], kind: str) -> None:
-    losses = {m: [p.values["loss"] for p in runs[f"{kind}-{m}"]["metrics"]] for m in MODES}
+    losses = {m: [p.loss for p in runs[f"{kind}-{m}"]["metrics"]] for m in MODES}
     assert losses["full"] == losses["selective"] == losses["none"], losses
-    kept = {
-        m: runs[f"{kind}-{m}"]["metrics"][-1].values["memory"]["activation_bytes"] for m in MODES
-    }
+    kept = {m: runs[f"{kind}-{m}"]["metrics"][-1].memory["activation_bytes"] for m in MODES}
     assert 0 < kept["full"] < kept["selective"] < kept["none"], kept
 
 

@@ -327,8 +327,17 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
     original_make_checkpointer = loop.make_checkpointer
     original_save = state_dict_saver.save
 
+    requested_at: list[int] = []  # optimizer steps done when each save was asked for
+
     def make_checkpointer(ctx: Any, spec: Any) -> Any:
         made.append(original_make_checkpointer(ctx, spec))
+        save = made[-1].save
+
+        def noting_save(*args: Any, **kwargs: Any) -> Any:
+            requested_at.append(len(pending_at_update))
+            return save(*args, **kwargs)
+
+        made[-1].save = noting_save  # type: ignore[method-assign]
         return made[-1]
 
     def before_update(optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -338,7 +347,10 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
             pending_at_update.append(made[0]._staging is not None)
 
     def held_save(*args: Any, **kwargs: Any) -> Any:
-        seen, deadline = len(pending_at_update), time.monotonic() + 60
+        # Counted when the loop asked for this save (one in flight at a time: first in,
+        # first out), not when this thread got here: under load the next step may
+        # already have begun its update by then.
+        seen, deadline = requested_at.pop(0), time.monotonic() + 60
         # Held until the next step updates; the last save has no next step.
         while seen < max_steps and len(pending_at_update) == seen:
             if time.monotonic() > deadline:

@@ -133,7 +133,7 @@ def report(status: DriverStatus = DriverStatus.RUNNING, **kw: Any) -> DriverRepo
 
 
 BOOM = WorkerError(type="ValueError", message="boom", rank=1, node_id="b", step=30)
-METRICS = (StepMetrics(step=31, values={"loss": 1.0, "world_size": 2}),)
+METRICS = (StepMetrics(step=31, loss=1.0, world_size=2),)
 COMMIT = CheckpointCommitted(step=30, attempt=1, world_size=2, path="/c/30", bytes=10)
 
 ended_ok = EndAttempt(outcome=AttemptOutcome.SUCCEEDED, step=30)

@@ -245,7 +245,7 @@ def token_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _values(run: dict[str, Any], key: str) -> list[Any]:
-    return [m.values[key] for m in run["metrics"]]
+    return [getattr(m, key) for m in run["metrics"]]
 
 
 def test_a_token_file_gives_the_same_batches_and_losses_at_any_world_size(
@@ -279,7 +279,7 @@ def test_relative_paths_resolve_under_the_storage_root(root: Path) -> None:
 
 
 def _evals(run: dict[str, Any]) -> dict[int, float]:
-    return {m.step: m.values["eval_loss"] for m in run["metrics"] if "eval_loss" in m.values}
+    return {m.step: m.eval_loss for m in run["metrics"] if m.eval_loss is not None}
 
 
 def test_the_held_out_loss_is_the_same_at_any_world_size_and_strategy(

@@ -60,7 +60,7 @@ def hooks_for(runtime: Runtime, clock: Clock) -> RuntimeHooks:
 
 
 def point(step: int) -> StepMetrics:
-    return StepMetrics(step=step, values={"loss": 1.0, "wall_time": 1000.0 + step})
+    return StepMetrics(step=step, loss=1.0, wall_time=1000.0 + step)
 
 
 def sent(runtime: Runtime) -> list[Any]:

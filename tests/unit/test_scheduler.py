@@ -425,9 +425,7 @@ def test_steps_whose_reports_died_with_their_attempt_come_back_from_the_checkpoi
     launcher.remove_node("n2")
     sched.run_pass()  # node lost: attempt 2 at world size 1
     d2 = launcher.driver(jid, 2)
-    saved = tuple(
-        StepMetrics(step=s, values={"loss": 3.0 - s / 10, "world_size": 2}) for s in range(1, 6)
-    )
+    saved = tuple(StepMetrics(step=s, loss=3.0 - s / 10, world_size=2) for s in range(1, 6))
     d2.resume(5, path="/ckpt/step_000000005-a1", saved_world_size=2, saved_attempt=1, metrics=saved)
     d2.status = DriverStatus.RUNNING
     d2.metrics = [{"step": 6, "loss": 2.3, "world_size": 1}]
@@ -638,7 +636,7 @@ def test_summaries_another_scheduler_wrote_while_the_lease_lapsed_are_read_again
     now[0] += 100  # this scheduler stalled past its lease's expiry
     assert lease.try_acquire(factory, holder="other", ttl_s=10, now=utcnow() + timedelta(hours=1))
     with session_scope(factory) as s:  # the other one stores step 2 again, lower
-        again = StepMetrics(step=2, values={"loss": 0.5})
+        again = StepMetrics(step=2, loss=0.5)
         job_row = jobs.get_job(s, jid)
         reports.persist_report(
             s, job_row, DriverReport(status=DriverStatus.RUNNING, messages=(again,), seq=0)

@@ -226,9 +226,9 @@ def test_resume_at_another_data_parallel_size(
 
 def test_tensor_parallel_shards_the_blocks(runs: dict[str, Any]) -> None:
     """Per-rank parameter bytes: tp 2 holds about half of what one replica of ddp does."""
-    ref = runs["ws1"][0]["reference"]["metrics"][-1].values["memory"]["param_bytes"]
-    tp = runs["ws2"][0]["tp_dp1"]["metrics"][-1].values["memory"]["param_bytes"]
-    fsdp_tp = runs["ws4"][0]["fsdp_tp_stop"]["metrics"][-1].values["memory"]["param_bytes"]
+    ref = runs["ws1"][0]["reference"]["metrics"][-1].memory["param_bytes"]
+    tp = runs["ws2"][0]["tp_dp1"]["metrics"][-1].memory["param_bytes"]
+    fsdp_tp = runs["ws4"][0]["fsdp_tp_stop"]["metrics"][-1].memory["param_bytes"]
     # Only the layer norms are whole on every tp rank.
     assert 0.5 * ref < tp < 0.56 * ref
     assert 0.25 * ref < fsdp_tp < 0.3 * ref

@@ -110,9 +110,9 @@ def _restored_from(hooks: NullHooks) -> RestoreSource | None:
 
 
 def test_no_step_is_lost_and_the_curve_is_the_same(run: dict[str, Any]) -> None:
-    steady = {m.step: m.values for m in run["rank0"]["steady"].metrics}
-    first = {m.step: m.values for m in run["rank0"]["first"].metrics}
-    after = {m.step: m.values for m in run["rank0"]["after"].metrics}
+    steady = {m.step: m.to_values() for m in run["rank0"]["steady"].metrics}
+    first = {m.step: m.to_values() for m in run["rank0"]["first"].metrics}
+    after = {m.step: m.to_values() for m in run["rank0"]["after"].metrics}
     assert sorted(first) == [1, 2, 3] and sorted(after) == list(range(4, STEPS + 1))
     for step, values in {**first, **after}.items():
         assert values["batch_crc"] == steady[step]["batch_crc"]

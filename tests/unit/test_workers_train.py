@@ -110,11 +110,11 @@ def corrupt_a_newer_copy(root: Path, good: str, bad: str) -> None:
 
 
 def losses(run: dict[str, Any]) -> list[float]:
-    return [m.values["loss"] for m in run["metrics"]]
+    return [m.loss for m in run["metrics"]]
 
 
 def crcs(run: dict[str, Any]) -> list[int]:
-    return [m.values["batch_crc"] for m in run["metrics"]]
+    return [m.batch_crc for m in run["metrics"]]
 
 
 @pytest.mark.parametrize("label", ["ddp1", "ddp2", "fsdp2"])
@@ -122,15 +122,15 @@ def test_loss_falls_and_metrics_every_step(runs: dict, label: str) -> None:
     run = runs[label]
     assert [m.step for m in run["metrics"]] == list(range(1, STEPS + 1))
     assert losses(run)[-1] < 0.5 * losses(run)[0]
-    point = run["metrics"][-1].values
-    assert point["world_size"] == point["dp"] == int(label[-1]) and point["pp"] == 1
-    assert point["samples_per_s"] > 0 and point["tokens_per_s"] is None
+    point = run["metrics"][-1]
+    assert point.world_size == point.dp == int(label[-1]) and point.pp == 1
+    assert point.samples_per_s and point.samples_per_s > 0 and point.tokens_per_s is None
     # Model FLOPs are known (6 per parameter per sample); a CPU has no known peak.
-    assert point["model_flops_per_s"] > 0 and point["mfu"] is None
-    first = run["metrics"][0].values
-    assert "ELASTRAIN_PEAK_FLOPS" in first["mfu_basis"] and "mfu_basis" not in point
+    assert point.model_flops_per_s and point.model_flops_per_s > 0 and point.mfu is None
+    first = run["metrics"][0]
+    assert "ELASTRAIN_PEAK_FLOPS" in (first.mfu_basis or "") and point.mfu_basis is None
     schedule = make_spec("ddp").training
-    assert [m.values["lr"] for m in run["metrics"]] == [lr_at(s, schedule) for s in range(STEPS)]
+    assert [m.lr for m in run["metrics"]] == [lr_at(s, schedule) for s in range(STEPS)]
     assert run["result"].final_step == STEPS and not run["result"].stopped_early
     assert run["ctx_step"] == STEPS  # the loop keeps TrainContext.step current
     # every_steps=4 and the final step: committed at 4 and 8.
@@ -159,8 +159,8 @@ def test_uneven_shares_and_empty_microbatches(runs: dict, label: str) -> None:
 
 
 def test_fsdp_shards_params_and_optimizer_state(runs: dict) -> None:
-    ddp = runs["ddp2"]["metrics"][-1].values["memory"]
-    fsdp = runs["fsdp2"]["metrics"][-1].values["memory"]
+    ddp = runs["ddp2"]["metrics"][-1].memory
+    fsdp = runs["fsdp2"]["metrics"][-1].memory
     for key in ("param_bytes", "grad_bytes", "optim_bytes"):
         # Dim-0 shards over 2 ranks: half, up to the padding of odd-sized dims.
         assert fsdp[key] <= 0.55 * ddp[key], key

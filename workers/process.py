@@ -46,6 +46,7 @@ from contracts.messages import (
 )
 from contracts.runtime import AttemptKey
 from contracts.storage import JobStorage
+from workers.comm_release import GroupSockets, release_group
 
 if TYPE_CHECKING:  # torch is imported when the process starts, not by the runtime
     from torch.distributed import TCPStore
@@ -56,6 +57,10 @@ log = logging.getLogger("elastrain.worker")
 _PUSH_INTERVAL_S = 0.5
 #: The most an ending attempt waits for its last messages to reach the runtime.
 _FLUSH_TIMEOUT_S = 10.0
+#: After an abort, how long a rank may take to reach its step boundary before its group's
+#: connections are cut (`workers.comm_release`): a rank blocked in a collective on a peer
+#: that is gone never would.
+RELEASE_AFTER_S = 0.5
 #: The most metric points rank 0 keeps while not known to have reached the runtime: a node
 #: cut off from the service trains on until its attempt is fenced (hundreds of steps at a
 #: small model's speed), and the loop saves these with each checkpoint.
@@ -211,6 +216,8 @@ class WorkerProcess:
         self._lock = threading.Lock()
         self._busy = False
         self._abort = threading.Event()
+        self._group_sockets: GroupSockets | None = None
+        self._running: AttemptKey | None = None  # the attempt this process runs a rank of
         # Controls pushed by the runtime, by attempt, until that attempt's rank 0 takes them
         # (one can arrive before the rank it is for has started).
         self._controls: dict[AttemptKey, list[Control]] = {}
@@ -256,8 +263,29 @@ class WorkerProcess:
         """Let go of the current attempt at the next step boundary (the others fail their
         next collective and let go too); no-op when idle."""
         with self._lock:
-            if self._busy:
-                self._abort.set()
+            if not self._busy:
+                return
+            self._abort.set()
+            running = self._running
+        threading.Thread(target=self._free_if_blocked, args=(running,), daemon=True).start()
+
+    def _free_if_blocked(self, aborted: AttemptKey | None) -> None:
+        """Still busy `RELEASE_AFTER_S` after an abort: blocked in a collective (on a peer
+        that is gone, or one that is itself blocked); free it, and the loop stops as on a
+        peer loss, keeping its state for the next attempt."""
+        deadline = time.monotonic() + RELEASE_AFTER_S
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._running != aborted:
+                    return  # that attempt ended here (another may have begun)
+            time.sleep(0.02)
+        with self._lock:
+            if self._running != aborted or not self._abort.is_set():
+                return
+            sockets = self._group_sockets
+        how = release_group(sockets)
+        log.warning("%s: still in its attempt %.1fs after an abort: %s", self.name,
+                    RELEASE_AFTER_S, how)  # fmt: skip
 
     def control(self, key: AttemptKey, controls: list[Control]) -> None:
         """The runtime's requests for an attempt whose rank 0 runs here (or will)."""
@@ -290,6 +318,7 @@ class WorkerProcess:
                 self.memory.forget()
                 self.database = assignment.database
             key = AttemptKey(assignment.job_id, assignment.attempt)
+            self._running = key
             # Requests for attempts that ended here (or never started) are moot now.
             self._controls = {k: v for k, v in self._controls.items() if k == key}
         try:
@@ -298,6 +327,7 @@ class WorkerProcess:
         finally:
             with self._lock:
                 self._busy = False
+                self._running = None
                 self._controls.pop(key, None)
         return dataclasses.replace(outcome, held=self._held())
 
@@ -361,13 +391,16 @@ class WorkerProcess:
                 )  # fmt: skip
             if scaling.use_gpu:
                 torch.cuda.set_device(device)
-            dist.init_process_group(
-                "nccl" if scaling.use_gpu else "gloo",
-                store=store,
-                rank=a.rank,
-                world_size=a.world_size,
-                timeout=timeout,
-            )
+            with GroupSockets.opened(store_port=a.master_port) as sockets:
+                dist.init_process_group(
+                    "nccl" if scaling.use_gpu else "gloo",
+                    store=store,
+                    rank=a.rank,
+                    world_size=a.world_size,
+                    timeout=timeout,
+                )
+            with self._lock:
+                self._group_sockets = sockets
             hooks: Any = SilentHooks()
             if a.rank == 0:
                 runtime = ray.get_actor(a.runtime_name, namespace=a.namespace)
@@ -401,6 +434,8 @@ class WorkerProcess:
             return RunOutcome(rank=a.rank, final_step=ctx.step, error=error)
         finally:
             # Leave the group whatever happened: the next attempt forms a new one.
+            with self._lock:
+                self._group_sockets = None
             with contextlib.suppress(Exception):
                 if dist.is_initialized():
                     dist.destroy_process_group()

@@ -270,3 +270,50 @@ class Zombie:
         log = self.rank0_log
         tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
         return f"alive: {alive}; unsettled saves: {self.unsettled_saves()}\n{tail}"
+
+
+def test_a_survivor_blocked_on_a_cut_off_peer_is_freed_and_hands_on_its_state(
+    cluster: NetnsCluster, tmp_path: Path
+) -> None:
+    """A two-node group; one node is cut off mid-run. Its peer is then blocked in a
+    collective that can never complete (nothing closed its connections). Once the control
+    plane decides the node is gone, the survivor is freed within two seconds (not at the
+    collective's timeout) and the next attempt takes the job's state from its memory: no
+    step is recomputed."""
+    left, right = cluster.add_node(1), cluster.add_node(1)  # one worker each: the group spans
+    spec = {**SPEC, "name": "spanning",
+            "checkpoint": {"every_steps": MAX_STEPS, "keep_last": 1}}  # fmt: skip
+    try:
+        with service(cluster, tmp_path) as client:
+            job_id = submit(client, spec)
+            running = wait_for(
+                client, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 10,
+                what="step 10 at world size 2", timeout=300,
+            )  # fmt: skip
+            assert running["world_size"] == 2
+            cluster.identify_nodes()
+            (placed,) = [e for e in client.get(f"/v1/jobs/{job_id}/events").json()
+                         if e["kind"] == "placement"]  # fmt: skip
+            cut = cluster.node_by_id(placed["details"]["ranks"]["1"])
+            before = client.get(f"/v1/jobs/{job_id}").json()["step"]
+            cluster.partition(cut)
+            cluster.wait_dead(cut)
+            wait_for(
+                client, job_id, lambda j: j["state"] == "RUNNING" and j["attempt"] == 2,
+                what="the job at world size 1", timeout=120,
+            )  # fmt: skip
+            events = client.get(f"/v1/jobs/{job_id}/events").json()
+            (resumed,) = [e for e in events if e["kind"] == "resumed"]
+            assert resumed["details"]["source"] == "peer", resumed
+            assert resumed["details"]["step"] >= before  # nothing recomputed
+            (timeline,) = [e for e in events if e["kind"] == "timeline"
+                           and e["details"]["attempt"] == 2]  # fmt: skip
+            phases = {p["phase"]: p for p in timeline["details"]["phases"]}
+            # Detected -> the old group's processes let go: the survivor was blocked.
+            assert phases["old_group_stopped"]["since_start_s"] < 2.0, timeline
+            client.post(f"/v1/jobs/{job_id}/cancel")
+            wait_terminal(client, job_id, timeout=120)
+            cluster.heal(cut)
+    finally:
+        for node in (left, right):
+            cluster.remove_node(node)

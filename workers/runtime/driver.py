@@ -249,8 +249,9 @@ class AttemptDriver:
     def _wait_for_old_group(self) -> tuple[float, str]:
         """Wait (a little) for this job's processes still running an older attempt: they
         hold its newest state. Returns when the last of them let go, or when the wait
-        was given up (a survivor blocked in a collective on a peer that vanished without
-        closing its sockets returns only when the collective times out)."""
+        was given up. A survivor blocked in a collective on a peer that vanished without
+        closing its sockets frees itself `RELEASE_AFTER_S` after the release's abort
+        (`workers.comm_release`), not at the collective's timeout."""
         deadline = time.monotonic() + OLD_GROUP_GRACE_S
         while time.monotonic() < deadline:
             busy = [w for w in self.pool.job_workers(self.request.job) if w.busy]

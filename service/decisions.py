@@ -285,6 +285,8 @@ Action = (
 )
 
 CANCELLED_BY_USER = "cancelled by user"
+#: How the reason of a job that waits to leave a draining node begins.
+DRAIN_WAIT = "waiting: "
 
 
 # ---------------------------------------------------------------------------------------
@@ -420,7 +422,7 @@ def _on_drain(
             ),
         ]
     then = "stops with a checkpoint at the drain deadline" if deadlines else "runs on there"
-    reason = f"waiting: node {names} draining, needs {need} workers, {fit} fit ({then})"
+    reason = f"{DRAIN_WAIT}node {names} draining, needs {need} workers, {fit} fit ({then})"
     if job.state_reason == reason:
         return []  # checkpointed already; no growth while it waits to leave
     return [
@@ -458,6 +460,10 @@ def _on_running(
             return []
         leaving = draining_ranks(attempt.nodes, facts.draining) and facts.target(job.spec)
         return [SendControl(control=Control.LEAVE if leaving else Control.STOP)]
+    if job.state == JobState.RUNNING and (job.state_reason or "").startswith(DRAIN_WAIT):
+        # It waited to leave a draining node that is back (undrained, or gone from Ray's
+        # drains): say so, once.
+        return [SetReason(reason=f"drain over: training on at world size {attempt.world_size}")]
     if job.state != JobState.RUNNING:
         if report.resumed_from_step is not None:
             why = f"resumed from step {report.resumed_from_step} at world size {attempt.world_size}"

@@ -247,6 +247,12 @@ ROWS: list[Any] = [
         id="grown-attempt-on-a-node-drained-meanwhile: runs first, leaves next pass",
     ),
     pytest.param(
+        job(S.RUNNING, spec=MIN2, state_reason=f"{WAITING_B} (runs on there)"),
+        facts(cluster("a", "b"), alive=("a", "b"), report=report()),
+        [SetReason(reason="drain over: training on at world size 2")],
+        id="running-at-min+undrained: says so",
+    ),
+    pytest.param(
         job(S.RUNNING, attempt=running_attempt(stop_requested=True)),
         facts(
             cluster("a", draining=("b",)), alive=("a", "b"), report=report(), draining=drain("b")

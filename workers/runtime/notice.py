@@ -5,7 +5,8 @@ Clouds tell a machine 30-120 s ahead that it will be taken away: AWS answers
 then JSON with the `time` it happens), GCE `.../computeMetadata/v1/instance/preempted`
 (`TRUE`), and node agents (the AWS node termination handler, a custom script) can write a
 file. `ELASTRAIN_PREEMPTION_NOTICE` names what to watch on every node: a file path, or an
-http(s) URL (a 404 or an unreachable address means no notice). The file or body holds
+http(s) URL (a 404 or an unreachable address means no notice); `{node_id}` in it stands
+for the node's Ray id (one file per node where the nodes share a filesystem). The file or body holds
 nothing, `TRUE`, a number of seconds left, or JSON with `time` (ISO 8601) and `action`.
 
 On a notice the node's watcher drains its own node through Ray's drain API (reason
@@ -94,6 +95,8 @@ class NoticeWatcher:
         context = ray.get_runtime_context()
         self.node_id = context.get_node_id()
         self.gcs_address = context.gcs_address
+        # `{node_id}` in the source: one path per node on a filesystem the nodes share.
+        self.source = source.replace("{node_id}", self.node_id)
         self.notice: PreemptionNotice | None = None
         threading.Thread(target=self._watch, name="preemption-notice", daemon=True).start()
 

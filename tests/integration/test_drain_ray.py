@@ -190,7 +190,7 @@ def test_a_job_at_min_checkpoints_stops_at_the_deadline_and_resumes_after_undrai
 def test_a_preemption_notice_drains_the_node_through_ray(
     service: tuple[TestClient, Nodes, Path],
 ) -> None:
-    client, nodes, tmp = service
+    client, _, tmp = service
     spec = tiny_gpt_spec(
         "preempted",
         scaling={"min_workers": 1, "max_workers": 3},

@@ -257,3 +257,33 @@ class PlanOut(BaseModel):
     memory_source: str
     params: int
     plans: list[WorldSizePlan]
+
+
+#: A drain's deadline may be at most this far ahead (a week): a typo of minutes as
+#: seconds is caught, a real maintenance window is not refused.
+MAX_DRAIN_DEADLINE_S = 7 * 86400
+
+
+class DrainRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    deadline_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_DRAIN_DEADLINE_S,
+        description="Seconds until the node goes. A job that cannot leave it (its "
+        "min_workers do not fit elsewhere) checkpoints and stops by then; without one it "
+        "trains on there until undrain.",
+    )
+    reason: Annotated[
+        str, StringConstraints(max_length=500), AfterValidator(no_control_characters)
+    ] = Field(default="", description="Why (shown in /v1/cluster and the dashboard).")
+
+
+class NodeDrainOut(BaseModel):
+    node_id: str
+    reason: str
+    deadline: datetime | None = Field(description="When the node goes (null: no deadline).")
+    source: str = Field(description="admin (elastrain drain), ray (Ray's drain API) or preemption.")
+    created_by: str = ""
+    created_at: datetime | None = None

@@ -67,7 +67,7 @@ PARTS = (
          (), ("--steps", "20000", "--repeats", "3")),
     # Quick: one trial each, and Ray Train's worker-group start timeout at 5 s instead of
     # 60 s, which its node-loss recovery waits out (its recovery path still runs, sooner).
-    Part("elastic", "Start, node loss and node return vs Ray Train and torchrun",
+    Part("elastic", "Start, node loss, drain and node return vs Ray Train and torchrun",
          "elastic_bench.py", (),
          ("--repeats", "1", "--baseline-repeats", "1", "--ray-train-start-timeout", "5")),
     Part("training", "Training throughput per strategy and world size (CPU, gloo)",

@@ -12,6 +12,9 @@ added back. Measured per trial (times end at the wall clock of an optimizer step
   grow decision; and the decision -> the first step at world size 3;
 - steps recomputed per node loss: the last step done before the loss minus the step the
   resume started from (0 when the state came from the survivors' memory);
+- node drained (`POST /v1/cluster/nodes/{id}/drain`, deadline 30 s, on the grown job's
+  rank 2) -> the first step at world size 2, the steps recomputed and restarts counted;
+  beside the node loss: leaving before the node goes vs after it went;
 - the timeline of every start (detected, old group stopped, placed, processes up, process
   group formed, state restored, first step), from the job's events.
 
@@ -136,6 +139,7 @@ def elastrain_trial(
     wait_for(client, job_id, lambda j: j["attempt"] == 3 and j["state"] == "RUNNING",
              what="grown", timeout=300)  # fmt: skip
     grown = _first_point(client, job_id, 3)
+    drained = _drain_trial(client, job_id)
     client.post(f"/v1/jobs/{job_id}/cancel")
     wait_terminal(client, job_id, timeout=120)
 
@@ -160,8 +164,44 @@ def elastrain_trial(
         "restored_from_peer": float(resumed_event["source"] == "peer"),
         "world_after_loss": resumed["world_size"],
         "world_after_add": grown["world_size"],
+        **drained,
     }
     return trial, timelines
+
+
+def _drain_trial(client: Any, job_id: int) -> dict[str, float]:
+    """Drain the node of rank 2 of the grown attempt (3) with a 30 s deadline: the job
+    leaves it at a step boundary; measured to the first step of attempt 4, at world size
+    2, with the steps it recomputed and the restarts it counted. Undrained after."""
+    ranks = next(
+        e["details"]["ranks"]
+        for e in _events(client, job_id)
+        if e["kind"] == "placement" and e["attempt"] == 3
+    )
+    node = ranks["2"]
+    restarts_before = client.get(f"/v1/jobs/{job_id}").json()["restarts"]
+    t_drain = time.time()
+    answer = client.post(
+        f"/v1/cluster/nodes/{node}/drain", json={"deadline_s": 30, "reason": "bench"}
+    )
+    assert answer.status_code == 200, answer.text
+    wait_for(client, job_id, lambda j: j["attempt"] == 4 and j["state"] == "RUNNING",
+             what="off the drained node", timeout=120)  # fmt: skip
+    left = _first_point(client, job_id, 4)
+    client.post(f"/v1/cluster/nodes/{node}/undrain")
+    last = max(p["step"] for p in _metrics(client, job_id) if p["attempt"] == 3)
+    resumed = next(
+        e["details"]
+        for e in _events(client, job_id)
+        if e["kind"] == "resumed" and e["attempt"] == 4
+    )
+    return {
+        "drain_to_step_s": left["wall_time"] - t_drain,
+        "drain_recomputed_steps": max(0, last - resumed["step"]),
+        "drain_restarts": client.get(f"/v1/jobs/{job_id}").json()["restarts"] - restarts_before,
+        "drain_from_peer": float(resumed["source"] == "peer"),
+        "world_after_drain": left["world_size"],
+    }
 
 
 def loss_curves(client: Any, nodes: Nodes, steps: int = 40) -> list[tuple[int, float, float, int]]:
@@ -478,6 +518,13 @@ def report(
             ray_train=False,
         ),
         row("steps recomputed per node loss", "recomputed_steps", ".0f"),
+        row(
+            "node drained -> first step at the smaller size (s)", "drain_to_step_s", ray_train=False
+        ),
+        row("steps recomputed per drain", "drain_recomputed_steps", ".0f", ray_train=False),
+        row("restarts counted per drain", "drain_restarts", ".0f", ray_train=False),
+        f"| drains resumed from the survivors' memory | "
+        f"{sum(t['drain_from_peer'] for t in ours):.0f} of {len(ours)} | — | — |",
         f"| node losses resumed from the survivors' memory | "
         f"{sum(t['restored_from_peer'] for t in ours):.0f} of {len(ours)} | — | — |",
         f"| world size after loss / after return | {median(ours, 'world_after_loss'):.0f} / "

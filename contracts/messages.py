@@ -26,6 +26,7 @@ class EventKind(str, Enum):
     TRANSITION = "transition"
     PLACEMENT = "placement"  # where the ranks of an attempt run
     NODE_LOST = "node_lost"
+    NODE_DRAINING = "node_draining"  # a node of the attempt is going away: the job leaves it
     WORKER_ERROR = "worker_error"
     RESUMED = "resumed"  # an attempt restored a checkpoint
     CHECKPOINT_FALLBACK = "checkpoint_fallback"  # a newer checkpoint was torn or corrupt
@@ -197,6 +198,9 @@ class Control(str, Enum):
     NONE = "none"
     CHECKPOINT = "checkpoint"  # save a checkpoint after this step, keep going
     STOP = "stop"  # save a checkpoint after this step, then return (resize / preempt)
+    # Return after this step without a checkpoint: the group leaves a draining node, and
+    # the next attempt takes the state from the survivors' memory (no save to wait for).
+    LEAVE = "leave"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

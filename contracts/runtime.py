@@ -12,8 +12,9 @@ Plain data, pickled by Ray by reference: both ends import it from here.
 
 from __future__ import annotations
 
+import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 from contracts.messages import DriverReport
@@ -63,6 +64,8 @@ class LaunchRequest:
     """Why this attempt starts: "submitted", "node lost", "failed", "resize"."""
     detected_at: float = 0.0
     """When the control plane decided it (wall clock; 0: now): where its timeline starts."""
+    avoid_nodes: tuple[str, ...] = ()
+    """Ray node ids of draining nodes: no rank of this attempt is placed on them."""
     sent_at: float = 0.0
     """When the control plane sent it, after the attempt was committed (its wall clock, as
     `Reconcile.observed_at`)."""
@@ -116,3 +119,32 @@ class Reconciled:
     """Jobs whose state processes dropped for not being unfinished."""
     removed_groups: tuple[str, ...] = ()
     """Placement groups removed that no live attempt owned."""
+
+
+#: Where a node's preemption notice is kept in Ray's KV store (namespace, key prefix): the
+#: node's watcher (`workers.runtime.notice`) writes it, the control plane reads its reason.
+NOTICE_KV_NAMESPACE = "elastrain"
+NOTICE_KV_PREFIX = "preemption/"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PreemptionNotice:
+    """A cloud's notice that a node is about to be taken away."""
+
+    node_id: str
+    reason: str
+    deadline: float | None
+    """When the node goes (epoch seconds); None: the notice did not say."""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> PreemptionNotice:
+        data = json.loads(raw)
+        deadline = data.get("deadline")
+        return cls(
+            node_id=str(data["node_id"]),
+            reason=str(data.get("reason", "")),
+            deadline=float(deadline) if deadline is not None else None,
+        )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any, cast
 
 from contracts.spec import JobSpec
@@ -25,12 +26,33 @@ class NodeCapacity:
     gpus: float = 0.0
     memory_bytes: int = 0
     """Host memory Ray may give to tasks on the node (its `memory` resource)."""
+    draining: bool = False
+    """Going away (`NodeDrain`): alive, its ranks not lost, but no worker is placed there."""
+
+
+class DrainSource(str, Enum):
+    ADMIN = "admin"  # `elastrain drain` / POST /v1/cluster/nodes/{id}/drain
+    RAY = "ray"  # Ray's drain API: the autoscaler, KubeRay scale-down, `ray drain-node`
+    PREEMPTION = "preemption"  # a cloud's preemption notice reached the node
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeDrain:
+    """A node that is going away: jobs leave it at a step boundary, nothing new lands on it."""
+
+    node_id: str
+    reason: str = ""
+    deadline: float | None = None
+    """When the node goes (epoch seconds); None: no deadline."""
+    source: DrainSource = DrainSource.ADMIN
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClusterCapacity:
     nodes: tuple[NodeCapacity, ...] = ()
     dashboard_url: str | None = None
+    drains: tuple[NodeDrain, ...] = ()
+    """Nodes Ray reports draining (its drain API), as the launcher read them."""
     # Answers already computed on this (immutable) capacity: a scheduler pass asks the
     # same questions of one free capacity for every queued job.
     # (Not an __init__ argument: `dataclasses.replace` gives every copy a fresh one.)
@@ -105,8 +127,8 @@ class ClusterCapacity:
 
 
 def _fit(node: NodeCapacity, cpus_per_worker: float, gpus_per_worker: float) -> int:
-    """Workers of this shape the node holds (none when it is dead)."""
-    if not node.alive:
+    """Workers of this shape the node holds (none when it is dead or draining)."""
+    if not node.alive or node.draining:
         return 0
     by_cpu = int(node.cpus // cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 1 << 30
     by_gpu = int(node.gpus // gpus_per_worker + 1e-9) if gpus_per_worker > 0 else 1 << 30

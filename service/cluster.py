@@ -17,7 +17,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from service.capacity import ClusterCapacity, memory_share
+from service.capacity import ClusterCapacity, NodeDrain, memory_share
 from service.models import ClusterSnapshot, as_utc, utcnow
 
 SNAPSHOT_NAME = "ray"
@@ -36,6 +36,18 @@ class NodeView:
     gpus_free: float
     jobs: list[int] = field(default_factory=list)  # job ids with workers on this node
     memory_bytes: int = 0  # host memory Ray may give to tasks (0: unknown)
+    drain: DrainView | None = None  # going away: nothing new is placed, jobs leave it
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrainView:
+    reason: str
+    deadline: float | None  # epoch seconds; None: no deadline
+    source: str  # admin (elastrain drain), ray (Ray's drain API), preemption (a notice)
+
+    @classmethod
+    def of(cls, drain: NodeDrain) -> DrainView:
+        return cls(reason=drain.reason, deadline=drain.deadline, source=drain.source.value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,17 +64,39 @@ class ClusterView:
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterView:
         return cls(
             connected=bool(data.get("connected")),
-            nodes=[NodeView(**n) for n in data.get("nodes", [])],
+            nodes=[_node_of(n) for n in data.get("nodes", [])],
             dashboard_url=data.get("dashboard_url"),
             updated_at=data.get("updated_at"),
         )
 
 
+def _node_of(data: Mapping[str, Any]) -> NodeView:
+    drain = data.get("drain")
+    return NodeView(**{**data, "drain": DrainView(**drain) if drain else None})
+
+
+def with_drains(view: ClusterView, drains: Mapping[str, NodeDrain]) -> ClusterView:
+    """The view with these drains on their nodes (the operators' drains, read at once: a
+    drain shows before the scheduler's next snapshot)."""
+    if not drains:
+        return view
+    nodes = [
+        replace(n, drain=DrainView.of(drains[n.node_id])) if n.node_id in drains and n.alive else n
+        for n in view.nodes
+    ]
+    return replace(view, nodes=nodes)
+
+
 def snapshot(
-    capacity: ClusterCapacity, free: ClusterCapacity, placed: Mapping[int, list[str]]
+    capacity: ClusterCapacity,
+    free: ClusterCapacity,
+    placed: Mapping[int, list[str]],
+    *,
+    draining: Mapping[str, NodeDrain] | None = None,
 ) -> ClusterView:
-    """The view of `capacity` with what is `free` of it and the nodes each job's workers
-    are `placed` on (job id -> node of each rank)."""
+    """The view of `capacity` with what is `free` of it, the nodes each job's workers
+    are `placed` on (job id -> node of each rank) and the `draining` nodes."""
+    draining = draining or {}
     jobs_on: dict[str, set[int]] = {}
     for job_id, nodes in placed.items():
         for node in nodes:
@@ -82,6 +116,7 @@ def snapshot(
                 gpus_free=max(left.gpus, 0) if left else 0,
                 jobs=sorted(jobs_on.get(n.node_id, ())),
                 memory_bytes=n.memory_bytes,
+                drain=DrainView.of(d) if (d := draining.get(n.node_id)) is not None else None,
             )
         )
     return ClusterView(

@@ -24,6 +24,8 @@ row by row in tests/unit/test_decisions.py.
 | RECOVERING, RESIZING without an attempt | below min | wait (event, reason); -> FAILED after `below_min_timeout_s` |
 | RUNNING | a bigger size possible for `grow_interval_s`, nobody queued | ask the attempt to checkpoint and stop -> RESIZING |
 | RUNNING | user asked for a checkpoint | tell the driver |
+| RUNNING | a node of its ranks is draining, min workers fit elsewhere | ask the attempt to leave at the next step (no checkpoint: the state goes on in memory) -> RESIZING |
+| RUNNING | a node of its ranks is draining, min workers do not fit elsewhere | checkpoint now and train on there (reason says why); at the drain deadline checkpoint and stop -> RESIZING, then wait below min |
 
 Every state change is a `Transition`; `service.states.ALLOWED` is exactly the set of edges
 these rows produce.
@@ -50,6 +52,7 @@ from contracts.spec import JobSpec, StrategyKind
 from service.capacity import (
     Allocation,
     ClusterCapacity,
+    NodeDrain,
     WorkerShape,
     free_capacity,
     target_world_size,
@@ -145,6 +148,8 @@ class Facts:
     """The most workers the job may hold under its tenant's quota (None: no quota)."""
     worker_memory_bytes: int | None = None
     """What one worker of the job's shape has to hold its state (None: unknown)."""
+    draining: Mapping[str, NodeDrain] = field(default_factory=dict)
+    """Nodes going away, by id (their capacity is not in `free` any more)."""
 
     def target(self, spec: JobSpec) -> int:
         """The world size the job could run at now (0: below its min)."""
@@ -212,6 +217,8 @@ class StartAttempt:
     """What an `auto` job runs in this attempt (None: the spec's own kind)."""
     tensor_parallel: int = 1
     """With `strategy`: its tensor-parallel degree."""
+    avoid_nodes: tuple[str, ...] = ()
+    """Draining nodes: no rank of the attempt may be placed there."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -227,9 +234,12 @@ class EndAttempt:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SendControl:
-    """Ask the live attempt to checkpoint now, or to checkpoint and stop (a resize)."""
+    """Ask the live attempt to checkpoint now, to checkpoint and stop (a resize), or to
+    leave at the next step (a drain)."""
 
     control: Control
+    why: str = "checkpoint now (user)"
+    """For a checkpoint: what the event says asked for it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -275,6 +285,8 @@ Action = (
 )
 
 CANCELLED_BY_USER = "cancelled by user"
+#: How the reason of a job that waits to leave a draining node begins.
+DRAIN_WAIT = "waiting: "
 
 
 # ---------------------------------------------------------------------------------------
@@ -310,6 +322,12 @@ def decide(job: JobView, facts: Facts) -> list[Action]:
     lost = lost_ranks(nodes, facts.alive_nodes)
     if lost and report.status != DriverStatus.SUCCEEDED:
         return actions + _on_node_loss(job, facts, report, lost)
+    # Acted on once the attempt trains (an attempt placed before the drain leaves after
+    # its first step) and was not asked to stop already (a grow, or this drain).
+    draining = draining_ranks(nodes, facts.draining)
+    trains = job.state == JobState.RUNNING and report.status == DriverStatus.RUNNING
+    if draining and trains and not attempt.stop_requested:
+        return actions + _on_drain(job, attempt, facts, report, draining)
     return actions + _on_driver_status(job, attempt, facts, report)
 
 
@@ -349,6 +367,70 @@ def _on_node_loss(
     return actions + _enter_recovery(job, facts, reason=f"node lost ({nodes})")
 
 
+def _on_drain(
+    job: JobView,
+    attempt: AttemptView,
+    facts: Facts,
+    report: DriverReport,
+    draining: dict[str, list[int]],
+) -> list[Action]:
+    """A running job with ranks on nodes that are going away. Where the rest of the cluster
+    holds its min_workers it leaves them at the next step boundary, its state handed on
+    in the survivors' memory (no checkpoint to wait for, no failure, no restart counted).
+    Otherwise, like a pod a disruption budget protects, it saves a checkpoint and trains
+    on there until the earliest deadline, then stops with a checkpoint and waits."""
+    names = ", ".join(n[:12] for n in draining)
+    size = facts.target(job.spec)
+    if size:
+        step = progress(job, report)
+        noted: list[Action] = [
+            RecordEvent(
+                kind=EventKind.NODE_DRAINING,
+                reason=f"node {node[:12]} draining (ranks {ranks}): leaving it after step {step}",
+                details={
+                    "node_id": node,
+                    "ranks": ranks,
+                    "step": step,
+                    "source": facts.draining[node].source.value,
+                    "reason": facts.draining[node].reason,
+                    "deadline": facts.draining[node].deadline,
+                },
+            )
+            for node, ranks in draining.items()
+        ]
+        return [
+            *noted,
+            SendControl(control=Control.LEAVE),
+            Transition(
+                to=JobState.RESIZING,
+                reason=f"node {names} draining: leaving it, {attempt.world_size} -> {size} workers",
+                world_size=size,
+            ),
+            MarkSpare(since=None),
+        ]
+    shape = WorkerShape.of(job.spec)
+    fit = facts.free.workers_that_fit(shape.cpus, shape.gpus)
+    need = job.spec.min_world_size
+    deadlines = [d for n in draining if (d := facts.draining[n].deadline) is not None]
+    if deadlines and facts.now >= min(deadlines):
+        return [
+            SendControl(control=Control.STOP),
+            Transition(
+                to=JobState.RESIZING,
+                reason=f"node {names} drain deadline passed: checkpointing and stopping "
+                f"(needs {need} workers, {fit} fit elsewhere)",
+            ),
+        ]
+    then = "stops with a checkpoint at the drain deadline" if deadlines else "runs on there"
+    reason = f"{DRAIN_WAIT}node {names} draining, needs {need} workers, {fit} fit ({then})"
+    if job.state_reason == reason:
+        return []  # checkpointed already; no growth while it waits to leave
+    return [
+        SendControl(control=Control.CHECKPOINT, why=f"checkpoint now (node {names} draining)"),
+        SetReason(reason=reason),
+    ]
+
+
 def _on_driver_status(
     job: JobView, attempt: AttemptView, facts: Facts, report: DriverReport
 ) -> list[Action]:
@@ -374,7 +456,14 @@ def _on_running(
     if job.state == JobState.RESIZING and attempt.stop_requested:
         # The attempt we asked to stop trains on until its checkpoint. Ask again if the
         # request never reached its driver (a control is sent once, after the commit).
-        return [] if report.stopping else [SendControl(control=Control.STOP)]
+        if report.stopping:
+            return []
+        leaving = draining_ranks(attempt.nodes, facts.draining) and facts.target(job.spec)
+        return [SendControl(control=Control.LEAVE if leaving else Control.STOP)]
+    if job.state == JobState.RUNNING and (job.state_reason or "").startswith(DRAIN_WAIT):
+        # It waited to leave a draining node that is back (undrained, or gone from Ray's
+        # drains): say so, once.
+        return [SetReason(reason=f"drain over: training on at world size {attempt.world_size}")]
     if job.state != JobState.RUNNING:
         if report.resumed_from_step is not None:
             why = f"resumed from step {report.resumed_from_step} at world size {attempt.world_size}"
@@ -484,8 +573,9 @@ def _relaunch(job: JobView, facts: Facts) -> list[Action]:
 def start(job: JobView, size: int, facts: Facts) -> list[Action]:
     """Start an attempt at `size`; an `auto` job first plans which strategy it runs there
     (made again at every launch: the world size may have changed), and says so."""
+    avoid = tuple(sorted(facts.draining))
     if job.spec.strategy.kind != StrategyKind.auto:
-        return [StartAttempt(world_size=size)]
+        return [StartAttempt(world_size=size, avoid_nodes=avoid)]
     chosen = choose_for_auto(job.spec, size, facts.worker_memory_bytes)
     details: dict[str, Any] = {
         "world_size": size,
@@ -500,7 +590,10 @@ def start(job: JobView, size: int, facts: Facts) -> list[Action]:
             kind=EventKind.PLAN, reason=f"at world size {size}: {chosen.why}", details=details
         ),
         StartAttempt(
-            world_size=size, strategy=chosen.strategy, tensor_parallel=chosen.tensor_parallel
+            world_size=size,
+            strategy=chosen.strategy,
+            tensor_parallel=chosen.tensor_parallel,
+            avoid_nodes=avoid,
         ),
     ]
 
@@ -516,6 +609,8 @@ def _wait_below_min(job: JobView, facts: Facts) -> list[Action]:
         )
     else:
         reason = f"waiting below min: {fit} workers fit, the job needs {need}"
+    if facts.draining:
+        reason += f" (draining: node {', '.join(n[:12] for n in sorted(facts.draining))})"
     if job.below_min_since is None:
         return [StartWaiting(reason=reason, at=facts.now)]
     waited = facts.now - job.below_min_since
@@ -543,6 +638,15 @@ def lost_ranks(nodes: Sequence[str], alive: frozenset[str]) -> dict[str, list[in
         if node not in alive:
             lost.setdefault(node, []).append(rank)
     return lost
+
+
+def draining_ranks(nodes: Sequence[str], draining: Mapping[str, NodeDrain]) -> dict[str, list[int]]:
+    """node id -> ranks (of `nodes`, the node of each rank) on nodes that are draining."""
+    found: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        if node in draining:
+            found.setdefault(node, []).append(rank)
+    return found
 
 
 def allocation_after(job: JobView, actions: Sequence[Action]) -> Allocation | None:

@@ -152,6 +152,7 @@ def apply_to_db(
                         database=identity.database_id(session),
                         cause=cause,
                         detected_at=detected_at,
+                        avoid_nodes=action.avoid_nodes,
                     )
                 )
             )
@@ -166,10 +167,10 @@ def apply_to_db(
             )
             effects.append(Release(key))
         elif isinstance(action, SendControl):
-            if action.control == Control.STOP:
+            if action.control in (Control.STOP, Control.LEAVE):
                 jobs.request_stop(session, job)
             elif action.control == Control.CHECKPOINT:
-                jobs.checkpoint_request_sent(session, job)
+                jobs.checkpoint_request_sent(session, job, reason=action.why)
             effects.append(Signal(key, action.control))
         elif isinstance(action, StartWaiting):
             jobs.start_waiting(

@@ -308,9 +308,11 @@ def request_checkpoint(session: Session, job: Job) -> bool:
     return True
 
 
-def checkpoint_request_sent(session: Session, job: Job) -> None:
+def checkpoint_request_sent(
+    session: Session, job: Job, *, reason: str = "checkpoint now (user)"
+) -> None:
     job.checkpoint_requested = False
-    record_event(session, job, kind=EventKind.CHECKPOINT_REQUESTED, reason="checkpoint now (user)")
+    record_event(session, job, kind=EventKind.CHECKPOINT_REQUESTED, reason=reason)
 
 
 def check_attempt(job: Job, attempt: int) -> None:

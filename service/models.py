@@ -295,3 +295,18 @@ class DatabaseIdentity(Base):
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[str] = mapped_column(String(64))
+
+
+class NodeDrainRow(Base):
+    """A Ray node an operator drained (`elastrain drain`): no rank is placed on it and
+    jobs leave it, until it is undrained. Drains Ray itself reports (autoscaler, KubeRay,
+    preemption notices) are read from Ray every pass and are not stored."""
+
+    __tablename__ = "node_drains"
+
+    node_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    # When the node goes: a job that cannot leave it checkpoints and stops by then.
+    deadline: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+    created_by: Mapped[str] = mapped_column(String(100), default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -11,11 +11,20 @@ from dataclasses import replace
 from typing import Any
 
 import ray
+from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from contracts.messages import Control, DriverReport, DriverStatus, ErrorKind, WorkerError
-from contracts.runtime import RUNTIME_NAME, AttemptKey, LaunchRequest, Reconcile
-from service.capacity import ClusterCapacity, NodeCapacity
+from contracts.runtime import (
+    NOTICE_KV_NAMESPACE,
+    NOTICE_KV_PREFIX,
+    RUNTIME_NAME,
+    AttemptKey,
+    LaunchRequest,
+    PreemptionNotice,
+    Reconcile,
+)
+from service.capacity import ClusterCapacity, DrainSource, NodeCapacity, NodeDrain
 from service.settings import Settings
 from workers.runtime.actor import Runtime
 
@@ -77,6 +86,7 @@ class RuntimeClient:
                 namespace=self.namespace,
                 warm_per_node=self.settings.warm_workers_per_node,
                 collective_timeout_s=self.settings.collective_timeout_s,
+                preemption_notice=self.settings.preemption_notice,
             )
         )
 
@@ -95,7 +105,9 @@ class RuntimeClient:
                     memory_bytes=int(res.get("memory", 0)),
                 )
             )
-        return ClusterCapacity(nodes=tuple(nodes), dashboard_url=self._dashboard_url())
+        return ClusterCapacity(
+            nodes=tuple(nodes), dashboard_url=self._dashboard_url(), drains=ray_drains()
+        )
 
     def _dashboard_url(self) -> str | None:
         try:
@@ -152,6 +164,48 @@ def _lost(why: str) -> DriverReport:
         status=DriverStatus.LOST,
         error=WorkerError(type="DriverLost", kind=ErrorKind.DRIVER_LOST, message=why),
     )
+
+
+def ray_drains() -> tuple[NodeDrain, ...]:
+    """Nodes Ray is draining (its drain API, which the autoscaler, KubeRay's scale-down,
+    `ray drain-node` and `workers.runtime.notice` call), with their deadlines. Read the
+    way Ray Serve and Ray Data read it (`ray._private.state`: Ray has no public API for
+    it yet); a Ray without it reports none."""
+    try:
+        draining: dict[str, int] = ray._private.state.state.get_draining_nodes()
+    except Exception as exc:  # an older or newer Ray: drains from Ray go unseen
+        log.debug("cannot read Ray's draining nodes: %s", exc)
+        return ()
+    notices = preemption_notices()
+    return tuple(
+        notices.get(node_id)
+        or NodeDrain(
+            node_id=node_id,
+            reason="drained by Ray (autoscaler, KubeRay scale-down or ray drain-node)",
+            deadline=deadline_ms / 1000 if deadline_ms else None,
+            source=DrainSource.RAY,
+        )
+        for node_id, deadline_ms in sorted(draining.items())
+    )
+
+
+def preemption_notices() -> dict[str, NodeDrain]:
+    """The preemption notices `workers.runtime.notice` left in Ray's KV store, by node."""
+    found: dict[str, NodeDrain] = {}
+    try:
+        for key in internal_kv._internal_kv_list(NOTICE_KV_PREFIX, namespace=NOTICE_KV_NAMESPACE):
+            raw = internal_kv._internal_kv_get(key, namespace=NOTICE_KV_NAMESPACE)
+            if raw:
+                notice = PreemptionNotice.from_json(raw)
+                found[notice.node_id] = NodeDrain(
+                    node_id=notice.node_id,
+                    reason=notice.reason,
+                    deadline=notice.deadline,
+                    source=DrainSource.PREEMPTION,
+                )
+    except Exception as exc:  # a notice we cannot read: the drain shows as Ray's
+        log.debug("cannot read preemption notices: %s", exc)
+    return found
 
 
 HEAD_RESOURCE = "node:__internal_head__"

@@ -31,6 +31,7 @@ from service import (
     auth,
     cluster,
     decisions,
+    drains,
     identity,
     lease,
     metric_store,
@@ -39,7 +40,13 @@ from service import (
     reports,
     telemetry,
 )
-from service.capacity import Allocation, CapacityLedger, ClusterCapacity, WorkerShape
+from service.capacity import (
+    Allocation,
+    CapacityLedger,
+    ClusterCapacity,
+    NodeDrain,
+    WorkerShape,
+)
 from service.db import session_scope
 from service.decisions import Action, Facts, JobView, PersistReport, Policy
 from service.executor import Executor, Timers
@@ -81,6 +88,7 @@ class Scheduler:
         self._swept_at = 0.0
         self._tenure = 0
         self._database: str | None = None  # this database's identity, read once
+        self._draining: dict[str, NodeDrain] = {}  # this pass's draining nodes
         # The views (and parsed specs) of the jobs each pass reads, kept between passes.
         self._active_views = observe.ViewCache()
         self._pending_views = observe.ViewCache()
@@ -113,6 +121,7 @@ class Scheduler:
             active = observe.active_jobs(s, cache=self._active_views)
             pending = observe.pending_jobs(s, cache=self._pending_views)
             quotas = Quotas(auth.quotas(s), self.settings.default_max_workers_per_tenant, active)
+            capacity, self._draining = drains.effective(capacity, drains.stored(s))
         self.executor.buckets.keep_only(job.id for job in active)
         polled = self._reconcile(active, pending, observed_at)
         ledger = CapacityLedger(capacity, _held(active))
@@ -221,6 +230,7 @@ class Scheduler:
             waiting_reason=waiting_reason,
             worker_limit=worker_limit,
             worker_memory_bytes=self._worker_memory(job.spec, ledger.cluster),
+            draining=self._draining,
         )
 
     def _worker_memory(self, spec: JobSpec, capacity: ClusterCapacity) -> int | None:
@@ -253,7 +263,9 @@ class Scheduler:
 
     def _publish(self, capacity: ClusterCapacity, ledger: CapacityLedger) -> None:
         with session_scope(self.sessions) as s:
-            view = cluster.snapshot(capacity, ledger.free(), observe.placed_jobs(s))
+            view = cluster.snapshot(
+                capacity, ledger.free(), observe.placed_jobs(s), draining=self._draining
+            )
             # Unchanged views are rewritten only now and then: often enough that readers
             # see a fresh snapshot (connected), rarely enough to cost the DB nothing.
             same = replace(view, updated_at=None) == self._published

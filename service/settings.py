@@ -52,6 +52,13 @@ class Settings(BaseSettings):
         ge=0,
         description="Idle worker processes (torch imported) kept on every node ahead of need.",
     )
+    preemption_notice: str | None = Field(
+        default=None,
+        description="What every node watches for a cloud's preemption notice: a file path or "
+        "an http(s) URL (e.g. AWS's spot/instance-action metadata URL). A notice drains the "
+        "node through Ray's drain API, and jobs leave it (workers/runtime/notice.py). Unset: "
+        "not watched (drains from Ray's autoscaler or KubeRay are seen either way).",
+    )
     collective_timeout_s: float = Field(
         default=60.0,
         gt=0,

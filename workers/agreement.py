@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from contracts.messages import Control
 
-CONTROL_CODES = {Control.NONE: 0, Control.CHECKPOINT: 1, Control.STOP: 2}
+CONTROL_CODES = {Control.NONE: 0, Control.CHECKPOINT: 1, Control.STOP: 2, Control.LEAVE: 3}
 _CONTROL_BY_CODE = {code: control for control, code in CONTROL_CODES.items()}
 
 

@@ -39,6 +39,8 @@ from workers.workloads import WorkloadError, load_workload
 log = logging.getLogger("elastrain.workers.loop")
 
 LOG_EVERY_STEPS = 10
+#: Controls that end the attempt at this step boundary (STOP after its checkpoint).
+_STOPS = (Control.STOP, Control.LEAVE)
 
 
 def train(
@@ -155,19 +157,19 @@ def _train(
             if (
                 done % spec.checkpoint.every_steps == 0
                 or done == max_steps
-                or control != Control.NONE
+                or control in (Control.CHECKPOINT, Control.STOP)
             ):
                 reason = control.value if control != Control.NONE else "scheduled"
                 stalled = save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
                                           metrics=reports.kept_with_checkpoint())  # fmt: skip
             # Every rank polls: a failed background save then raises on every rank alike.
             reports.commits(checkpointer.poll_commits())
-            if control == Control.STOP:
+            if control in _STOPS:  # LEAVE: the state goes on in memory, unsaved
                 break
 
         # Waits for the in-flight async save to commit, then stops the checkpointer's thread.
         reports.commits(checkpointer.close())
-    stopped = control == Control.STOP and done < max_steps
+    stopped = control in _STOPS and done < max_steps
     if is_rank0:
         log.info("%s at step %d", "stopped" if stopped else "finished", done)
     return TrainResult(

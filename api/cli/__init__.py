@@ -2,7 +2,7 @@
 talks to the REST API over HTTP.
 
 The commands live by what they do: `client` (jobs, over REST), `admin` (tokens and
-tenants), `server` (`serve`), `offline` (tools that need no server). Importing this loads
+tenants), `nodes` (the cluster, drain and undrain), `server` (`serve`), `offline` (tools that need no server). Importing this loads
 neither the service nor FastAPI; `serve` imports them when it runs.
 """
 
@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from api.cli import admin, client, offline, server
+from api.cli import admin, client, nodes, offline, server
 from api.cli.connection import DEFAULT_URL, Api, hoist_connection_options
 
 #: Commands that speak no REST: `--url` and `--token` after them stay an error.
@@ -68,6 +68,9 @@ app.command()(client.logs)
 app.command()(client.plan)
 app.command("prepare-text")(offline.prepare_text)
 app.command()(client.whoami)
+app.command()(nodes.cluster)
+app.command()(nodes.drain)
+app.command()(nodes.undrain)
 
 token_app = typer.Typer(help="API tokens: a token is the right to run code on the cluster.")
 token_app.command("create")(admin.token_create)

@@ -19,7 +19,7 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.main import create_app
-from service import cluster
+from service import cluster, drains
 from service.db import session_scope
 from service.models import ApiToken
 from service.settings import Settings
@@ -51,7 +51,12 @@ ACCESS: dict[tuple[str, str], str] = {
     ("post", "/v1/packages"): "tenant",
     ("get", "/v1/packages/{digest}"): "tenant",
     ("post", "/v1/plan"): "tenant",
+    ("post", "/v1/cluster/nodes/{node_id}/drain"): "admin",
+    ("post", "/v1/cluster/nodes/{node_id}/undrain"): "admin",
+    ("delete", "/v1/cluster/nodes/{node_id}/drain"): "admin",
 }
+#: The one node of the cluster snapshot the world publishes (drain routes name it).
+NODE = "ab" * 28
 ZIP = {"Content-Type": "application/zip"}
 
 
@@ -101,13 +106,22 @@ def world(settings: Settings) -> Iterator[World]:
         upload = client.post("/v1/packages", content=a_zip(), headers={**ZIP, **w.as_("team-a")})
         assert upload.status_code == 201, upload.text
         w.package = upload.json()["digest"]
+        node = cluster.NodeView(
+            node_id=NODE, address="10.0.0.9", alive=True, cpus_total=1, cpus_free=1,
+            gpus_total=0, gpus_free=0,
+        )  # fmt: skip
+        with session_scope(w.sessions) as s:
+            cluster.publish(s, cluster.ClusterView(connected=True, nodes=[node]))
         yield w
 
 
 def _request(w: World, method: str, path: str, owner: str) -> tuple[str, str, Any]:
     """A well-formed call of the route, about `owner`'s things."""
     url = path.replace("{job_id}", str(w.jobs[owner])).replace("{name}", owner)
-    url = url.replace("{digest}", w.package)
+    url = url.replace("{digest}", w.package).replace("{node_id}", NODE)
+    if url.endswith("/undrain") or (method == "delete" and url.endswith("/drain")):
+        with session_scope(w.sessions) as s:  # something to undrain
+            drains.drain(s, node_id=NODE, reason="matrix", deadline=None, by="admin")
     if "{token_id}" in url:
         url = url.replace("{token_id}", str(w.new_token(owner)["id"]))
     body = {

@@ -299,3 +299,40 @@ def test_where_connection_options_are_moved(args: list[str], expected: list[str]
     from api.cli.connection import hoist_connection_options
 
     assert hoist_connection_options(args, offline=OFFLINE_COMMANDS) == expected
+
+
+def test_drain_cluster_undrain_from_the_cli(server) -> None:  # type: ignore[no-untyped-def]
+    url, settings = server
+    node = "e5" * 28
+    from service import cluster as cluster_view
+    from service.db import make_engine, make_session_factory, session_scope
+
+    engine = make_engine(settings.database_url)
+    try:
+        view = cluster_view.ClusterView(connected=True, nodes=[cluster_view.NodeView(
+            node_id=node, address="10.0.0.7", alive=True, cpus_total=4, cpus_free=3,
+            gpus_total=0, gpus_free=0, jobs=[7],
+        )])  # fmt: skip
+        with session_scope(make_session_factory(engine)) as s:
+            cluster_view.publish(s, view)
+    finally:
+        engine.dispose()
+    runner = CliRunner()
+    # The connection options after the command, as for every other command.
+    drained = runner.invoke(
+        app, ["drain", node[:10], "--deadline", "300", "--reason", "kernel upgrade", "--url", url]
+    )
+    assert drained.exit_code == 0, drained.output
+    assert drained.stdout.startswith(f"{node[:12]}\tdraining, deadline ")
+    shown = runner.invoke(app, ["cluster", "--url", url])
+    assert shown.exit_code == 0, shown.output
+    header, row = shown.stdout.strip().splitlines()
+    assert header.split() == ["NODE", "ADDRESS", "STATE", "CPUS", "GPUS", "JOBS", "DRAIN"]
+    assert row.split()[:6] == [node[:12], "10.0.0.7", "draining", "3/4", "0/0", "7"]
+    assert "admin: kernel upgrade, deadline in 4m5" in row
+    undrained = runner.invoke(app, ["undrain", node, "--url", url])
+    assert undrained.exit_code == 0 and "undrained" in undrained.stdout
+    again = runner.invoke(app, ["undrain", node, "--url", url])
+    assert again.exit_code == 1 and "not drained" in again.output
+    unknown = runner.invoke(app, ["drain", "f" * 56, "--url", url])
+    assert unknown.exit_code == 1 and "error 404" in unknown.output

@@ -72,7 +72,8 @@ def test_service_does_not_load_torch() -> None:
     loaded = _loaded_by("service.runtime_client", "workers")
     assert loaded == ["workers", "workers.runtime", "workers.runtime.actor",
                       "workers.runtime.driver", "workers.runtime.layout",
-                      "workers.runtime.pool", "workers.runtime.reconcile"]  # fmt: skip
+                      "workers.runtime.notice", "workers.runtime.pool",
+                      "workers.runtime.reconcile"]  # fmt: skip
 
 
 def _loaded_by(module: str, prefix: str) -> list[str]:

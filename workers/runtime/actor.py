@@ -35,6 +35,7 @@ from contracts.runtime import (
     Reconciled,
 )
 from workers.runtime.driver import AttemptDriver, group_prefix
+from workers.runtime.notice import NoticeWatchers
 from workers.runtime.pool import WorkerPool
 from workers.runtime.reconcile import (
     HeldAttempt,
@@ -62,11 +63,13 @@ class Runtime:
         warm_per_node: int,
         collective_timeout_s: float,
         upkeep_interval_s: float = 0.5,
+        preemption_notice: str | None = None,
     ) -> None:
         self.namespace = namespace
         self.collective_timeout_s = collective_timeout_s
         self.upkeep_interval_s = upkeep_interval_s
         self.pool = WorkerPool(namespace=namespace, warm_per_node=warm_per_node)
+        self.notices = NoticeWatchers(preemption_notice, namespace)
         self.drivers: dict[AttemptKey, AttemptDriver] = {}
         self._lock = threading.Lock()
         self._scanned_at = float("-inf")
@@ -185,7 +188,9 @@ class Runtime:
         passes = 0
         while True:
             try:
-                self.pool.top_up(ray.nodes())
+                nodes = ray.nodes()
+                self.pool.top_up(nodes)
+                self.notices.ensure(nodes)
                 passes += 1
                 if passes % _PING_EVERY == 0:
                     self.pool.check_idle()

@@ -135,7 +135,7 @@ class AttemptDriver:
     # -- called by the scheduler (through the runtime) ----------------------------------------
     def request_control(self, control: Control) -> None:
         with self._lock:
-            if control == Control.STOP:
+            if control in (Control.STOP, Control.LEAVE):
                 if self._stopping:
                     return  # asked again (level-triggered): once is enough
                 self._stopping = True
@@ -268,8 +268,13 @@ class AttemptDriver:
         """Reserve `n` bundles, pick a process on each bundle's node (holders of the job's
         newest state first) and number them node by node (`workers.runtime.layout`)."""
         job = self.request.job
+        avoid = set(self.request.avoid_nodes)
         holders = sorted(
-            (w for w in self.pool.job_workers(job) if w.idle and w.held is not None),
+            (
+                w
+                for w in self.pool.job_workers(job)
+                if w.idle and w.held is not None and w.node_id not in avoid
+            ),
             key=lambda w: -w.held.step,  # type: ignore[union-attr]
         )
         preferred = [w.node_id for w in holders][:n]
@@ -311,13 +316,14 @@ class AttemptDriver:
         bundle: dict[str, float] = {"CPU": float(scaling.cpus_per_worker)}
         if scaling.use_gpu:
             bundle["GPU"] = float(scaling.gpus_per_worker)
+        anywhere = avoiding(self.request.avoid_nodes)
         if preferred:
             selectors = [{"ray.io/node-id": node} for node in preferred]
-            selectors += [{}] * (n - len(selectors))
+            selectors += [anywhere] * (n - len(selectors))
             pg = self._ask([bundle] * n, selectors, PREFERRED_PLACEMENT_S)
             if pg is not None:
                 return pg
-        pg = self._ask([bundle] * n, None, PLACEMENT_TIMEOUT_S)
+        pg = self._ask([bundle] * n, [anywhere] * n if anywhere else None, PLACEMENT_TIMEOUT_S)
         if pg is None:
             raise RuntimeError(f"Ray could not reserve {n} x {bundle} in {PLACEMENT_TIMEOUT_S}s")
         return pg
@@ -422,6 +428,14 @@ class AttemptDriver:
                 remove_placement_group(pg)
             except Exception as exc:  # already removed is fine
                 log.info("remove placement group: %s", exc)
+
+
+def avoiding(nodes: Sequence[str]) -> dict[str, str]:
+    """A bundle label selector that keeps a bundle off these (draining) nodes: Ray's
+    `!in(...)` on the node id label every node carries; {} when there are none. No space
+    after the commas: Ray 2.60 matches the values as written, so `!in(a, b)` would not
+    keep a bundle off b."""
+    return {"ray.io/node-id": f"!in({','.join(sorted(nodes))})"} if nodes else {}
 
 
 def group_prefix(namespace: str) -> str:

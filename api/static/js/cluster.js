@@ -47,10 +47,14 @@ export function mount(main) {
     const cpusT = sum("cpus_total"), cpusF = sum("cpus_free");
     const gpusT = sum("gpus_total"), gpusF = sum("gpus_free");
     const jobs = new Set(list.flatMap((n) => n.jobs || []));
+    const draining = alive.filter((n) => n.drain).length;
     const stat = (label, value, sub) => h("div", { class: "stat" }, h("dt", {}, label),
       h("dd", {}, h("span", { class: "num big" }, value), sub ? h("span", { class: "muted" }, ` ${sub}`) : ""));
     summary.replaceChildren(
-      stat("Nodes alive", `${alive.length}`, list.length > alive.length ? `· ${list.length - alive.length} lost` : ""),
+      stat("Nodes alive", `${alive.length}`, [
+        list.length > alive.length ? `· ${list.length - alive.length} lost` : "",
+        draining ? `· ${draining} draining` : "",
+      ].filter(Boolean).join(" ")),
       stat("CPUs used", `${fmt(cpusT - cpusF)} / ${fmt(cpusT)}`, `· ${fmt(cpusF)} free`),
       stat("GPUs used", `${fmt(gpusT - gpusF)} / ${fmt(gpusT)}`, `· ${fmt(gpusF)} free`),
       stat("Jobs placed", `${jobs.size}`),
@@ -65,9 +69,12 @@ export function mount(main) {
       class: `node ${n.alive ? "alive" : "lost"}`, "data-node-id": n.node_id, "aria-label": `Node ${n.address}`,
     },
     h("header", {},
-      h("span", { class: `badge ${n.alive ? "badge-alive" : "badge-failed"}` }, n.alive ? "ALIVE" : "LOST"),
+      h("span", { class: `badge ${!n.alive ? "badge-failed" : n.drain ? "badge-draining" : "badge-alive"}` },
+        !n.alive ? "LOST" : n.drain ? "DRAINING" : "ALIVE"),
       h("strong", { class: "mono" }, n.address || "?"),
       h("span", { class: "muted mono small", title: n.node_id }, String(n.node_id).slice(0, 12))),
+    // A draining node is going away: what drained it, why, and until when.
+    ...(n.alive && n.drain ? [drainNote(n.drain)] : []),
     // A lost node's last numbers mean nothing now: say so rather than show them.
     ...(n.alive
       ? [meter("CPU", n.cpus_total - n.cpus_free, n.cpus_total), meter("GPU", n.gpus_total - n.gpus_free, n.gpus_total)]
@@ -96,4 +103,13 @@ function meter(label, used, total) {
     h("div", { class: "meter", role: "meter", "aria-label": `${label} used`, "aria-valuemin": 0, "aria-valuemax": t, "aria-valuenow": u },
       h("div", { class: "meter-fill", style: `width:${pct.toFixed(1)}%` })),
     h("span", { class: "num small" }, t ? `${fmt(u)} / ${fmt(t)} used` : "none"));
+}
+
+// "Draining (drained by an operator): kernel upgrade · goes at 14:05:10": jobs leave it at a step boundary.
+function drainNote(d) {
+  const source = { admin: "drained by an operator", ray: "drained by Ray", preemption: "preemption notice" }[d.source] || d.source;
+  // An absolute time: the view is redrawn only when the snapshot changes.
+  const when = d.deadline ? `goes at ${new Date(d.deadline * 1000).toLocaleTimeString()}` : "no deadline";
+  return h("p", { class: "small drain-note", title: "No new worker lands here; jobs leave at a step boundary." },
+    `Draining (${source})${d.reason ? `: ${d.reason}` : ""} · ${when}`);
 }

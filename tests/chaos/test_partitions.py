@@ -282,7 +282,7 @@ def test_a_survivor_blocked_on_a_cut_off_peer_is_freed_and_hands_on_its_state(
     step is recomputed."""
     left, right = cluster.add_node(1), cluster.add_node(1)  # one worker each: the group spans
     spec = {**SPEC, "name": "spanning",
-            "checkpoint": {"every_steps": MAX_STEPS, "keep_last": 1}}  # fmt: skip
+            "checkpoint": {"every_steps": MAX_STEPS, "keep_last": 2}}  # fmt: skip
     try:
         with service(cluster, tmp_path) as client:
             job_id = submit(client, spec)

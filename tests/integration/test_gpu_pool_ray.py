@@ -89,6 +89,12 @@ def running(client: TestClient, job_id: int, attempt: int, world: int, step: int
     )  # fmt: skip
 
 
+def timelines(client: TestClient, job_id: int) -> list[dict[str, Any]]:
+    """The job's start timelines (for a failure's message)."""
+    events = client.get(f"/v1/jobs/{job_id}/events").json()
+    return [e["details"] for e in events if e["kind"] == "timeline"]
+
+
 def gpus_free(client: TestClient) -> float:
     nodes = client.get("/v1/cluster").json()["nodes"]
     return sum(n["gpus_free"] for n in nodes if n["alive"])
@@ -130,7 +136,7 @@ def test_gpu_jobs_take_warm_gpu_processes_and_keep_them(service: TestClient) -> 
     runtime = ray.get_actor(RUNTIME_NAME, namespace="elastrain-chaos")
     ray.get(runtime.release.remote(AttemptKey(elastic, 1)))
     running(client, elastic, 2, 2, step=1)
-    assert pids_of(client, elastic, 2) == elastic_pids
+    assert pids_of(client, elastic, 2) == elastic_pids, timelines(client, elastic)
 
     # The other job ends: the elastic one grows onto its GPUs, into its processes.
     client.post(f"/v1/jobs/{hog}/cancel")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,6 +65,10 @@ PREFERRED_PLACEMENT_S = 1.5
 PLACEMENT_RETRY_S = 0.15
 #: How long to wait for Ray to reserve the attempt's resources at all.
 PLACEMENT_TIMEOUT_S = 120.0
+#: How long a GPU rank waits for a process owning a GPU of its bundle's node to come back
+#: from an attempt that is over (one whose job ended or shrank lets go at its next step
+#: boundary), before a second process is started on that GPU beside it.
+GPU_RETURN_GRACE_S = 15.0
 #: How long a process may take to start when no warm one is left on a node.
 START_TIMEOUT_S = 300.0
 
@@ -280,6 +285,8 @@ class AttemptDriver:
         table = ray.util.placement_group_table(self.pg)
         nodes = [table["bundles_to_node_id"][i] for i in range(n)]
         gpu = self.request.spec.scaling.use_gpu
+        if gpu:
+            self._wait_for_gpu_processes(nodes)
         options = private_worker_options(self.request.spec)
         chosen: list[PooledWorker] = []
         with self.pool.lock:
@@ -314,6 +321,18 @@ class AttemptDriver:
             group_sizes=(strategy.model_parallel_size, strategy.tensor_parallel_degree),
         )
         return [chosen[i] for i in order]
+
+    def _wait_for_gpu_processes(self, nodes: Sequence[str]) -> None:
+        """Wait (a little) until every node of the bundles has a GPU process for each of
+        its bundles: Ray frees a GPU when the attempt using it is released, a moment
+        before that attempt's process lets go."""
+        need = Counter(nodes)
+        deadline = time.monotonic() + GPU_RETURN_GRACE_S
+        while time.monotonic() < deadline and not self._released.is_set():
+            with self.pool.lock:
+                if all(self.pool.gpu_slots(node) >= k for node, k in need.items()):
+                    return
+            time.sleep(0.05)
 
     def _warm_worker(self, node: str, taken: Sequence[PooledWorker], *, gpu: bool) -> PooledWorker:
         """A pooled process on `node` for one rank (call with the pool's lock held): an

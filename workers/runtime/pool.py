@@ -200,6 +200,13 @@ class WorkerPool:
             self.workers[name] = worker
         return worker
 
+    def gpu_slots(self, node_id: str) -> int:
+        """GPU processes on `node_id` a rank could take now or soon: idle or starting ones,
+        and GPUs nobody owns yet (call with `lock` held)."""
+        owners = _owners([w for w in self.workers.values() if w.node_id == node_id])
+        free = gpus_to_start(self.node_gpus.get(node_id, 0.0), owners)
+        return sum(1 for w in owners if not w.busy) + len(free)
+
     def spare_gpu_worker(self, node_id: str, exclude: Sequence[PooledWorker]) -> PooledWorker:
         """A GPU process on `node_id` for a rank whose bundle Ray placed there when no idle
         one is left (call with `lock` held): one still starting, else a new one on a GPU

@@ -422,7 +422,13 @@ def run_job(svc: Service, report: Report, strategy: str, shape: Shape, gpus: int
     import signal as signals
 
     label = f"{strategy} bf16"
-    gpu_pids = {w.pid for w in svc.pool() if w.gpu is not None}
+
+    def warm_gpu_processes() -> set[int]:  # one per GPU, each answering and idle
+        owners = [w for w in svc.pool() if w.gpu is not None]
+        idle = {w.pid for w in owners if not w.busy}
+        return idle if len(owners) == len(idle) == gpus else set()
+
+    gpu_pids = svc.wait(f"{gpus} idle GPU processes", warm_gpu_processes, deadline, 180)
     job = svc.submit(job_spec(f"gpu-{strategy}", strategy, shape, gpus, async_save=True))
     measured_to = WARMUP_STEPS + shape.steps
     svc.training(job, 1, measured_to, deadline)
@@ -464,9 +470,9 @@ def run_job(svc: Service, report: Report, strategy: str, shape: Shape, gpus: int
     report.checkpoints += [(label, "sync save: stall per checkpoint", sync_stall),
                            (label, "sync save: whole cost per checkpoint", sync_whole)]  # fmt: skip
     for what, mine in (("stall", stall), ("whole cost", whole)):
-        ratio = mine / sync_whole if sync_whole > 0 else float("inf")
-        report.check(f"{label}: async save's {what} <= 5 % of a sync save's whole cost",
-                     ratio <= 0.05, f"({ratio:.1%})")  # fmt: skip
+        ratio = mine / sync_stall if sync_stall > 0 else float("inf")
+        report.check(f"{label}: async save's {what} <= 5 % of a sync save",
+                     ratio <= 0.05, f"({ratio:.1%} of the sync stall)")  # fmt: skip
 
 
 def service_checks(report: Report, shape: Shape, gpus: int, device: str,
@@ -480,6 +486,9 @@ def service_checks(report: Report, shape: Shape, gpus: int, device: str,
         allowed_hosts=["testserver"],
         warm_workers_per_node=1,
         restart_backoff_s=0,
+        # A rank a step ahead of a released peer can block in a collective until this
+        # timeout (issue 25, item 4); the next attempt waits 5 + 15 s for its process.
+        collective_timeout_s=30,
     ) as client:  # fmt: skip
         svc = Service(client, "elastrain-test")
         t0 = time.monotonic()

@@ -54,6 +54,11 @@ def service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[TestCli
         warm_workers_per_node=1,
         grow_interval_s=1,
         restart_backoff_s=0,
+        # The forced recovery releases an attempt: each rank lets go at its next step
+        # boundary, and one a step ahead of its peer can block in a gloo collective until
+        # this timeout (the DDP model kept in memory holds the group's sockets open; issue
+        # 25, item 4). A next attempt waits up to 5 + 15 s for a GPU process to come back.
+        collective_timeout_s=10,
     ) as (client, _):
         yield client
 
@@ -157,3 +162,25 @@ def test_gpu_jobs_take_warm_gpu_processes_and_keep_them(service: TestClient) -> 
     client.post(f"/v1/jobs/{elastic}/cancel")
     assert wait_terminal(client, elastic)["state"] == "CANCELLED"
     wait_until(lambda: gpus_free(client) == NODES * GPUS, 30, "every GPU free again")
+
+
+def test_a_gpu_job_with_its_own_packages_borrows_a_pooled_gpu(service: TestClient) -> None:
+    """A job with pip `requirements` runs in a new process started in that environment; a
+    GPU rank of it uses the GPU of a pooled process, which stays lent to the attempt (so no
+    other job's rank lands on that GPU) and comes back when the attempt ends."""
+    client = service
+    wait_until(lambda: len(gpu_processes()) == NODES * GPUS, 240, "one process per GPU")
+    owners = gpu_processes()
+    spec = gpu_spec("pip", min_workers=1, max_workers=1)
+    spec["workload"] = {**spec["workload"], "requirements": ["pyyaml>=5"]}  # installed already
+    job = submit(client, spec)
+    running(client, job, 1, 1)
+    (pid,) = pids_of(client, job, 1)
+    assert pid not in owners  # its own process, in the job's pip environment
+    private = next(w for w in pool() if w.pid == pid)
+    lent = [w for w in pool() if w.pid in owners and w.busy]
+    assert [(w.node_id, w.gpu) for w in lent] == [(private.node_id, private.gpu)], (private, lent)
+    wait_until(lambda: gpus_free(client) == NODES * GPUS - 1, 30, "/v1/cluster: one GPU held")
+    client.post(f"/v1/jobs/{job}/cancel")
+    assert wait_terminal(client, job)["state"] == "CANCELLED"
+    wait_until(lambda: not any(w.busy for w in pool() if w.pid in owners), 60, "the GPU is back")

@@ -326,13 +326,18 @@ class WorkerPool:
             for w in surplus:
                 self.workers.pop(w.name, None)
                 by_node[w.node_id].remove(w)
+            # Under the lock: a driver may start a process on a free GPU meanwhile
+            # (`spare_gpu_worker`), and a GPU gets one owner, not two.
+            for node_id in alive:
+                for index in gpus_to_start(
+                    gpus.get(node_id, 0.0), _owners(by_node.get(node_id, []))
+                ):
+                    by_node.setdefault(node_id, []).append(self.start(node_id, gpu=index))
         for w in surplus:
             log.info("stopping %s: a second process on GPU %s", w.name, w.gpu)
             ray.kill(w.handle)
         for node_id, node in alive.items():
             mine = by_node.get(node_id, [])
-            for index in gpus_to_start(gpus.get(node_id, 0.0), _owners(mine)):
-                self.start(node_id, gpu=index)
             cpus = float(node.get("Resources", {}).get("CPU", 0.0))
             if cpus <= 0:
                 continue

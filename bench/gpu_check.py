@@ -421,7 +421,7 @@ def run_job(svc: Service, report: Report, strategy: str, shape: Shape, gpus: int
             device: str, deadline: Deadline, *, kill: bool) -> None:  # fmt: skip
     import signal as signals
 
-    label = f"{strategy} bf16"
+    label = f"{strategy} {'fp32 on CPU' if gpu_on_cpu() else 'bf16'}"
 
     def warm_gpu_processes() -> set[int]:  # one per GPU, each answering and idle
         owners = [w for w in svc.pool() if w.gpu is not None]
@@ -537,8 +537,8 @@ def render(report: Report, command: str) -> str:
         phases = ["old_group_stopped", "placed", "processes_up", "group_formed",
                   "state_restored", "first_step", "total"]  # fmt: skip
         lines += ["## Start and recovery timelines", "",
-                  "Seconds from the decision (detected) to each phase, from the job's Timeline "
-                  "events.", "",
+                  "Seconds each phase took (since the phase before it; `total`: from the "
+                  "decision to the first step), from the job's Timeline events.", "",
                   "| job | cause | " + " | ".join(phases) + " | state from |",
                   "| --- | --- | " + " | ".join("---:" for _ in phases) + " | --- |"]  # fmt: skip
         for label, cause, marks, source in report.timelines:
@@ -647,9 +647,8 @@ def main() -> int:
         for strategy in ("ddp", "fsdp"):
             with step(report, f"plain torchrun: {strategy} bf16"):
                 step_s = plain_torchrun(strategy, shape, gpus, deadline)
-                report.throughput.append(
-                    (f"{strategy} bf16", "plain", *rates(step_s, shape, gpus, devices[0]))
-                )
+                label = f"{strategy} {'fp32 on CPU' if gpu_on_cpu() else 'bf16'}"
+                report.throughput.append((label, "plain", *rates(step_s, shape, gpus, devices[0])))
         if args.skip_service:
             report.failures.append("service: not run (--skip-service)")
         elif not any(f.startswith("environment") for f in report.failures):

@@ -9,7 +9,7 @@ code never lands on a GPU a GPU rank owns.
 
 The processes ask Ray for no GPU themselves (num_gpus=0, as they ask for no CPU): the
 attempt that borrows one reserves the GPU in its placement group, so Ray's view of free
-GPUs and the service's capacity arithmetic agree (see docs/gpu.md for why not
+GPUs and the service's capacity arithmetic agree (docs/bench-gpu.md says why not
 num_gpus=1 per process).
 
 Test-only switch: with `ELASTRAIN_TEST_GPU_ON_CPU=1` in the environment of the Ray

@@ -68,20 +68,23 @@ gpu-check:
 	PYTHONPATH=$(CURDIR) timeout -k 30 $$(( $(GPU_TIME_LIMIT) + 120 )) \
 		$(GPU_PY) bench/gpu_check.py --time-limit $(GPU_TIME_LIMIT) $(GPU_ARGS)
 
-# For a GPU machine without internet: the wheels the service needs beyond torch (CPython
-# 3.12, x86-64 Linux), into .whl/; any over 40 MiB split into .partNN pieces that
-# bench/gpu_check.py joins again (each piece can travel on its own). Run where pip works.
+# For a GPU machine without internet: the wheels the service needs beyond torch and numpy
+# (CPython 3.12, x86-64 Linux). Any over 40 MiB (ray's) is split into .partNN pieces that
+# bench/gpu_check.py joins again; the first pieces go to .whl/a/, the rest to .whl/b/, so
+# each folder fits one 64 MiB transfer (docs/bench-gpu.md). Run where pip works.
 gpu-wheels:
-	rm -rf .whl && mkdir -p .whl
+	rm -rf .whl && mkdir -p .whl/a .whl/b
 	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-		--platform manylinux2014_x86_64 -d .whl \
+		--platform manylinux2014_x86_64 -d .whl/b \
 		"ray==2.60.0" fastapi sqlalchemy alembic pydantic-settings httpx pathspec \
-		prometheus-client typer pyyaml numpy
-	cd .whl && for f in *.whl; do \
-		if [ $$(stat -c %s $$f) -gt 41943040 ]; then split -b 40M -d $$f $$f.part && rm $$f; fi; \
+		prometheus-client typer pyyaml
+	cd .whl/b && rm -f numpy-*.whl && for f in *.whl; do \
+		if [ $$(stat -c %s $$f) -gt 41943040 ]; then \
+			split -b 40M -d $$f $$f.part && rm $$f && mv $$f.part00 ../a/; \
+		fi; \
 	done
-	@ls -la .whl
+	@du -sh .whl/a .whl/b
 
 clean:
 	rm -rf $(VENV) .elastrain .pytest_cache .gpu-site

@@ -153,8 +153,11 @@ def missing_modules() -> list[str]:
 
 
 def wheel_dirs() -> list[Path]:
+    """$GPU_WHEELS's folders, .whl/ and its subfolders (`make gpu-wheels`: .whl/a, .whl/b)."""
     named = [Path(p) for p in os.environ.get("GPU_WHEELS", "").split(":") if p]
-    return [d for d in [*named, ROOT / ".whl"] if d.is_dir()]
+    local = ROOT / ".whl"
+    mine = [local, *sorted(d for d in local.iterdir() if d.is_dir())] if local.is_dir() else []
+    return [d for d in [*named, *mine] if d.is_dir()]
 
 
 def gather_wheels(folders: list[Path], into: Path) -> list[Path]:
@@ -173,7 +176,7 @@ def gather_wheels(folders: list[Path], into: Path) -> list[Path]:
             for piece in sorted(pieces, key=lambda p: p.name):
                 out.write(piece.read_bytes())
         wheels[name] = whole
-    return sorted(wheels.values())
+    return sorted(wheels.values(), key=lambda w: w.name)
 
 
 def install_missing(missing: list[str], deadline: Deadline) -> str:

@@ -80,10 +80,14 @@ def warm_cuda(gpu: int | None) -> str:
         # Started for a GPU Ray declares but CUDA cannot see: a GPU rank would fail here
         # with a clear message rather than at its first tensor.
         return f"no CUDA for GPU {gpu} ({VISIBLE}={os.environ.get(VISIBLE)!r})"
-    torch.cuda.init()
-    torch.cuda.set_device(0)
-    torch.empty(1, device="cuda").add_(1)  # a real allocation: the context and allocator
-    torch.cuda.synchronize()
+    try:
+        torch.cuda.init()
+        torch.cuda.set_device(0)
+        torch.empty(1, device="cuda").add_(1)  # a real allocation: the context, the allocator
+        torch.cuda.synchronize()
+    except Exception as exc:  # the process still starts (the pool would restart it forever);
+        # a GPU rank sent here fails at its first CUDA call and says why
+        return f"CUDA failed on GPU {gpu}: {type(exc).__name__}: {str(exc)[:200]}"
     return f"cuda:0 = GPU {gpu} ({torch.cuda.get_device_name(0)})"
 
 

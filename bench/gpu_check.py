@@ -223,11 +223,17 @@ class Shape:
         return self.global_batch * self.params["seq_len"]
 
     def flops_per_step(self) -> float:
-        from workers.workloads.gpt import build
+        key = json.dumps(self.params, sort_keys=True)
+        if key not in _FLOPS_PER_SAMPLE:  # builds the model: once
+            from workers.workloads.gpt import build
 
-        workload = build(**self.params)
-        assert workload.flops_per_sample is not None
-        return workload.flops_per_sample * self.global_batch
+            per_sample = build(**self.params).flops_per_sample
+            assert per_sample is not None
+            _FLOPS_PER_SAMPLE[key] = per_sample
+        return _FLOPS_PER_SAMPLE[key] * self.global_batch
+
+
+_FLOPS_PER_SAMPLE: dict[str, float] = {}
 
 
 def peak(device_name: str) -> float | None:

@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-deps test-fast lint bench bench-quick clean
+.PHONY: demo test test-deps test-fast lint bench bench-quick gpu-check gpu-wheels clean
 
 $(BIN)/elastrain: pyproject.toml
 	@echo "installing into $(VENV)"
@@ -54,5 +54,37 @@ bench-quick: $(BIN)/elastrain
 	@.ci/setup-system postgresql
 	$(BIN)/python bench/all.py --quick $(if $(PARTS),--parts $(PARTS))
 
+# On a machine with an NVIDIA GPU: bf16 DDP and FSDP2 jobs through the service on warm GPU
+# processes (a forced recovery, peer restore, checkpoints) vs the same model under plain
+# torchrun -> docs/bench-gpu.md. Needs no .venv: it runs .venv's python when its torch sees
+# CUDA, else python3's (a machine image's CUDA torch), and installs what the service needs
+# beyond torch into .gpu-site/ (offline: from wheels in $$GPU_WHEELS or .whl/, see
+# `gpu-wheels`). GPU_TIME_LIMIT seconds bound all its steps; it writes the report even when
+# a step fails. Without a GPU it says so and measures nothing.
+GPU_TIME_LIMIT ?= 480
+GPU_PY = $(shell if $(BIN)/python -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' \
+	2>/dev/null; then echo $(BIN)/python; else echo $(PY); fi)
+gpu-check:
+	PYTHONPATH=$(CURDIR) timeout -k 30 $$(( $(GPU_TIME_LIMIT) + 120 )) \
+		$(GPU_PY) bench/gpu_check.py --time-limit $(GPU_TIME_LIMIT) $(GPU_ARGS)
+
+# For a GPU machine without internet: the wheels the service needs beyond torch and numpy
+# (CPython 3.12, x86-64 Linux). Any over 40 MiB (ray's) is split into .partNN pieces that
+# bench/gpu_check.py joins again; the first pieces go to .whl/a/, the rest to .whl/b/, so
+# each folder fits one 64 MiB transfer (docs/bench-gpu.md). Run where pip works.
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl/a .whl/b
+	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl/b \
+		"ray==2.60.0" fastapi sqlalchemy alembic pydantic-settings httpx pathspec \
+		prometheus-client typer pyyaml
+	cd .whl/b && rm -f numpy-*.whl && for f in *.whl; do \
+		if [ $$(stat -c %s $$f) -gt 41943040 ]; then \
+			split -b 40M -d $$f $$f.part && rm $$f && mv $$f.part00 ../a/; \
+		fi; \
+	done
+	@du -sh .whl/a .whl/b
+
 clean:
-	rm -rf $(VENV) .elastrain .pytest_cache
+	rm -rf $(VENV) .elastrain .pytest_cache .gpu-site

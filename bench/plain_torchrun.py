@@ -6,12 +6,18 @@ pipeline), for the same gpt model, data, global batch and strategy.
         --strategy ddp --steps 60 --out times.json
 
 Rank 0 writes the wall clock at the end of every optimizer step to `--out`.
+
+`--device cuda --precision bf16` is bench/gpu_check.py's baseline: one GPU per rank
+(`LOCAL_RANK`), NCCL, and bf16 as the service's strategies use it (DDP: autocast around
+the forward, fp32 parameters; FSDP2: bf16 parameters in compute, fp32 gradient reduction
+and sharded master weights).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.nn.parallel import DistributedDataParallel
 
@@ -49,10 +55,17 @@ def main() -> None:
     )
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    low = torch.bfloat16 if args.precision == "bf16" else None
     torch.manual_seed(0)
     workload = build(**json.loads(args.params))
     model, data = workload.model, workload.dataset
@@ -62,15 +75,17 @@ def main() -> None:
     replicas = world // stages
     replica = rank // stages
     share = args.global_batch // replicas  # samples per replica per step
+    model = model.to(device)
     if args.strategy == "ddp":
         model = DistributedDataParallel(model)
     elif args.strategy == "fsdp":
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
         for block in model.blocks.values():
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
     else:
         model = model.pipeline_stage(rank % stages, stages)
-        stage = PipelineStage(model, rank % stages, stages, torch.device("cpu"))
+        stage = PipelineStage(model, rank % stages, stages, device)
         schedule = Schedule1F1B(stage, n_microbatches=share // args.micro_batch,
                                 loss_fn=lambda out, y: loss_fn(out, y))  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -78,7 +93,13 @@ def main() -> None:
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         first = (step * args.global_batch + replica * share) % (len(data) - share)
         xs, ys = zip(*(data[first + i] for i in range(share)), strict=True)
-        return torch.stack(xs), torch.stack(ys)
+        return torch.stack(xs).to(device), torch.stack(ys).to(device)
+
+    def forward_loss(xm: torch.Tensor, ym: torch.Tensor) -> torch.Tensor:
+        if args.strategy == "ddp" and low is not None:
+            with torch.autocast(device.type, dtype=low):  # the forward only, as the service
+                return loss_fn(model(xm), ym)
+        return loss_fn(model(xm), ym)
 
     times: list[float] = []
     for step in range(args.steps):
@@ -95,17 +116,22 @@ def main() -> None:
                 last = i == len(chunks) - 1
                 if args.strategy == "ddp" and not last:
                     with model.no_sync():
-                        (loss_fn(model(xm), ym) / len(chunks)).backward()
+                        (forward_loss(xm, ym) / len(chunks)).backward()
                 else:
                     if args.strategy == "fsdp":
                         model.set_requires_gradient_sync(last)
-                    (loss_fn(model(xm), ym) / len(chunks)).backward()
+                    (forward_loss(xm, ym) / len(chunks)).backward()
         if args.strategy == "pipeline":
             clip_over_stages(model, 1.0)
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         times.append(time.time())
+    if device.type == "cuda":
+        # No sync per step (a plain script lets the CPU run ahead); the last step's time is
+        # when its kernels are done, so the span from an earlier step to it is true.
+        torch.cuda.synchronize()
+        times[-1] = time.time()
     if rank == 0:
         args.out.write_text(json.dumps(times))
     dist.barrier()  # no rank tears down its gloo pairs while a peer still uses them

@@ -38,6 +38,11 @@ class WorkerInfo:
     address: str
     busy: bool
     held: HeldState | None = None
+    gpu: int | None = None
+    """The node-local index of the GPU this process owns for its lifetime (None: a CPU
+    process, which sees no GPU)."""
+    device: str = ""
+    """What it trains on, in words (`workers.devices.warm_cuda`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -284,8 +284,13 @@ class ScalingSpec(_Strict):
                 f"scaling.min_workers ({self.min_workers}) must be <= scaling.max_workers "
                 f"({self.max_workers})"
             )
-        if self.use_gpu and self.gpus_per_worker == 0:
-            raise ValueError("scaling.gpus_per_worker: must be > 0 when scaling.use_gpu is true")
+        if self.use_gpu and self.gpus_per_worker != 1:
+            # A rank runs in a warm process that owns one GPU for its lifetime (two ranks
+            # of one NCCL group cannot share a GPU; a second GPU would sit unused).
+            raise ValueError(
+                "scaling.gpus_per_worker: must be 1 when scaling.use_gpu is true (each rank "
+                "runs in a worker process that owns one GPU)"
+            )
         if not self.use_gpu and self.gpus_per_worker > 0:
             raise ValueError("scaling.gpus_per_worker: must be 0 when scaling.use_gpu is false")
         return self

@@ -185,7 +185,12 @@ def run_at_normal_priority() -> None:
 class WorkerProcess:
     """Wrapped with `ray.remote` by the runtime (kept a plain class for readability)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, gpu: int | None = None) -> None:
+        # Before torch can initialise CUDA: this process sees its own GPU (a GPU process,
+        # `gpu` = the node-local index it owns for its lifetime) or none (a CPU process).
+        from workers.devices import pin_visible_gpu, warm_cuda
+
+        pin_visible_gpu(gpu)
         # The imports are the point: paid once, when the process starts, not per attempt.
         # torch._dynamo alone takes seconds (docs/bench-elastic.md): DistributedDataParallel
         # imports it lazily, on its first construction, which would otherwise land in the
@@ -205,6 +210,8 @@ class WorkerProcess:
         load_corpus()  # the built-in corpus, parsed once per process
 
         torch.set_num_threads(1)
+        self.gpu = gpu
+        self.device = warm_cuda(gpu)  # the CUDA context too, when it owns a GPU
         self.name = name
         self.node_id = ray.get_runtime_context().get_node_id()
         self.address = ray.util.get_node_ip_address()
@@ -232,6 +239,8 @@ class WorkerProcess:
                 address=self.address,
                 busy=self._busy,
                 held=self._held(),
+                gpu=self.gpu,
+                device=self.device,
             )
 
     def _held(self) -> HeldState | None:
@@ -303,6 +312,22 @@ class WorkerProcess:
             if not self._busy:
                 self.memory.forget()
 
+    def free_gpu(self) -> None:
+        """Lend this process's GPU to a process of the same attempt (a job with its own pip
+        packages runs in a private process on this GPU): drop the held state and give the
+        cached device memory back to the driver; no-op while training."""
+        import gc
+
+        import torch
+
+        with self._lock:
+            if self._busy:
+                return
+            self.memory.forget()
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
     def run(self, assignment: Assignment) -> RunOutcome:
         with self._lock:
             if self._busy:
@@ -356,6 +381,7 @@ class WorkerProcess:
         import torch.distributed as dist
 
         from workers.api import AttemptAborted, TrainContext
+        from workers.devices import rank_device
         from workers.errors import error_kind
         from workers.loop import train
 
@@ -364,7 +390,8 @@ class WorkerProcess:
         scaling = a.spec.scaling
         # Fractional CPUs per worker on small machines: never oversubscribe with threads.
         torch.set_num_threads(max(1, int(scaling.cpus_per_worker)))
-        device = torch.device("cuda", 0) if scaling.use_gpu else torch.device("cpu")
+        where, backend = rank_device(scaling.use_gpu)
+        device = torch.device(where)
         storage = JobStorage.of(a.storage_path, a.job_id)
         log_path = storage.log_file(attempt=a.attempt, rank=a.rank)
         ctx = TrainContext(
@@ -381,6 +408,8 @@ class WorkerProcess:
             database=a.database,
         )
         try:
+            if scaling.use_gpu and self.gpu is None:
+                raise RuntimeError(f"{self.name} owns no GPU: a GPU rank reached a CPU process")
             package = self._use_package(a)
             timeout = datetime.timedelta(seconds=a.collective_timeout_s)
             store = self._take_hosted_store(a)
@@ -389,11 +418,11 @@ class WorkerProcess:
                     a.master_addr, a.master_port, a.world_size, is_master=a.rank == 0,
                     timeout=timeout,
                 )  # fmt: skip
-            if scaling.use_gpu:
+            if device.type == "cuda":
                 torch.cuda.set_device(device)
             with GroupSockets.opened(store_port=a.master_port) as sockets:
                 dist.init_process_group(
-                    "nccl" if scaling.use_gpu else "gloo",
+                    backend,
                     store=store,
                     rank=a.rank,
                     world_size=a.world_size,

@@ -22,8 +22,10 @@ class Nodes:
     cluster: Cluster
     workers: list[Any] = field(default_factory=list)
 
-    def add(self, cpus: int = 1) -> Any:
-        node = self.cluster.add_node(num_cpus=cpus)
+    def add(self, cpus: int = 1, gpus: int = 0) -> Any:
+        """A node with `cpus` CPUs and `gpus` GPUs as Ray resources (declared: on a
+        machine without GPUs, with `ELASTRAIN_TEST_GPU_ON_CPU=1` GPU ranks train on CPU)."""
+        node = self.cluster.add_node(num_cpus=cpus, num_gpus=gpus)
         self.cluster.wait_for_nodes()
         self.workers.append(node)
         return node
@@ -38,14 +40,19 @@ class Nodes:
 
 @contextmanager
 def multi_node_service(
-    tmp: Path, *, worker_nodes: int = 3, cpus_per_node: int = 1, **settings_kw: Any
+    tmp: Path,
+    *,
+    worker_nodes: int = 3,
+    cpus_per_node: int = 1,
+    gpus_per_node: int = 0,
+    **settings_kw: Any,
 ) -> Iterator[tuple[TestClient, Nodes]]:
     # The head holds no CPUs: training workers land only on the worker nodes, and the
     # drivers (0 CPU, pinned to the head) survive any worker node's loss.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     nodes = Nodes(cluster)
     for _ in range(worker_nodes):
-        nodes.add(cpus_per_node)
+        nodes.add(cpus_per_node, gpus_per_node)
     ray.init(address=cluster.address, namespace="elastrain-chaos")
     settings = Settings(
         database_url=f"sqlite:///{tmp / 'elastrain.db'}",

@@ -47,9 +47,14 @@ def tiny_gpt_spec(name: str, **overrides: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def ray_service(tmp: Path, *, num_cpus: int = 4, **settings_kw: Any) -> Iterator[TestClient]:
-    """Start a local Ray with `num_cpus` logical CPUs and the service on top of it."""
-    ray.init(num_cpus=num_cpus, namespace="elastrain-test", include_dashboard=False)
+def ray_service(
+    tmp: Path, *, num_cpus: int = 4, num_gpus: int | None = None, **settings_kw: Any
+) -> Iterator[TestClient]:
+    """Start a local Ray with `num_cpus` logical CPUs (and `num_gpus` GPUs; None: those
+    Ray detects) and the service on top of it."""
+    ray.init(
+        num_cpus=num_cpus, num_gpus=num_gpus, namespace="elastrain-test", include_dashboard=False
+    )
     settings = Settings(
         **{
             "database_url": f"sqlite:///{tmp / 'elastrain.db'}",

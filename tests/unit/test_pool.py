@@ -11,18 +11,25 @@ from contracts.runtime import JobRef
 from contracts.spec import JobSpec
 from tests.factories import spec_dict
 from workers.runtime.driver import cause_of, private_worker_options
-from workers.runtime.pool import PooledWorker, choose_worker, warm_target
+from workers.runtime.pool import (
+    PooledWorker,
+    choose_worker,
+    gpus_to_start,
+    surplus_gpu_workers,
+    warm_target,
+)
 
 
 def worker(name: str, *, held: tuple[int, int] | None = None, busy: bool = False,
-           started: bool = True, private: bool = False, database: str = "db") -> PooledWorker:  # fmt: skip
+           started: bool = True, private: bool = False, database: str = "db",
+           gpu: int | None = None) -> PooledWorker:  # fmt: skip
     state = None
     if held is not None:
         state = HeldState(job_id=held[0], step=held[1], world_size=2, full_replica=True,
                           database=database)  # fmt: skip
-    info = WorkerInfo(name=name, node_id="n", pid=1, address="a", busy=busy, held=state)
+    info = WorkerInfo(name=name, node_id="n", pid=1, address="a", busy=busy, held=state, gpu=gpu)
     return PooledWorker(name=name, handle=None, node_id="n", info=info if started else None,
-                        busy=busy, private=private)  # fmt: skip
+                        busy=busy, private=private, gpu=gpu)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -58,7 +65,7 @@ def worker(name: str, *, held: tuple[int, int] | None = None, busy: bool = False
             id="job-7-of-another-database-is-another-job",
         ),
         pytest.param(
-            [worker("gpu-or-pip", held=(7, 30), private=True), worker("empty")],
+            [worker("pip", held=(7, 30), private=True), worker("empty")],
             "empty",
             id="a-private-process-is-never-lent-again",
         ),
@@ -67,6 +74,72 @@ def worker(name: str, *, held: tuple[int, int] | None = None, busy: bool = False
 def test_choose_worker(candidates: list[PooledWorker], expected: str | None) -> None:
     chosen = choose_worker(candidates, JobRef("db", 7))
     assert (chosen.name if chosen else None) == expected
+
+
+@pytest.mark.parametrize(
+    ("candidates", "gpu", "expected"),
+    [
+        pytest.param([worker("gpu0", gpu=0)], False, None, id="a-cpu-rank-never-takes-a-gpu-process"),
+        pytest.param([worker("cpu")], True, None, id="a-gpu-rank-never-takes-a-cpu-process"),
+        pytest.param(
+            [worker("cpu", held=(7, 30)), worker("gpu1", gpu=1)], True, "gpu1",
+            id="a-gpu-rank-takes-a-gpu-process-over-a-cpu-one-holding-its-state",
+        ),
+        pytest.param(
+            [worker("gpu0", gpu=0, busy=True), worker("gpu1", gpu=1, held=(9, 5))], True, "gpu1",
+            id="a-busy-gpu-process-is-not-shared",
+        ),
+        pytest.param(
+            [worker("gpu0", gpu=0), worker("gpu1", gpu=1, held=(7, 12))], True, "gpu1",
+            id="a-gpu-process-holding-the-jobs-state-first",
+        ),
+    ],
+)  # fmt: skip
+def test_choose_worker_by_kind(
+    candidates: list[PooledWorker], gpu: bool, expected: str | None
+) -> None:
+    chosen = choose_worker(candidates, JobRef("db", 7), gpu=gpu)
+    assert (chosen.name if chosen else None) == expected
+
+
+@pytest.mark.parametrize(
+    ("node_gpus", "owners", "expected"),
+    [
+        (0, [], []),
+        (2, [], [0, 1]),
+        (2, [worker("a", gpu=1, busy=True)], [0]),  # a busy owner still owns its GPU
+        (2, [worker("a", gpu=0, started=False), worker("b", gpu=1)], []),  # starting counts
+        (1, [worker("a", gpu=0), worker("b", gpu=0)], []),
+    ],
+)
+def test_gpus_to_start(node_gpus: float, owners: list[PooledWorker], expected: list[int]) -> None:
+    assert gpus_to_start(node_gpus, owners) == expected
+
+
+@pytest.mark.parametrize(
+    ("owners", "expected"),
+    [
+        pytest.param([worker("a", gpu=0), worker("b", gpu=1)], [], id="one-per-gpu"),
+        pytest.param(
+            [worker("stuck", gpu=0, busy=True), worker("spare", gpu=0)], ["spare"],
+            id="an-idle-second-process-goes-its-gpu-memory-is-wanted",
+        ),
+        pytest.param(
+            [worker("old", gpu=0, held=(7, 10)), worker("new", gpu=0, held=(7, 20))], ["old"],
+            id="the-one-holding-the-newest-state-stays",
+        ),
+        pytest.param(
+            [worker("busy", gpu=0, busy=True), worker("x", gpu=0), worker("y", gpu=0)], ["x", "y"],
+            id="a-busy-one-stays-the-idle-rest-go",
+        ),
+        pytest.param(
+            [worker("a", gpu=0), worker("b", gpu=0, started=False)], [],
+            id="not-while-one-is-starting",
+        ),
+    ],
+)  # fmt: skip
+def test_surplus_gpu_workers(owners: list[PooledWorker], expected: list[str]) -> None:
+    assert [w.name for w in surplus_gpu_workers(owners)] == expected
 
 
 @pytest.mark.parametrize(
@@ -116,7 +189,9 @@ def test_cause_of(errors: list[WorkerError], expected: WorkerError) -> None:
     [
         pytest.param({}, None, id="cpu-job-uses-the-warm-pool"),
         pytest.param(
-            {"scaling": {"use_gpu": True, "gpus_per_worker": 1}}, {"num_gpus": 1.0}, id="gpu"
+            {"scaling": {"use_gpu": True, "gpus_per_worker": 1}},
+            None,
+            id="gpu-job-uses-the-warm-gpu-processes",
         ),
         pytest.param(
             {"workload": {"entrypoint": "m:f", "requirements": ["einops==0.8.1"]}},

@@ -127,6 +127,20 @@ def test_cpu_offload_needs_fsdp_on_a_gpu(
     assert "strategy.cpu_offload" in msg and words in msg, msg
 
 
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"use_gpu": True, "gpus_per_worker": 0.5},  # two ranks of one NCCL group on a GPU
+        {"use_gpu": True, "gpus_per_worker": 2},  # a rank's second GPU would sit unused
+        {"use_gpu": True},  # 0 by default
+        {"use_gpu": False, "gpus_per_worker": 1},
+    ],
+)
+def test_a_gpu_rank_owns_exactly_one_gpu(api: TestClient, scaling: dict[str, Any]) -> None:
+    msg = rejected(api, spec_dict(scaling=scaling))
+    assert "scaling.gpus_per_worker" in msg, msg
+
+
 def test_tensor_parallel_jobs_run_at_multiples_of_the_model_size() -> None:
     from contracts.spec import JobSpec
 

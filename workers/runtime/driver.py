@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,6 +65,10 @@ PREFERRED_PLACEMENT_S = 1.5
 PLACEMENT_RETRY_S = 0.15
 #: How long to wait for Ray to reserve the attempt's resources at all.
 PLACEMENT_TIMEOUT_S = 120.0
+#: How long a GPU rank waits for a process owning a GPU of its bundle's node to come back
+#: from an attempt that is over (one whose job ended or shrank lets go at its next step
+#: boundary), before a second process is started on that GPU beside it.
+GPU_RETURN_GRACE_S = 15.0
 #: How long a process may take to start when no warm one is left on a node.
 START_TIMEOUT_S = 300.0
 
@@ -98,6 +103,8 @@ class AttemptDriver:
         self._released = threading.Event()
         self._marks: dict[Phase, TimelineMark] = {}
         self.workers: list[PooledWorker] = []
+        self.holders: list[PooledWorker] = []
+        """Pooled GPU processes whose GPU a private process of this attempt uses."""
         self.pg: Any = None
         detected = request.detected_at or time.time()
         self._mark(Phase.DETECTED, at=detected, detail=request.cause)
@@ -191,6 +198,8 @@ class AttemptDriver:
                     self.pool.give_back(w, w.held, alive=True)
         if self._released.is_set():  # released while placing: what was reserved since
             self._remove_placement_group()
+        for holder in self.holders:  # the private processes that used their GPUs are done
+            self.pool.give_back(holder, None, alive=True)
         with self._lock:
             if error is not None:
                 self._append(WorkerFailed(error=error))
@@ -281,26 +290,36 @@ class AttemptDriver:
         self.pg = self._reserve(n, preferred)
         table = ray.util.placement_group_table(self.pg)
         nodes = [table["bundles_to_node_id"][i] for i in range(n)]
+        gpu = self.request.spec.scaling.use_gpu
+        if gpu:
+            self._wait_for_gpu_processes(nodes)
+        options = private_worker_options(self.request.spec)
         chosen: list[PooledWorker] = []
         with self.pool.lock:
-            for index, node in enumerate(nodes):
-                options = private_worker_options(self.request.spec)
-                if options is not None:
-                    worker = self.pool.start(
-                        node,
-                        private=True,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, index),
-                        **options,
-                    )
-                else:
-                    candidates = [
-                        w
-                        for w in self.pool.workers.values()
-                        if w.node_id == node and w not in chosen
-                    ]
-                    worker = choose_worker(candidates, job) or self.pool.start(node)
-                self.pool.take(worker, self.key, job)
-                chosen.append(worker)
+            try:
+                for index, node in enumerate(nodes):
+                    taken = chosen + self.holders
+                    if options is None:
+                        worker = self._warm_worker(node, taken, gpu=gpu)
+                    else:
+                        holder = self._warm_worker(node, taken, gpu=True) if gpu else None
+                        if holder is not None:  # its GPU is lent to the private process
+                            self.pool.take(holder, self.key, job)
+                            self.holders.append(holder)
+                            holder.handle.free_gpu.remote()
+                        worker = self.pool.start(
+                            node,
+                            private=True,
+                            gpu=holder.gpu if holder is not None else None,
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, index),
+                            **options,
+                        )
+                    self.pool.take(worker, self.key, job)
+                    chosen.append(worker)
+            except BaseException:
+                for w in chosen:  # never handed a rank: back to the pool as they were
+                    self.pool.give_back(w, w.held, alive=True)
+                raise
 
         strategy = self.request.spec.strategy
         order = rank_order(
@@ -308,6 +327,29 @@ class AttemptDriver:
             group_sizes=(strategy.model_parallel_size, strategy.tensor_parallel_degree),
         )
         return [chosen[i] for i in order]
+
+    def _wait_for_gpu_processes(self, nodes: Sequence[str]) -> None:
+        """Wait (a little) until every node of the bundles has a GPU process for each of
+        its bundles: Ray frees a GPU when the attempt using it is released, a moment
+        before that attempt's process lets go."""
+        need = Counter(nodes)
+        deadline = time.monotonic() + GPU_RETURN_GRACE_S
+        while time.monotonic() < deadline and not self._released.is_set():
+            with self.pool.lock:
+                if all(self.pool.gpu_slots(node) >= k for node, k in need.items()):
+                    return
+            time.sleep(0.05)
+
+    def _warm_worker(self, node: str, taken: Sequence[PooledWorker], *, gpu: bool) -> PooledWorker:
+        """A pooled process on `node` for one rank (call with the pool's lock held): an
+        idle one of the right kind (`choose_worker`), else a new or starting one. A GPU
+        rank's bundle holds one of the node's GPUs in Ray, so a process owning a GPU is
+        idle there unless one is stuck in an attempt that is over."""
+        candidates = [w for w in self.pool.workers.values() if w.node_id == node and w not in taken]
+        chosen = choose_worker(candidates, self.request.job, gpu=gpu)
+        if chosen is not None:
+            return chosen
+        return self.pool.spare_gpu_worker(node, taken) if gpu else self.pool.start(node)
 
     def _reserve(self, n: int, preferred: Sequence[str]) -> Any:
         """A placement group of `n` bundles: on the `preferred` nodes (holders of the job's
@@ -452,17 +494,16 @@ def _held_step(w: PooledWorker, job: JobRef) -> int | None:
 def private_worker_options(spec: JobSpec) -> dict[str, Any] | None:
     """Ray options for a rank that cannot run in a warm pooled process, or None.
 
-    Ray gives a process its GPUs only when it asks for them at start, and its pip packages
-    only when it starts in their environment: such a rank is a new process inside its
-    bundle, private to its attempt and gone with the placement group. (Ray caches the pip
-    environment per node and requirement list, so only the first start pays the install.)
+    Ray gives a process its pip packages only when it starts in their environment: such a
+    rank is a new process inside its bundle, private to its attempt and gone with the
+    placement group. (Ray caches the pip environment per node and requirement list, so
+    only the first start pays the install.) A GPU rank of such a job borrows the GPU of a
+    pooled process, which stays lent to the attempt meanwhile (`AttemptDriver._place`).
+    GPU jobs otherwise run in the pool's warm GPU processes (`workers.runtime.pool`).
     """
-    options: dict[str, Any] = {}
-    if spec.scaling.use_gpu:
-        options["num_gpus"] = float(spec.scaling.gpus_per_worker)
     if spec.workload.requirements:
-        options["runtime_env"] = {"pip": list(spec.workload.requirements)}
-    return options or None
+        return {"runtime_env": {"pip": list(spec.workload.requirements)}}
+    return None
 
 
 def cause_of(errors: Sequence[WorkerError]) -> WorkerError:

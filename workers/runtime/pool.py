@@ -6,9 +6,21 @@ worker group costs no process start and no imports. A process that trained in an
 attempt comes back holding the job's state in memory; the job's next attempt prefers it
 (`choose_worker`), which is how a survivor of a node loss hands its state on.
 
-The processes ask Ray for no CPU themselves (`num_cpus=0`): they are started before any
-job needs them. An attempt reserves its CPUs (and GPUs) with a placement group whose
-bundles sit on the nodes of the processes it runs on, so Ray's resource view stays true.
+On a node with GPUs the pool also keeps one process per GPU that owns it for its
+lifetime (`workers.devices`): started with the GPU's node-local index, it sees that GPU
+alone, has made its CUDA context, and serves GPU ranks only (a CPU process sees no GPU
+and serves CPU ranks only). GPU jobs are lent these processes like CPU jobs are lent CPU
+ones, so their ranks keep their processes (and the state in them) across recovery and
+resize too.
+
+The processes ask Ray for no CPU and no GPU themselves (`num_cpus=0`, `num_gpus=0`):
+they are started before any job needs them. An attempt reserves its CPUs and GPUs with a
+placement group whose bundles sit on the nodes of the processes it runs on, so Ray's
+resource view stays true: a GPU is free in Ray exactly when no attempt borrows the
+process that owns it, and the service's capacity arithmetic (node totals less what live
+attempts hold) says the same. (Had each GPU process asked for `num_gpus=1`, Ray would
+count every GPU as used for good, and an attempt's bundle asking for the GPU again would
+never be placed: the same GPU counted twice.)
 
 This lives inside the runtime actor (`workers.runtime.actor`); the worker class is
 imported when the pool is made, so importing the runtime loads no torch.
@@ -57,7 +69,9 @@ class PooledWorker:
     """Drop this job's state when the process comes back (the job ended)."""
     ready_ref: Any = None
     private: bool = False
-    """Started for one attempt (its GPUs or pip environment): never lent to another."""
+    """Started for one attempt (its pip environment): never lent to another."""
+    gpu: int | None = None
+    """The node-local index of the GPU it owns (None: a CPU process)."""
 
     @property
     def held(self) -> HeldState | None:
@@ -73,9 +87,12 @@ class PooledWorker:
         return self.info is not None and not self.busy
 
 
-def choose_worker(candidates: Sequence[PooledWorker], job: JobRef) -> PooledWorker | None:
-    """Among idle processes on one node: the one holding the newest state of `job`, else
-    one holding nothing, else any (its other job's state is dropped)."""
+def choose_worker(
+    candidates: Sequence[PooledWorker], job: JobRef, *, gpu: bool = False
+) -> PooledWorker | None:
+    """Among idle processes on one node of the kind the rank needs (owning a GPU or
+    not): the one holding the newest state of `job`, else one holding nothing, else any
+    (its other job's state is dropped)."""
 
     def rank(w: PooledWorker) -> tuple[int, int]:
         held = w.held
@@ -83,8 +100,31 @@ def choose_worker(candidates: Sequence[PooledWorker], job: JobRef) -> PooledWork
             return (2, held.step)
         return (1 if held is None else 0, 0)
 
-    idle = [w for w in candidates if w.idle and not w.private]
+    idle = [w for w in candidates if w.idle and not w.private and (w.gpu is not None) == gpu]
     return max(idle, key=rank) if idle else None
+
+
+def gpus_to_start(node_gpus: float, owners: Sequence[PooledWorker]) -> list[int]:
+    """The node-local GPU indices with no process owning them (`owners`: the node's GPU
+    processes, busy, idle or starting)."""
+    owned = {w.gpu for w in owners}
+    return [i for i in range(int(node_gpus + 1e-9)) if i not in owned]
+
+
+def surplus_gpu_workers(owners: Sequence[PooledWorker]) -> list[PooledWorker]:
+    """GPU processes to stop: a second idle one on a GPU that already has a process (one
+    was started beside a process stuck in a dead group, which has let go since). Kept per
+    GPU: a busy one, else the one holding the newest state; starting ones are left be."""
+    by_gpu: dict[int | None, list[PooledWorker]] = {}
+    for w in owners:
+        by_gpu.setdefault(w.gpu, []).append(w)
+    doomed: list[PooledWorker] = []
+    for same in by_gpu.values():
+        if len(same) < 2 or any(w.info is None for w in same):
+            continue
+        keep = max(same, key=lambda w: (w.busy, w.held.step if w.held is not None else -1))
+        doomed += [w for w in same if w is not keep and w.idle]
+    return doomed
 
 
 def warm_target(*, node_cpus: float, busy: int, per_node: int) -> int:
@@ -103,6 +143,10 @@ class WorkerPool:
     warm_per_node: int
     workers: dict[str, PooledWorker] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
+    node_gpus: dict[str, float] = field(default_factory=dict)
+    """GPUs of each alive node, as of the last upkeep pass."""
+    live: set[AttemptKey] = field(default_factory=set)
+    """The attempts live at the last reconcile: a process lent to another is let go of."""
     _cls: Any = None
     _counter: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
@@ -127,14 +171,19 @@ class WorkerPool:
             if info.busy:  # its attempt's driver died with the old runtime
                 handle.abort.remote()
             self.workers[name] = PooledWorker(
-                name=name, handle=handle, node_id=info.node_id, info=info, busy=info.busy
-            )
+                name=name, handle=handle, node_id=info.node_id, info=info, busy=info.busy,
+                gpu=info.gpu,
+            )  # fmt: skip
         if self.workers:
             log.info("adopted %d worker processes", len(self.workers))
 
-    def start(self, node_id: str, *, private: bool = False, **options: Any) -> PooledWorker:
-        """Start a process on `node_id` (it answers when its imports are done)."""
-        name = f"{WORKER_PREFIX}{node_id[:8]}-{next(self._counter)}-{uuid.uuid4().hex[:4]}"
+    def start(
+        self, node_id: str, *, gpu: int | None = None, private: bool = False, **options: Any
+    ) -> PooledWorker:
+        """Start a process on `node_id` (it answers when its imports are done), owning the
+        node's GPU of index `gpu` if one is given."""
+        kind = "" if gpu is None else f"gpu{gpu}-"
+        name = f"{WORKER_PREFIX}{node_id[:8]}-{kind}{next(self._counter)}-{uuid.uuid4().hex[:4]}"
         if "scheduling_strategy" not in options:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         handle = self._cls.options(
@@ -143,13 +192,46 @@ class WorkerPool:
             lifetime="detached",
             max_restarts=0,
             max_concurrency=8,
-            **{"num_cpus": 0, **options},
-        ).remote(name)
-        worker = PooledWorker(name=name, handle=handle, node_id=node_id, private=private)
+            **{"num_cpus": 0, "num_gpus": 0, **options},
+        ).remote(name, gpu)
+        worker = PooledWorker(name=name, handle=handle, node_id=node_id, private=private, gpu=gpu)
         worker.ready_ref = handle.describe.remote()
         with self.lock:
             self.workers[name] = worker
         return worker
+
+    def gpu_slots(self, node_id: str) -> int:
+        """GPU processes on `node_id` a rank could take now or soon: idle or starting ones,
+        and GPUs nobody owns yet (call with `lock` held)."""
+        owners = _owners([w for w in self.workers.values() if w.node_id == node_id])
+        free = gpus_to_start(self.node_gpus.get(node_id, 0.0), owners)
+        return sum(1 for w in owners if not w.busy) + len(free)
+
+    def spare_gpu_worker(self, node_id: str, exclude: Sequence[PooledWorker]) -> PooledWorker:
+        """A GPU process on `node_id` for a rank whose bundle Ray placed there when no idle
+        one is left (call with `lock` held): one still starting, else a new one on a GPU
+        nobody owns, else a new one beside a process stuck in an attempt that is over (a
+        survivor blocked in a collective on a lost peer: the GPU is free in Ray, and the
+        stuck process is stopped once it let go, `surplus_gpu_workers`)."""
+        on_node = [w for w in self.workers.values() if w.node_id == node_id]
+        owners = [w for w in _owners(on_node) if w not in exclude]
+        starting = [w for w in owners if w.info is None and not w.busy]
+        if starting:
+            return starting[0]
+        if node_id not in self.node_gpus:
+            self.node_gpus.update(_gpus_of(ray.nodes()))
+        free = gpus_to_start(self.node_gpus.get(node_id, 0.0), owners)
+        if free:
+            return self.start(node_id, gpu=free[0])
+        stuck = [w for w in owners if w.busy and w.lent_to not in self.live]
+        if stuck:
+            log.warning("GPU %s of node %s: a second process beside stuck %s",
+                        stuck[0].gpu, node_id[:8], stuck[0].name)  # fmt: skip
+            return self.start(node_id, gpu=stuck[0].gpu)
+        raise RuntimeError(
+            f"no free GPU process on node {node_id}: its {len(owners)} are all lent to live "
+            "attempts (a GPU in use outside elastrain?)"
+        )
 
     def wait_ready(self, workers: Sequence[PooledWorker], timeout: float) -> None:
         """Block until each of `workers` answered once (raises if one never does)."""
@@ -212,16 +294,20 @@ class WorkerPool:
         """Tell processes still running an attempt that is not live to let go (again: the
         abort sent when it was released may have been lost)."""
         with self.lock:
+            self.live = set(live)
             strays = [w for w in self.workers.values() if w.busy and w.lent_to not in live]
         for w in strays:
             w.handle.abort.remote()
 
     # -- upkeep --------------------------------------------------------------------------------
     def top_up(self, nodes: Sequence[dict[str, Any]]) -> None:
-        """One upkeep pass: forget processes on dead nodes, notice started ones, and keep
-        `warm_per_node` idle processes on every node that has CPUs."""
+        """One upkeep pass: forget processes on dead nodes, notice started ones, keep
+        `warm_per_node` idle CPU processes on every node that has CPUs and one process per
+        GPU on every node that has GPUs (stopping a second one on a GPU)."""
         alive = {n["NodeID"]: n for n in nodes if n.get("Alive")}
+        gpus = _gpus_of(nodes)
         with self.lock:
+            self.node_gpus = gpus
             for w in list(self.workers.values()):
                 if w.node_id not in alive:
                     self.workers.pop(w.name, None)
@@ -236,13 +322,28 @@ class WorkerPool:
             by_node: dict[str, list[PooledWorker]] = {}
             for w in self.workers.values():
                 by_node.setdefault(w.node_id, []).append(w)
+            surplus = [w for mine in by_node.values() for w in surplus_gpu_workers(_owners(mine))]
+            for w in surplus:
+                self.workers.pop(w.name, None)
+                by_node[w.node_id].remove(w)
+            # Under the lock: a driver may start a process on a free GPU meanwhile
+            # (`spare_gpu_worker`), and a GPU gets one owner, not two.
+            for node_id in alive:
+                for index in gpus_to_start(
+                    gpus.get(node_id, 0.0), _owners(by_node.get(node_id, []))
+                ):
+                    by_node.setdefault(node_id, []).append(self.start(node_id, gpu=index))
+        for w in surplus:
+            log.info("stopping %s: a second process on GPU %s", w.name, w.gpu)
+            ray.kill(w.handle)
         for node_id, node in alive.items():
+            mine = by_node.get(node_id, [])
             cpus = float(node.get("Resources", {}).get("CPU", 0.0))
             if cpus <= 0:
                 continue
-            mine = by_node.get(node_id, [])
-            busy = sum(1 for w in mine if w.busy)
-            spare = sum(1 for w in mine if not w.busy and not w.private)  # idle or starting
+            cpu_procs = [w for w in mine if w.gpu is None]
+            busy = sum(1 for w in cpu_procs if w.busy)
+            spare = sum(1 for w in cpu_procs if not w.busy and not w.private)  # idle or starting
             for _ in range(
                 warm_target(node_cpus=cpus, busy=busy, per_node=self.warm_per_node) - spare
             ):
@@ -272,6 +373,17 @@ class WorkerPool:
                     w.busy = False
                 if not w.busy and w.returned_at == returned_at:  # not lent out meanwhile
                     w.info = info
+
+
+def _owners(workers: Sequence[PooledWorker]) -> list[PooledWorker]:
+    """The processes that own a GPU (a private one merely borrows its holder's)."""
+    return [w for w in workers if w.gpu is not None and not w.private]
+
+
+def _gpus_of(nodes: Sequence[dict[str, Any]]) -> dict[str, float]:
+    return {
+        n["NodeID"]: float(n.get("Resources", {}).get("GPU", 0.0)) for n in nodes if n.get("Alive")
+    }
 
 
 def _adopted_busy(w: PooledWorker) -> bool:

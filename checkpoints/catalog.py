@@ -8,6 +8,7 @@ shared storage looks like after node failures.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,11 +111,20 @@ def list_committed(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
 
 
 def find_latest_good(
-    root: str | os.PathLike[str], *, verify_digests: bool = True
+    root: str | os.PathLike[str],
+    *,
+    verify_digests: bool = True,
+    digest_here: Callable[[str], bool] | None = None,
+    refused: Mapping[str, str] | None = None,
 ) -> tuple[CheckpointInfo | None, list[tuple[str, str]]]:
     """The newest committed checkpoint that verifies, and (path, reason) for every newer
     step folder that was passed over (so the caller can report why it resumed further
-    back than expected)."""
+    back than expected).
+
+    `digest_here`: which files' digests to check here (by name; default all), when the
+    loader checks the others as it reads them (`checkpoints.dcp.reader`). `refused`: paths
+    already found bad that way (path -> reason), passed over with that reason."""
+    refused = refused or {}
     found = scan(root)
     candidates: list[tuple[tuple[int, int], StepDir | CheckpointInfo, str | None]] = []
     for info in found.committed:
@@ -131,8 +141,14 @@ def find_latest_good(
             skipped.append((str(item.path), why))
             continue
         assert isinstance(item, CheckpointInfo)
+        if str(item.path) in refused:
+            skipped.append((str(item.path), refused[str(item.path)]))
+            continue
+        digests_of = None
+        if digest_here is not None:
+            digests_of = [name for name in item.manifest.files if digest_here(name)]
         try:
-            verify(item.path, item.manifest, check_digests=verify_digests)
+            verify(item.path, item.manifest, check_digests=verify_digests, digests_of=digests_of)
         except CorruptCheckpoint as e:
             skipped.append((str(item.path), e.reason))
             continue

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints.catalog import CheckpointInfo
+from checkpoints.digest import DEFAULT_ALGORITHM
 from checkpoints.fence import Superseded, read_fence
 from checkpoints.integrity import describe_files
 from checkpoints.layout import MANIFEST_NAME
@@ -67,10 +68,12 @@ def commit(
     *,
     streamed: Mapping[str, FileEntry] | None = None,
     owner: str = "",
+    algorithm: str = DEFAULT_ALGORITHM,
 ) -> CheckpointCommitted:
     """Step 3, on group rank 0 once every shard and DCP's `.metadata` are durable in
-    `path` (a step folder under the job's checkpoint `root`): digests, then the manifest,
-    last. `streamed`: the shard digests taken while writing (hashed from disk otherwise).
+    `path` (a step folder under the job's checkpoint `root`): digests (by `algorithm`, a
+    `checkpoints.digest` name), then the manifest, last. `streamed`: the shard digests
+    taken while writing (hashed from disk otherwise).
     Raises Superseded, writing nothing, when a newer attempt of the job has started, or
     the folder is now another database's job's (`owner`: the saving job's database)."""
     # A superseded attempt (its node partitioned away, its replacement running) must
@@ -78,7 +81,7 @@ def commit(
     fence = read_fence(root.parent)  # the job's folder (contracts.storage)
     if fence.superseded(manifest.attempt, owner):
         raise Superseded(manifest.attempt, fence.current)
-    manifest.files = describe_files(path, known=streamed)
+    manifest.files = describe_files(path, known=streamed, algorithm=algorithm)
     manifest.total_bytes = sum(f["size"] for f in manifest.files.values())
     manifest.created_at = time.time()
     write_manifest(path, manifest)

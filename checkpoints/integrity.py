@@ -1,19 +1,22 @@
 """Digests and verification of committed checkpoints. Pure Python.
 
 Verification is cheap-first: names and sizes (a stat per file, catches truncation and
-missing shards) before sha256 of every byte (catches bit rot and overwritten data), the
-files read and hashed in parallel threads. At save time the shards' digests are taken
+missing shards) before a digest of every byte (catches bit rot and overwritten data), the
+files read and hashed in parallel threads. Each file is checked with the algorithm its
+manifest entry names (`checkpoints.digest`). At save time the shards' digests are taken
 while they are written (`checkpoints.dcp.writer`); only files without one are read back.
+At load time the shards are checked by the ranks that read them, while they read them
+(`checkpoints.dcp.reader`), so the DCP loader leaves them out here (`digests_of`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
 from checkpoints.layout import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
@@ -23,11 +26,11 @@ from checkpoints.layout import (
 from checkpoints.manifest import FileEntry, Manifest, ManifestError, read_manifest
 
 # Large enough that the per-call overhead vanishes, small enough to stay out of the way of
-# training memory. hashlib releases the GIL for buffers this size, so a background digest
-# does not stall the training thread.
+# training memory. hashlib and xxhash release the GIL for buffers this size, so a
+# background digest does not stall the training thread.
 CHUNK_BYTES = 8 * 1024 * 1024
-# Files are verified in parallel: reads and sha256 both release the GIL, so a checkpoint of
-# several shard files is read and hashed at the speed of several cores (and disk queues).
+# Files are verified in parallel: reads and digests both release the GIL, so a checkpoint
+# of several shard files is read and hashed at the speed of several cores (and disk queues).
 MAX_DIGEST_THREADS = 8
 
 
@@ -39,10 +42,15 @@ class CorruptCheckpoint(Exception):
         self.path = Path(path)
         self.reason = reason
 
+    def __reduce__(self) -> tuple[type[CorruptCheckpoint], tuple[Path, str]]:
+        # Raised in a DCP load, it travels to every rank pickled (the load's all-gather of
+        # failures): rebuilt from its fields, not from the formatted message.
+        return (type(self), (self.path, self.reason))
 
-def digest_file(path: str | os.PathLike[str]) -> str:
-    """Hex sha256 of a file, read in chunks (never the whole file in memory)."""
-    h = hashlib.sha256()
+
+def digest_file(path: str | os.PathLike[str], algorithm: str = DEFAULT_ALGORITHM) -> str:
+    """Hex digest of a file by `algorithm`, read in chunks (never the whole file in memory)."""
+    h = new_hasher(algorithm)
     buf = bytearray(CHUNK_BYTES)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
@@ -64,39 +72,45 @@ def checkpoint_files(ckpt_dir: str | os.PathLike[str]) -> list[str]:
     return sorted(names)
 
 
-def digest_files(root: Path, names: list[str]) -> dict[str, str]:
-    """Hex sha256 of each named file under root, several files at once, largest first (so
-    the longest one does not start last)."""
+def digest_files(root: Path, algorithms: Mapping[str, str]) -> dict[str, str]:
+    """Hex digest of each named file under root by its algorithm (name -> algorithm),
+    several files at once, largest first (so the longest one does not start last)."""
+    names = list(algorithms)
     if len(names) <= 1:
-        return {name: digest_file(root / name) for name in names}
+        return {name: digest_file(root / name, algorithms[name]) for name in names}
     by_size = sorted(names, key=lambda n: (root / n).stat().st_size, reverse=True)
     workers = min(len(names), MAX_DIGEST_THREADS, max(2, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="digest") as pool:
-        digests = list(pool.map(lambda n: digest_file(root / n), by_size))
+        digests = list(pool.map(lambda n: digest_file(root / n, algorithms[n]), by_size))
     return dict(zip(by_size, digests, strict=True))
 
 
 def describe_files(
-    ckpt_dir: str | os.PathLike[str], known: Mapping[str, FileEntry] | None = None
+    ckpt_dir: str | os.PathLike[str],
+    known: Mapping[str, FileEntry] | None = None,
+    *,
+    algorithm: str = DEFAULT_ALGORITHM,
 ) -> dict[str, FileEntry]:
-    """Size and digest of every checkpoint file, for the manifest.
+    """Size and digest (by `algorithm`) of every checkpoint file, for the manifest.
 
     `known`: digests taken while the files were written (`checkpoints.dcp.writer`). One is
-    used only when the file's size on disk is the number of bytes that were hashed; every
-    other file (and any file `known` does not name) is hashed from disk."""
+    used only when the file's size on disk is the number of bytes that were hashed and it
+    is by `algorithm`; every other file (and any file `known` does not name) is hashed
+    from disk."""
     root = Path(ckpt_dir)
     known = known or {}
     entries: dict[str, FileEntry] = {}
-    to_hash: list[str] = []
+    to_hash: dict[str, str] = {}
     for name in checkpoint_files(root):
         size = (root / name).stat().st_size
         streamed = known.get(name)
-        if streamed is not None and streamed["size"] == size:
-            entries[name] = FileEntry(size=size, sha256=streamed["sha256"])
+        if streamed is not None and streamed["size"] == size and streamed["algorithm"] == algorithm:
+            entries[name] = FileEntry(size=size, digest=streamed["digest"], algorithm=algorithm)
         else:
-            to_hash.append(name)
-    for name, sha256 in digest_files(root, to_hash).items():
-        entries[name] = FileEntry(size=(root / name).stat().st_size, sha256=sha256)
+            to_hash[name] = algorithm
+    for name, digest in digest_files(root, to_hash).items():
+        size = (root / name).stat().st_size
+        entries[name] = FileEntry(size=size, digest=digest, algorithm=algorithm)
     return dict(sorted(entries.items()))
 
 
@@ -105,11 +119,14 @@ def verify(
     manifest: Manifest | None = None,
     *,
     check_digests: bool = True,
+    digests_of: Collection[str] | None = None,
 ) -> Manifest:
     """Raise CorruptCheckpoint naming the first problem found; return the manifest.
 
     With `manifest=None` the manifest is read from the folder (missing/unparseable is a
-    CorruptCheckpoint too).
+    CorruptCheckpoint too). Every file's name and size is checked; with `check_digests`,
+    the digest of every file, or only of those `digests_of` names (the others' are checked
+    by whoever reads them: `checkpoints.dcp.reader`).
     """
     root = Path(ckpt_dir)
     if manifest is None:
@@ -144,12 +161,25 @@ def verify(
     if not check_digests:
         return manifest
     # Pass 2: content.
-    actual_digests = digest_files(root, list(manifest.files))
-    for name, entry in sorted(manifest.files.items()):
-        actual = actual_digests[name]
-        if actual != entry["sha256"]:
-            raise CorruptCheckpoint(
-                root,
-                f"digest mismatch: {name} sha256 {actual[:12]}..., manifest {entry['sha256'][:12]}...",
-            )
+    to_check = {
+        name: entry["algorithm"]
+        for name, entry in manifest.files.items()
+        if digests_of is None or name in digests_of
+    }
+    actual_digests = digest_files(root, to_check)
+    for name in sorted(to_check):
+        mismatch = digest_mismatch(name, manifest.files[name], actual_digests[name])
+        if mismatch is not None:
+            raise CorruptCheckpoint(root, mismatch)
     return manifest
+
+
+def digest_mismatch(name: str, entry: FileEntry, actual: str) -> str | None:
+    """Why file `name` whose digest is `actual` is not what its manifest entry says, or
+    None when it is."""
+    if actual == entry["digest"]:
+        return None
+    return (
+        f"digest mismatch: {name} {entry['algorithm']} {actual[:12]}..., "
+        f"manifest {entry['digest'][:12]}..."
+    )

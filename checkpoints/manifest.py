@@ -3,7 +3,11 @@
 `manifest.json` is written last and atomically; a step folder without one is not a checkpoint
 (it is a save in progress, or a crashed one). Everything a resume needs beyond the tensors
 lives here: step, attempt, world size, strategy and layout, data position, free-form extras
-(seed, global batch...), and the size and sha256 of every file so corruption is detectable.
+(seed, global batch...), and the size and digest of every file so corruption is detectable.
+
+Format versions: 1 gave every file `{size, sha256}`; 2 gives `{size, digest, algorithm}`
+(`checkpoints.digest`: XXH3-128 by default, sha256 on request). Both are read; a version-1
+entry is read as `algorithm: sha256`, so checkpoints written before version 2 still verify.
 """
 
 from __future__ import annotations
@@ -16,14 +20,38 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from checkpoints._fs import atomic_write_bytes
+from checkpoints.digest import SHA256, UnknownDigestAlgorithm, check_algorithm
 from checkpoints.layout import MANIFEST_NAME
 
-FORMAT_VERSION = 1
+# 2: per-file digest with its algorithm named (an older reader refuses it by version,
+# clearly, rather than as a file entry it cannot parse).
+FORMAT_VERSION = 2
 
 
 class FileEntry(TypedDict):
     size: int
-    sha256: str
+    digest: str
+    """Hex digest of the file's bytes, by `algorithm`."""
+    algorithm: str
+    """One of `checkpoints.digest.ALGORITHMS`."""
+
+
+def parse_file_entry(name: str, entry: object) -> FileEntry:
+    """A manifest's entry for file `name`, either format: {size, digest, algorithm} or
+    (version 1) {size, sha256}. ValueError naming the file otherwise."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
+        raise ValueError(f"bad file entry for {name!r}")
+    if "digest" in entry or "algorithm" in entry:
+        digest = entry.get("digest")
+        try:
+            algorithm = check_algorithm(entry.get("algorithm"))
+        except UnknownDigestAlgorithm as e:
+            raise ValueError(f"file entry for {name!r}: {e}") from None
+    else:
+        digest, algorithm = entry.get("sha256"), SHA256
+    if not isinstance(digest, str):
+        raise ValueError(f"bad file entry for {name!r}")
+    return FileEntry(size=entry["size"], digest=digest, algorithm=algorithm)
 
 
 class ManifestError(Exception):
@@ -52,7 +80,8 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form, JSON-serialisable: seed, global batch size..."""
     files: dict[str, FileEntry] = field(default_factory=dict)
-    """Relative file name -> size and sha256, for every file of the checkpoint."""
+    """Relative file name -> size, digest and its algorithm, for every file of the
+    checkpoint."""
     total_bytes: int = 0
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
@@ -75,13 +104,9 @@ class Manifest:
         files = data.get("files")
         if not isinstance(files, dict):
             raise ValueError("field 'files' must be an object")
+        entries: dict[str, FileEntry] = {}
         for name, entry in files.items():
-            if (
-                not isinstance(entry, dict)
-                or not isinstance(entry.get("size"), int)
-                or not isinstance(entry.get("sha256"), str)
-            ):
-                raise ValueError(f"bad file entry for {name!r}")
+            entries[name] = parse_file_entry(name, entry)
             if os.path.isabs(name) or ".." in Path(name).parts:
                 raise ValueError(f"file name {name!r} escapes the checkpoint folder")
         return cls(
@@ -93,7 +118,7 @@ class Manifest:
             layout=dict(data.get("layout") or {}),
             data_position=dict(data.get("data_position") or {}),
             extra=dict(data.get("extra") or {}),
-            files={k: FileEntry(size=v["size"], sha256=v["sha256"]) for k, v in files.items()},
+            files=entries,
             total_bytes=data["total_bytes"],
             created_at=float(data.get("created_at", 0.0)),
         )

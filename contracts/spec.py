@@ -97,6 +97,14 @@ class ActivationCheckpointing(str, Enum):
     selective = "selective"
 
 
+class CheckpointDigest(str, Enum):
+    """What the manifest keeps of every checkpoint file, to detect corruption before a
+    load uses it (`checkpoints/digest.py`)."""
+
+    xxh3 = "xxh3"  # XXH3-128: non-cryptographic, memory speed; bit rot and torn files
+    sha256 = "sha256"  # cryptographic, ~15x the CPU; when a policy asks for sha256
+
+
 class LrSchedule(str, Enum):
     constant = "constant"
     cosine = "cosine"
@@ -359,6 +367,12 @@ class CheckpointSpec(_Strict):
         default=3, ge=2, le=1000, description=">= 2: the newest is never the only one"
     )
     async_save: bool = True
+    digest: CheckpointDigest = Field(
+        default=CheckpointDigest.xxh3,
+        description="Digest of every checkpoint file kept in its manifest and checked at "
+        "load: 'xxh3' (XXH3-128, fast, detects corruption) or 'sha256' (cryptographic, "
+        "slower). Checkpoints load whichever their manifest names.",
+    )
 
 
 class FailureSpec(_Strict):

@@ -33,6 +33,7 @@ def make_checkpointer(ctx: TrainContext, spec: JobSpec) -> ShardedCheckpointer:
         # Every step waits for the staging copy before its update (`Strategy.step`).
         async_staging=spec.checkpoint.async_save,
         owner=ctx.database,
+        digest=spec.checkpoint.digest.value,
     )
 
 

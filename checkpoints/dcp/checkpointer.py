@@ -6,6 +6,10 @@ thread. With `async_staging` the copy too is made in the background and save() r
 once; the caller must then call `wait_staged()` before anything mutates the saved tensors
 in place (the training loop: before the optimizer step), so that no later update leaks
 into the checkpoint.
+
+Loads read each shard file once, verifying its digest on the way, on the ranks that read
+it (`checkpoints.dcp.reader`); rank 0 checks the small files while choosing the
+checkpoint, and a shard found corrupt makes every rank fall back to the next older one.
 """
 
 from __future__ import annotations
@@ -20,12 +24,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_saver
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from checkpoints._fs import atomic_write_bytes
 from checkpoints.catalog import LoadOutcome, find_latest_good
 from checkpoints.commit import commit, manifest_for, uncommit
-from checkpoints.dcp.writer import DigestingWriter
+from checkpoints.dcp.reader import VerifyingReader
+from checkpoints.dcp.writer import SHARD_SUFFIX, DigestingWriter
+from checkpoints.digest import DEFAULT_ALGORITHM, algorithm_for_setting
+from checkpoints.integrity import CorruptCheckpoint
 from checkpoints.layout import rank_extra_name, step_dir
 from checkpoints.manifest import Manifest
 from contracts.messages import CheckpointCommitted
@@ -48,8 +56,8 @@ class ShardedCheckpointer:
 
     Async saves run in threads (never a helper process): measured on CPU hosts, that costs
     training least in total, the helper process's start included (docs/bench-checkpoint.md,
-    "Threads, not a helper process"). The write spends its time in syscalls and sha256,
-    which release the GIL.
+    "Threads, not a helper process"). The write spends its time in syscalls and the
+    digest (XXH3-128 unless `digest="sha256"`), which release the GIL.
 
     The staging copy (what makes an async save immune to later updates) is made by one DCP
     `DefaultStager` kept for the checkpointer's life: its copy buffers are allocated at the
@@ -70,6 +78,7 @@ class ShardedCheckpointer:
         process_group: dist.ProcessGroup | None = None,
         verify_digests: bool = True,
         owner: str = "",
+        digest: str = DEFAULT_ALGORITHM,
     ) -> None:
         """`process_group`: the group DCP and the load broadcast use. None creates a
         dedicated gloo group, so every rank must construct the checkpointer at the same
@@ -82,6 +91,10 @@ class ShardedCheckpointer:
         the caller must call `wait_staged()` before it next mutates the saved tensors in
         place. Off, save() returns once the copy is made (nothing is owed).
 
+        `digest`: the algorithm of the digests the manifests of its saves carry (a
+        `checkpoint.digest` setting, 'xxh3' or 'sha256', or a `checkpoints.digest` name).
+        Loads verify each file by the algorithm its manifest names, whatever this is.
+
         Retention is not done here: the service prunes (`checkpoints.retention`).
         """
         if async_staging and not async_save:
@@ -92,6 +105,7 @@ class ShardedCheckpointer:
         self.async_save = async_save
         self.async_staging = async_staging
         self.verify_digests = verify_digests
+        self.digest_algorithm = algorithm_for_setting(digest)
         self.owner = owner  # the database whose job this is: commits check the fence names it
         self._distributed = dist.is_available() and dist.is_initialized()
         if self._distributed:
@@ -216,14 +230,21 @@ class ShardedCheckpointer:
             atomic_write_bytes(path / rank_extra_name(self.rank), extra)
         if isinstance(state, Future):
             state = state.result()
-        writer = DigestingWriter(path)
+        writer = DigestingWriter(path, algorithm=self.digest_algorithm)
         # Looked up on the module at call time (tests hold the write by patching it).
         state_dict_saver.save(
             state, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed
         )
         if not self._coordinator:
             return None
-        return commit(self.root, path, manifest, streamed=writer.shard_digests, owner=self.owner)
+        return commit(
+            self.root,
+            path,
+            manifest,
+            streamed=writer.shard_digests,
+            owner=self.owner,
+            algorithm=self.digest_algorithm,
+        )
 
     def _wait_inflight(self) -> None:
         """Block until the in-flight async save (if any) is done; raise if it failed."""
@@ -281,24 +302,49 @@ class ShardedCheckpointer:
 
     def load_latest(self, state: dict[str, Any]) -> LoadOutcome | None:
         """Load the newest good committed checkpoint into `state` in place (DCP reshards
-        to the current world size). Every rank calls it; group rank 0 chooses (verifying
-        digests) and broadcasts its choice so all ranks load the same checkpoint even if
-        one is committed meanwhile. None when there is no good checkpoint."""
+        to the current world size). Every rank calls it; group rank 0 chooses (names,
+        sizes, and the digests of the files other than shards) and broadcasts its choice
+        so all ranks load the same checkpoint even if one is committed meanwhile. The
+        shards are verified by the ranks that read them, all of them before any byte
+        reaches the state (`VerifyingReader`); a corrupt one makes every rank go on to
+        the next older checkpoint, `state` untouched. None when there is no good one."""
         self._wait_inflight()  # never read a folder we are still writing
-        choice: list[Any] = [None]
-        if self._coordinator:
-            choice[0] = find_latest_good(self.root, verify_digests=self.verify_digests)
-        if self._distributed:
-            dist.broadcast_object_list(choice, group=self._pg, group_src=0)
-        info, skipped = choice[0]
-        if info is None:
-            return None
-        dcp.load(
-            state,
-            checkpoint_id=info.path,
-            process_group=self._pg,
-            no_dist=not self._distributed,
-        )
+        refused: dict[str, str] = {}
+        while True:
+            choice: list[Any] = [None]
+            if self._coordinator:
+                choice[0] = find_latest_good(
+                    self.root,
+                    verify_digests=self.verify_digests,
+                    digest_here=lambda name: not name.endswith(SHARD_SUFFIX),
+                    refused=refused,
+                )
+            if self._distributed:
+                dist.broadcast_object_list(choice, group=self._pg, group_src=0)
+            info, skipped = choice[0]
+            if info is None:
+                return None
+            reader = VerifyingReader(
+                info.path,
+                expected=info.manifest.files if self.verify_digests else None,
+                process_group=self._pg,
+            )
+            try:
+                dcp.load(
+                    state,
+                    storage_reader=reader,
+                    process_group=self._pg,
+                    no_dist=not self._distributed,
+                )
+            except (CheckpointException, CorruptCheckpoint) as e:
+                corrupt = corrupt_shard_reason(e)
+                if corrupt is None:
+                    raise
+                # Every rank got the same failures (the reader's agreement), so every
+                # rank makes this choice; rank 0 picks again without this folder.
+                refused[str(info.path)] = corrupt
+                continue
+            break
         rank_extra = None
         extra_path = info.path / rank_extra_name(self.rank)
         if info.world_size == self.world_size and extra_path.is_file():
@@ -306,3 +352,19 @@ class ShardedCheckpointer:
             # arrays, which weights_only loading refuses.
             rank_extra = torch.load(extra_path, map_location="cpu", weights_only=False)
         return LoadOutcome(info=info, skipped=skipped, rank_extra=rank_extra)
+
+
+def corrupt_shard_reason(error: BaseException) -> str | None:
+    """Why a DCP load failed when it failed only because a `VerifyingReader` found a
+    shard corrupt (on any rank), else None (a failure to report, not to fall back on)."""
+    if isinstance(error, CorruptCheckpoint):
+        return error.reason
+    if not isinstance(error, CheckpointException) or not error.failures:
+        return None
+    reasons = []
+    for failure, _trace in error.failures.values():
+        if not isinstance(failure, CorruptCheckpoint):
+            return None
+        reasons.append(failure.reason)
+    # The rank that found the problem says what it is; the others only that it was found.
+    return min(reasons, key=lambda r: r.startswith("another rank"))

@@ -1,6 +1,7 @@
 """The storage side of a DCP save: shard files digested while they are written.
 
-The manifest needs the sha256 of every file of a checkpoint. Reading every shard back after
+The manifest needs the digest of every file of a checkpoint (`checkpoints.digest`: XXH3-128
+unless the job asks for sha256). Reading every shard back after
 DCP wrote it costs a second pass over all the bytes, on one rank. Instead each rank hashes
 the bytes of its own shard files as they go to the file (`DigestingStream`), and returns
 the digests beside its DCP write results. DCP gathers every rank's write results to the
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
 import io
 import os
 import sys
@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
+from checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
 from checkpoints.manifest import FileEntry
 
 # DCP's shard files; `.metadata` and our own files are small and hashed from disk.
@@ -57,11 +58,12 @@ _DIGEST_FQN_PREFIX = "__elastrain_file_digest__/"
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StreamedDigest:
-    """sha256 and length of the bytes written to one file, in order."""
+    """Digest (by `algorithm`) and length of the bytes written to one file, in order."""
 
     name: str
     size: int
-    sha256: str
+    digest: str
+    algorithm: str
 
 
 class DigestingStream:
@@ -71,9 +73,11 @@ class DigestingStream:
     seek/truncate would break "digest == content", so they void the digest instead.
     """
 
-    def __init__(self, raw: io.BufferedWriter, on_close: Any) -> None:
+    def __init__(
+        self, raw: io.BufferedWriter, on_close: Any, algorithm: str = DEFAULT_ALGORITHM
+    ) -> None:
         self._raw = raw
-        self._hash = hashlib.sha256()
+        self._hash = new_hasher(algorithm)
         self._size = 0
         self._valid = True
         self._on_close = on_close
@@ -169,8 +173,9 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 class DigestingFileSystem(FileSystem):
     """DCP's local file system, with shard files opened for writing through a digest."""
 
-    def __init__(self) -> None:
+    def __init__(self, algorithm: str = DEFAULT_ALGORITHM) -> None:
         super().__init__()
+        self.algorithm = algorithm
         self._lock = threading.Lock()  # DCP may write several files from several threads
         self._digests: dict[str, StreamedDigest] = {}
 
@@ -185,13 +190,15 @@ class DigestingFileSystem(FileSystem):
             return
         name = path.name
 
-        def record(size: int, sha256: str) -> None:
+        def record(size: int, digest: str) -> None:
+            streamed = StreamedDigest(name=name, size=size, digest=digest, algorithm=algorithm)
             with self._lock:
-                self._digests[name] = StreamedDigest(name=name, size=size, sha256=sha256)
+                self._digests[name] = streamed
 
+        algorithm = self.algorithm
         with self._lock:
             self._digests.pop(name, None)  # a rewrite must never keep an old digest
-        digesting = DigestingStream(path.open("wb"), record)
+        digesting = DigestingStream(path.open("wb"), record, algorithm)
         try:
             # Duck-typed: DCP's writer only uses the methods DigestingStream offers.
             yield cast(io.IOBase, digesting)
@@ -208,14 +215,15 @@ class DigestingFileSystem(FileSystem):
 class DigestingWriter(FileSystemWriter):
     """FileSystemWriter (one file per rank, fsync per file) whose shard files are hashed
     as they are written. After a save, on the coordinator, `shard_digests` maps every
-    shard file name (relative to the checkpoint folder) to its size and sha256."""
+    shard file name (relative to the checkpoint folder) to its size and digest (by
+    `algorithm`, a `checkpoints.digest` name)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, algorithm: str = DEFAULT_ALGORITHM) -> None:
         # The staging copy is made by the checkpointer's own stager (checkpointer.py), so
         # no staging options here; sync_files: a file is durable before the manifest
         # names it.
         super().__init__(path, single_file_per_rank=True, sync_files=True)
-        self._digesting_fs = DigestingFileSystem()
+        self._digesting_fs = DigestingFileSystem(algorithm)
         self.fs = self._digesting_fs
         self.shard_digests: dict[str, FileEntry] = {}
 
@@ -250,7 +258,7 @@ def without_zip_crc32() -> Generator[None, None, None]:
 
     DCP writes every tensor with torch.save, whose zip writer computes a crc32 of each
     record by default: a large share of the CPU of writing a shard (docs/bench-checkpoint.md),
-    on top of the sha256 the manifest already holds for the whole file.
+    on top of the digest the manifest already holds for the whole file.
     torch.load never checks that crc32 (same load time with or without it), so dropping
     it loses no check a load makes. The flag is process-wide in torch; a torch.save
     elsewhere in the process during a shard write also goes without crc32, which nothing
@@ -290,7 +298,7 @@ def split_digest_results(
         for result in rank_results:
             if isinstance(result.storage_data, StreamedDigest):
                 d = result.storage_data
-                digests[d.name] = FileEntry(size=d.size, sha256=d.sha256)
+                digests[d.name] = FileEntry(size=d.size, digest=d.digest, algorithm=d.algorithm)
             else:
                 kept.append(result)
         dcp_results.append(kept)

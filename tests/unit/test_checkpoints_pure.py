@@ -106,13 +106,13 @@ def test_manifest_round_trip(tmp_path: Path) -> None:
         layout={"dp": 3, "pp": 1},
         data_position={"step": 5, "samples_consumed": 40},
         extra={"seed": 7, "global_batch": 8},
-        files={".metadata": {"size": 3, "sha256": "ab"}},
+        files={".metadata": {"size": 3, "digest": "ab", "algorithm": "xxh3-128"}},
         total_bytes=3,
         created_at=1234.5,
     )
     write_manifest(tmp_path, m)
     assert read_manifest(tmp_path) == m
-    assert json.loads((tmp_path / "manifest.json").read_text())["format_version"] == 1
+    assert json.loads((tmp_path / "manifest.json").read_text())["format_version"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]  # no tmp left behind
 
 
@@ -126,7 +126,7 @@ def test_read_manifest_errors(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="step"):
         read_manifest(tmp_path)
     good = Manifest(step=1, attempt=0, world_size=1).to_dict()
-    good["files"] = {"../escape": {"size": 1, "sha256": "x"}}
+    good["files"] = {"../escape": {"size": 1, "digest": "x", "algorithm": "sha256"}}
     (tmp_path / "manifest.json").write_text(json.dumps(good))
     with pytest.raises(ManifestError, match="escapes"):
         read_manifest(tmp_path)
@@ -154,9 +154,12 @@ def test_manifest_write_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_digest_file_streams(tmp_path: Path) -> None:
     import hashlib
 
+    import xxhash
+
     data = os.urandom(9 * 1024 * 1024 + 17)  # more than one chunk, not a multiple
     (tmp_path / "f").write_bytes(data)
-    assert digest_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+    assert digest_file(tmp_path / "f") == xxhash.xxh3_128(data).hexdigest()  # the default
+    assert digest_file(tmp_path / "f", "sha256") == hashlib.sha256(data).hexdigest()
 
 
 def test_verify_names_the_problem(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Digests taken while writing, and async saves whose staging copy overlaps training.
 
-- the sha256 the writer streams into the manifest is the sha256 of the file on disk, and
+- the digest the writer streams into the manifest is the digest of the file on disk, and
   the coordinator does not read any shard back to get it (not even another rank's);
 - a shard corrupted after the commit is still refused on load;
 - a save at step s holds the step-s values even when the tensors change in place right
@@ -27,6 +27,7 @@ import checkpoints.integrity as integrity
 from checkpoints import find_latest_good, list_committed, read_manifest
 from checkpoints.dcp import ShardedCheckpointer
 from checkpoints.dcp.writer import DigestingFileSystem, DigestingStream
+from checkpoints.digest import DEFAULT_ALGORITHM
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (
     FIELDS,
@@ -48,19 +49,19 @@ class HashSpy:
         self.names: list[str] = []
         self._original = integrity.digest_file
 
-    def __call__(self, path: str | os.PathLike[str]) -> str:
+    def __call__(self, path: str | os.PathLike[str], algorithm: str = DEFAULT_ALGORITHM) -> str:
         self.names.append(Path(path).name)
-        return self._original(path)
+        return self._original(path, algorithm)
 
     def install(self) -> None:
-        integrity.digest_file = self  # type: ignore[assignment]
+        integrity.digest_file = self
 
     def remove(self) -> None:
         integrity.digest_file = self._original
 
 
 def disk_digests(folder: Path) -> dict[str, str]:
-    """sha256 of every file of a checkpoint folder but its manifest."""
+    """Digest (the default algorithm) of every file of a checkpoint folder but its manifest."""
     return {
         p.name: integrity.digest_file(p)
         for p in folder.iterdir()
@@ -88,7 +89,8 @@ def test_streamed_digests_equal_the_files_on_disk(tmp_path: Path) -> None:
     shards = [n for n in manifest.files if n.endswith(".distcp")]
     assert shards, manifest.files
     for name, entry in manifest.files.items():
-        assert entry["sha256"] == on_disk[name], name
+        assert entry["algorithm"] == DEFAULT_ALGORITHM, name
+        assert entry["digest"] == on_disk[name], name
         assert entry["size"] == (folder / name).stat().st_size
     # Only the small files were read back: the shards' digests came from the write.
     assert sorted(spy.names) == sorted([".metadata", "rank_0.extra.pt"])
@@ -186,19 +188,24 @@ def test_a_stream_that_seeks_gives_no_digest(tmp_path: Path) -> None:
         stream.write(b"abcdef")
     digests = {d.name: d for d in fs.take_digests()}
     assert set(digests) == {"__0_1.distcp"}  # the seeked file is hashed from disk instead
-    assert digests["__0_1.distcp"].sha256 == integrity.digest_file(tmp_path / "__0_1.distcp")
+    assert digests["__0_1.distcp"].digest == integrity.digest_file(tmp_path / "__0_1.distcp")
     assert digests["__0_1.distcp"].size == 6
 
 
 def test_streamed_digest_of_a_wrong_size_is_not_trusted(tmp_path: Path) -> None:
     (tmp_path / "__0_0.distcp").write_bytes(b"0123456789")
     (tmp_path / ".metadata").write_bytes(b"meta")
-    stale = {"__0_0.distcp": integrity.FileEntry(size=4, sha256="0" * 64)}
+    stale = {"__0_0.distcp": integrity.FileEntry(size=4, digest="0" * 32, algorithm="xxh3-128")}
     files = integrity.describe_files(tmp_path, known=stale)
     assert files["__0_0.distcp"] == {
         "size": 10,
-        "sha256": integrity.digest_file(tmp_path / "__0_0.distcp"),
+        "digest": integrity.digest_file(tmp_path / "__0_0.distcp"),
+        "algorithm": "xxh3-128",
     }
+    # Nor one by another algorithm than the manifest's.
+    other = {"__0_0.distcp": integrity.FileEntry(size=10, digest="0" * 64, algorithm="sha256")}
+    files = integrity.describe_files(tmp_path, known=other)
+    assert files["__0_0.distcp"]["digest"] == integrity.digest_file(tmp_path / "__0_0.distcp")
 
 
 def test_async_staging_needs_async_save(tmp_path: Path) -> None:
@@ -286,7 +293,7 @@ def test_coordinator_reads_no_shard_back(fsdp_streamed: tuple[Path, dict[str, An
     manifest = read_manifest(folder)
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(manifest.files)
     on_disk = disk_digests(folder)
-    assert {n: e["sha256"] for n, e in manifest.files.items()} == on_disk
+    assert {n: e["digest"] for n, e in manifest.files.items()} == on_disk
 
 
 def _load_modes(rank: int, world_size: int, base: str) -> dict[str, Any]:

@@ -164,6 +164,21 @@ def test_keep_last_below_two(api: TestClient) -> None:
     assert "checkpoint.keep_last" in msg and "2" in msg
 
 
+@pytest.mark.parametrize("digest", ["md5", "XXH3", "", 3])
+def test_unknown_checkpoint_digest(api: TestClient, digest: object) -> None:
+    msg = rejected(api, spec_dict(checkpoint={"digest": digest}))
+    assert "checkpoint.digest" in msg and "'xxh3'" in msg and "'sha256'" in msg
+
+
+def test_checkpoint_digest_choices_are_the_checkpointers() -> None:
+    """Every value the spec accepts names an algorithm the checkpoints can write."""
+    from checkpoints.digest import algorithm_for_setting
+    from contracts.spec import CheckpointDigest, CheckpointSpec
+
+    assert CheckpointSpec().digest == CheckpointDigest.xxh3
+    assert {algorithm_for_setting(d.value) for d in CheckpointDigest} == {"xxh3-128", "sha256"}
+
+
 def test_unknown_builtin_workload(api: TestClient) -> None:
     msg = rejected(api, spec_dict(workload={"name": "bert"}))
     assert "workload.name" in msg and "gpt" in msg and "synthetic" in msg

@@ -47,6 +47,7 @@ from service.decisions import (
     StopWaiting,
     Transition,
     decide,
+    give_up,
 )
 from service.launcher import Launcher
 from service.models import Job, utcnow
@@ -266,6 +267,24 @@ class Executor:
             log.exception("job %s: applying %s failed; retrying next pass", view.id, actions)
             return False
         telemetry.record(samples)  # counted once committed, like the effects
+        for effect in effects:
+            self._carry_out(effect)
+        return True
+
+    def give_up(self, job_id: int, reason: str) -> bool:
+        """Fail a job the scheduler cannot decide about (`decisions.give_up`): read from
+        its row alone, so a spec that does not read back is no obstacle. False when the
+        transaction failed (the next pass tries again)."""
+        try:
+            with session_scope(self.sessions) as session:
+                job = jobs.get_job(session, job_id, for_update=True)
+                attempt = jobs.current_attempt(session, job)
+                live = attempt is not None and attempt.ended_at is None
+                actions = give_up(JobState(job.state), live_attempt=live, reason=reason)
+                effects = apply_to_db(session, job, actions, storage_path=self.storage_path)
+        except Exception:
+            log.exception("job %s: failing it (%s) failed; retrying next pass", job_id, reason)
+            return False
         for effect in effects:
             self._carry_out(effect)
         return True

@@ -303,3 +303,29 @@ def test_unexpected_errors_are_500_without_a_traceback(tmp_path: Path) -> None:
     assert response.status_code == 500
     assert response.json() == {"detail": "internal server error"}
     assert "shadow" not in response.text
+
+
+@pytest.mark.parametrize(
+    ("scaling", "field", "words"),
+    [
+        ({"cpus_per_worker": 0.001}, "scaling.cpus_per_worker", "greater than or equal to 0.01"),
+        ({"cpus_per_worker": 5e-324}, "scaling.cpus_per_worker", "0.01"),
+        ({"cpus_per_worker": 513}, "scaling.cpus_per_worker", "less than or equal to 512"),
+        ({"max_workers": 1025}, "scaling.max_workers", "1024"),
+        ({"use_gpu": True, "gpus_per_worker": 0.3}, "scaling.gpus_per_worker", "0.5, 0.25"),
+        ({"use_gpu": True, "gpus_per_worker": 1e-9}, "scaling.gpus_per_worker", "whole number"),
+        ({"use_gpu": True, "gpus_per_worker": 1.5}, "scaling.gpus_per_worker", "whole number"),
+    ],
+)
+def test_resources_a_cluster_cannot_mean(
+    api: TestClient, scaling: dict[str, Any], field: str, words: str
+) -> None:
+    msg = rejected(api, spec_dict(scaling=scaling))
+    assert field in msg and words in msg, msg
+
+
+@pytest.mark.parametrize("gpus", [0.5, 0.25, 0.125, 1, 4])
+def test_whole_gpus_and_documented_shares(gpus: float) -> None:
+    from contracts.spec import ScalingSpec
+
+    assert ScalingSpec(use_gpu=True, gpus_per_worker=gpus).gpus_per_worker == gpus

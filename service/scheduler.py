@@ -177,7 +177,7 @@ class Scheduler:
         """Fail a job the scheduler cannot decide about, saying which and why in the log."""
         with job_context(job_id=job_id):
             log.error("job %s: failed, the scheduler cannot decide about it: %s", job_id, reason)
-            self.executor.give_up(job_id, reason)
+            self.executor.give_up_on(job_id, reason)
 
     def _sweep(self, unfinished: list[JobView]) -> None:
         """Now and then: delete uploaded packages nothing uses any more, and thin the

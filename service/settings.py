@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from contracts.bounds import in_standard_library
+from contracts.bounds import OWN_PACKAGES, in_standard_library
 from contracts.packages import PackageLimits
 
 _HOME = Path(".elastrain")
@@ -157,6 +157,11 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"ELASTRAIN_ALLOWED_ENTRYPOINTS: {prefix!r} is in the standard library; "
                     "its functions run commands, never allow them as workloads"
+                )
+            if prefix.split(".")[0] in OWN_PACKAGES:
+                raise ValueError(
+                    f"ELASTRAIN_ALLOWED_ENTRYPOINTS: {prefix!r} is elastrain's own code; "
+                    "the built-in workloads are reached by name (workload.name)"
                 )
         return value
 

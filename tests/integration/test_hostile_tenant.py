@@ -9,12 +9,16 @@ and no error tells another tenant's secrets. The worker environment, with real R
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.main import create_app
 from contracts.spec import JobSpec
 from service import decisions, jobs
 from service.db import session_scope
@@ -22,6 +26,7 @@ from service.models import Job
 from service.scheduler import Scheduler
 from service.settings import Settings
 from service.states import JobState
+from tests.factories import spec_dict
 from tests.fake_launcher import FakeLauncher
 
 
@@ -111,3 +116,111 @@ def test_poisoned_rows_cost_only_their_own_jobs(
     # The next pass is an ordinary one.
     scheduler.run_pass()
     assert _states(session_factory) == states
+
+
+# -- paths: every one a job names stays in its tenant's own area -----------------------------
+
+ADMIN = "operator-admin-token-0123456789"
+
+
+@pytest.fixture
+def tenants(settings: Settings) -> Iterator[tuple[TestClient, dict[str, dict[str, str]]]]:
+    """The API with auth on and two tenants: their `Authorization` headers by name."""
+    secured = settings.model_copy(update={"api_token": SecretStr(ADMIN)})
+    with TestClient(create_app(secured, start_scheduler=False)) as client:
+        headers = {}
+        for tenant in ("alice", "bob"):
+            made = client.post(
+                "/v1/tokens", json={"tenant": tenant}, headers={"Authorization": f"Bearer {ADMIN}"}
+            )
+            headers[tenant] = {"Authorization": f"Bearer {made.json()['token']}"}
+        yield client, headers
+
+
+def _gpt(**params: Any) -> dict[str, Any]:
+    base = {"seq_len": 16, "token_dtype": "uint16", "vocab_size": 256}
+    return spec_dict(name="paths", workload={"name": "gpt", "params": {**base, **params}})
+
+
+def test_a_tenant_names_only_its_own_and_shared_data(
+    tenants: tuple[TestClient, dict[str, dict[str, str]]], settings: Settings
+) -> None:
+    client, headers = tenants
+    storage = settings.storage_path
+    tokens = bytes(range(256)) * 8  # 1024 uint16 ids
+    for folder in ("data/alice", "data/bob", "shared", "jobs/7/logs", "packages/ab12"):
+        (storage / folder).mkdir(parents=True, exist_ok=True)
+    (storage / "data/alice/mine.bin").write_bytes(tokens)
+    (storage / "data/bob/secret.bin").write_bytes(tokens + b"\0")  # 2049 bytes: odd
+    (storage / "shared/corpus.bin").write_bytes(tokens)
+    (storage / "jobs/7/logs/attempt-001-rank-0.log").write_bytes(tokens)
+    (storage / "packages/ab12/manifest.json").write_bytes(tokens)
+    (storage / "data/alice/to-bob.bin").symlink_to(storage / "data/bob/secret.bin")
+    (storage / "data/alice/to-jobs").symlink_to(storage / "jobs")
+
+    def submit(**params: Any) -> tuple[int, str]:
+        response = client.post("/v1/jobs", json=_gpt(**params), headers=headers["alice"])
+        return response.status_code, response.json().get("message", "")
+
+    assert submit(data_path="mine.bin")[0] == 201
+    assert submit(data_path="shared/corpus.bin")[0] == 201
+    assert submit(data_path=str(storage / "data/alice/mine.bin"))[0] == 201
+    refused = {
+        path: submit(data_path=path)
+        for path in [
+            "../bob/secret.bin",
+            str(storage / "data/bob/secret.bin"),  # exists, another tenant's
+            str(storage / "data/bob/nothing.bin"),  # does not exist, another tenant's
+            str(storage / "jobs/7/logs/attempt-001-rank-0.log"),  # a job's folder
+            str(storage / "packages/ab12/manifest.json"),  # the package store
+            "to-bob.bin",  # a link out of the area
+            "to-jobs/7/logs/attempt-001-rank-0.log",
+            "/etc/passwd",
+            "shared/../data/bob/secret.bin",
+        ]
+    }
+    for path, (status, message) in refused.items():
+        assert status == 422, (path, message)
+        assert message.startswith("workload.params.data_path:"), message
+        # Nothing about the server's paths, nor whether or how big another's file is.
+        assert str(storage) not in message.replace(path, ""), message
+        assert "2049" not in message and "bytes" not in message, message
+        assert "does not exist" not in message, message
+    # Bob's existing file and a missing one are refused in the same words.
+    same = {
+        m.replace(p, "PATH") for p, (_, m) in refused.items() if "data/bob/" in p and p[0] == "/"
+    }
+    assert len(same) == 1, same
+    # In her own area, a missing file is named as missing, without the server's path.
+    status, message = submit(data_path="missing.bin")
+    assert status == 422 and "does not exist in your data area" in message
+    assert str(storage) not in message
+
+
+def test_the_launch_checks_the_path_again_and_hands_it_over_from_the_root(
+    tenants: tuple[TestClient, dict[str, dict[str, str]]], settings: Settings
+) -> None:
+    """A file that passed at submit and became a link to another tenant's data before the
+    launch fails its job; the workers get paths relative to the storage root."""
+    client, headers = tenants
+    storage = settings.storage_path
+    for folder in ("data/alice", "data/bob"):
+        (storage / folder).mkdir(parents=True)
+    (storage / "data/alice/a.bin").write_bytes(bytes(range(256)) * 8)
+    (storage / "data/alice/b.bin").write_bytes(bytes(range(256)) * 8)
+    (storage / "data/bob/secret.bin").write_bytes(bytes(range(256)) * 8)
+    ok = client.post("/v1/jobs", json=_gpt(data_path="a.bin"), headers=headers["alice"])
+    swapped = client.post("/v1/jobs", json=_gpt(data_path="b.bin"), headers=headers["alice"])
+    assert ok.status_code == swapped.status_code == 201
+    (storage / "data/alice/b.bin").unlink()
+    (storage / "data/alice/b.bin").symlink_to(storage / "data/bob/secret.bin")
+
+    launcher = FakeLauncher({"n0": 8})
+    factory = client.app.state.session_factory  # type: ignore[attr-defined]
+    Scheduler(session_factory=factory, launcher=launcher, settings=settings).run_pass()
+    launched = {r.job_id: r.spec.workload.params["data_path"] for r in launcher.launches}
+    assert launched == {ok.json()["id"]: "data/alice/a.bin"}
+    failed = client.get(f"/v1/jobs/{swapped.json()['id']}", headers=headers["alice"]).json()
+    assert failed["state"] == "FAILED"
+    assert "outside your data area" in failed["state_reason"], failed
+    assert str(storage) not in failed["state_reason"]

@@ -196,9 +196,24 @@ def test_refused_entrypoints(api: TestClient, entrypoint: str, why: str) -> None
     assert "ELASTRAIN_ALLOWED_ENTRYPOINTS" in msg or "standard library" in msg
 
 
-def test_built_in_workload_modules_are_always_allowed(api: TestClient) -> None:
-    body = spec_dict(workload={"entrypoint": "workers.workloads.synthetic:build"})
-    assert api.post("/v1/jobs", json=body).status_code == 201
+@pytest.mark.parametrize(
+    "entrypoint",
+    [
+        "workers.workloads.synthetic:build",
+        "workers.workloads.gpt:load_corpus",
+        "workers.loop:train",
+    ],
+)
+def test_built_in_workloads_are_reached_by_name_only(api: TestClient, entrypoint: str) -> None:
+    msg = rejected(api, spec_dict(workload={"entrypoint": entrypoint}))
+    assert msg.startswith("workload.entrypoint:") and "elastrain's own" in msg, msg
+    assert "workload.name" in msg
+
+
+def test_only_public_factories_of_allowed_modules(api: TestClient) -> None:
+    for entrypoint in ("my_pkg:_helper", "my_pkg._internal:build"):
+        msg = rejected(api, spec_dict(workload={"entrypoint": entrypoint}))
+        assert "is private" in msg, msg
 
 
 def test_the_operator_cannot_allow_the_standard_library() -> None:
@@ -206,6 +221,8 @@ def test_the_operator_cannot_allow_the_standard_library() -> None:
         Settings(allowed_entrypoints=["os"])
     with pytest.raises(ValueError, match="standard library"):
         Settings(allowed_entrypoints="my_pkg, subprocess")
+    with pytest.raises(ValueError, match="elastrain's own"):
+        Settings(allowed_entrypoints="workers.workloads")
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -224,3 +225,35 @@ def test_the_launch_checks_the_path_again_and_hands_it_over_from_the_root(
     assert failed["state"] == "FAILED"
     assert "outside your data area" in failed["state_reason"], failed
     assert str(storage) not in failed["state_reason"]
+
+
+# -- the operator's secrets and files --------------------------------------------------------
+
+
+def test_the_admin_token_may_come_from_a_file(settings: Settings, tmp_path: Path) -> None:
+    secret = tmp_path / "run-secrets" / "elastrain_token"
+    secret.parent.mkdir()
+    secret.write_text(ADMIN + "\n")  # as `docker secret` / Kubernetes mount it
+    from_file = Settings(
+        database_url=settings.database_url,
+        storage_path=settings.storage_path,
+        api_token_file=secret,
+    )
+    with TestClient(create_app(from_file, start_scheduler=False)) as client:
+        assert client.get("/v1/jobs").status_code == 401
+        me = client.get("/v1/me", headers={"Authorization": f"Bearer {ADMIN}"})
+        assert me.status_code == 200 and me.json()["admin"] is True
+    with pytest.raises(ValueError, match="not both"):
+        Settings(api_token=SecretStr(ADMIN), api_token_file=secret)
+
+
+def test_the_database_file_and_storage_are_created_private(tmp_path: Path) -> None:
+    fresh = Settings(
+        database_url=f"sqlite:///{tmp_path / 'home' / 'db' / 'elastrain.db'}",
+        storage_path=tmp_path / "home" / "storage",
+    )
+    with TestClient(create_app(fresh, start_scheduler=False)) as client:
+        assert client.get("/healthz").status_code == 200
+    for made in ("home", "home/db", "home/storage"):
+        assert (tmp_path / made).stat().st_mode & 0o777 == 0o700, made
+    assert (tmp_path / "home/db/elastrain.db").stat().st_mode & 0o777 == 0o600

@@ -257,3 +257,24 @@ def test_the_database_file_and_storage_are_created_private(tmp_path: Path) -> No
     for made in ("home", "home/db", "home/storage"):
         assert (tmp_path / made).stat().st_mode & 0o777 == 0o700, made
     assert (tmp_path / "home/db/elastrain.db").stat().st_mode & 0o777 == 0o600
+
+
+# -- the API's reference pages ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_api_docs_load_only_local_assets_under_the_csp(client: TestClient, page: str) -> None:
+    import re
+
+    response = client.get(page)
+    assert response.status_code == 200
+    csp = response.headers["Content-Security-Policy"]
+    assert "script-src 'self'" in csp and "unsafe-eval" not in csp and "http" not in csp
+    html = response.text
+    assert "http://" not in html and "https://" not in html  # no CDN
+    assert "<script>" not in html  # no inline script (the CSP would refuse it)
+    assets = re.findall(r'(?:src|href)="(/static/[^"]+)"', html)
+    assert assets
+    for asset in assets:
+        served = client.get(asset)
+        assert served.status_code == 200 and len(served.content) > 100, asset

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 
 from api import errors
 from api.deps import TokenCache
-from api.routes import cluster, health, jobs, metrics, packages, plan, tenants
+from api.routes import api_docs, cluster, health, jobs, metrics, packages, plan, tenants
 from api.security import RequestGuard
 from service.db import make_engine, make_session_factory, migrate
 from service.settings import Settings
@@ -73,11 +73,14 @@ def create_app(settings: Settings | None = None, *, start_scheduler: bool = Fals
         summary="Elastic PyTorch training on Ray: submit, watch and steer training jobs.",
         version="0.1.0",
         lifespan=lifespan,
+        docs_url=None,  # ours, from local files (api/routes/api_docs.py)
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.scheduler = None
     errors.install(app)
     app.include_router(health.router)
+    app.include_router(api_docs.router)
     app.include_router(jobs.router)
     app.include_router(cluster.router)
     app.include_router(tenants.router)

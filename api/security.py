@@ -41,8 +41,15 @@ DASHBOARD_CSP = (
     "form-action 'self'; frame-ancestors 'none'"
 )
 API_CSP = "default-src 'none'; frame-ancestors 'none'"
-# Swagger UI and ReDoc load their scripts from a CDN: no CSP there (nothing secret on them).
-_NO_CSP_PATHS = ("/docs", "/redoc")
+# Swagger UI and ReDoc (api/routes/api_docs.py): scripts from this server only, no inline
+# script; both set style attributes and inject <style> tags, and ReDoc searches in a worker
+# it makes from a blob.
+DOCS_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; font-src 'self'; connect-src 'self'; worker-src blob:; "
+    "object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+_DOCS_PATHS = ("/docs", "/redoc")
 
 
 def host_of(header: str) -> str:
@@ -146,7 +153,7 @@ class RequestGuard:
     def _with_headers(self, scope: Scope, send: Send) -> Send:
         path: str = scope["path"]
         dashboard = path == "/" or path.startswith("/static/")
-        csp = None if path.startswith(_NO_CSP_PATHS) else (DASHBOARD_CSP if dashboard else API_CSP)
+        csp = DOCS_CSP if path in _DOCS_PATHS else (DASHBOARD_CSP if dashboard else API_CSP)
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":

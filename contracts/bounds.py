@@ -24,8 +24,10 @@ MAX_PARAMS_BYTES = 64 * 1024
 #: Integers anywhere in a stored document: what a signed 64-bit column or a JSON reader
 #: that parses into int64/double still holds exactly.
 MAX_INT = 2**63 - 1
-#: Module prefixes always allowed as entrypoints: the package's own workloads.
-BUILTIN_ENTRYPOINT_PREFIXES = ("workers.workloads",)
+#: The service's own top-level packages (`contracts.packages.OWN_PACKAGES`): never an
+#: entrypoint. The built-in workloads are reached by name only (`workload.name`), where
+#: their params and data paths are checked; their module's other functions not at all.
+OWN_PACKAGES = frozenset({"api", "checkpoints", "contracts", "service", "workers"})
 
 
 def control_characters(text: str) -> list[str]:
@@ -102,20 +104,35 @@ def in_standard_library(module: str) -> bool:
     return top in sys.stdlib_module_names or top in sys.builtin_module_names
 
 
+def private_part(entrypoint: str) -> str | None:
+    """The first private name (starting with '_') of 'package.module:factory', or None:
+    only public factories are entrypoints, never a module's internal helpers."""
+    module, _, attr = entrypoint.partition(":")
+    return next((p for p in (*module.split("."), attr) if p.startswith("_")), None)
+
+
 def entrypoint_refusal(entrypoint: str, allowed_prefixes: Iterable[str]) -> str | None:
     """Why a custom entrypoint may not run here, or None when it may.
 
     A workload is code that runs on the cluster: an entrypoint such as `os:system` with
-    `params: {command: ...}` would run any command. Only the package's own workloads and
-    the module prefixes the operator lists are allowed, and never the standard library.
+    `params: {command: ...}` would run any command. Only public factories of the module
+    prefixes the operator lists are allowed; never the standard library, and never the
+    service's own modules (the built-in workloads are named: `workload.name`).
     """
     module = entrypoint.partition(":")[0]
     if in_standard_library(module):
         return f"module {module!r} is in the Python standard library; workloads cannot come from it"
-    prefixes = (*BUILTIN_ENTRYPOINT_PREFIXES, *allowed_prefixes)
+    if module.split(".")[0] in OWN_PACKAGES:
+        return (
+            f"module {module!r} is elastrain's own; a built-in workload is given by name "
+            "(workload.name: gpt or synthetic), where its params are checked"
+        )
+    if (private := private_part(entrypoint)) is not None:
+        return f"{private!r} is private (it starts with '_'); only public factories can run"
+    prefixes = tuple(allowed_prefixes)
     if any(module == p or module.startswith(p + ".") for p in prefixes):
         return None
-    listed = ", ".join(repr(p) for p in allowed_prefixes) or "none besides the built-ins"
+    listed = ", ".join(repr(p) for p in prefixes) or "none"
     return (
         f"module {module!r} is not allowed on this service (allowed module prefixes: "
         f"{listed}); the operator lists them in ELASTRAIN_ALLOWED_ENTRYPOINTS"

@@ -1,36 +1,113 @@
-"""The gpt workload's data files on the storage root: where they are, and whether they can work.
+"""The gpt workload's data files on the storage root: whose they are, where, whether they work.
 
-A `data_path` (and `eval_path`) names a file under the storage root, the folder every node
-shares: relative to it (`data/shakespeare/train.bin`) or absolute inside it. The API checks
-at submit what can be checked without reading the data (the path stays inside the root once
-links are resolved, the file exists and is a regular file, a binary file holds whole token
-ids, there are enough tokens for one training window on each side of the split), so that a
-typo is a 422 naming the field, not an attempt that fails on a worker. The workers resolve
-the path the same way (`workers.workloads.load_workload`). Torch-free.
+Every tenant reads data from its own area of the storage root (the folder every node
+shares), and from the shared area an operator publishes data sets in:
+
+```
+<storage>/data/<tenant>/...   a tenant's own files: `data_path: mytext/train.bin`
+<storage>/shared/...          published read-only by the operator: `data_path: shared/...`
+```
+
+A `data_path` (and `eval_path`) is relative to the job owner's area, or starts with
+`shared/`; an absolute path is accepted only inside one of those two. Links are resolved
+before the path is confined, so a link in a tenant's area cannot reach another tenant's
+files, a job's folder or the package store. Errors name the path as the job gave it and
+never a server path, nor anything about files outside the areas the job may read.
+
+The API checks at submit what can be checked without reading the data (the file exists and
+is a regular file, a binary file holds whole token ids, there are enough tokens for one
+training window on each side of the split), so a typo is a 422 naming the field. The
+control plane resolves the paths again when it launches an attempt, and hands the workers
+the path relative to the storage root (`storage_relative_data_paths`), which they confine to
+the root once more (`workers.workloads.load_workload`). Torch-free.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from contracts.workload_params import TOKEN_WIDTH, GptParams
 
+#: Tenants' own areas: `<storage>/data/<tenant>/`.
+TENANT_DATA_DIR = "data"
+#: Data an operator publishes for every tenant, read-only for jobs: `<storage>/shared/`.
+SHARED_DATA_DIR = "shared"
+#: The params of the gpt that name files.
+PATH_PARAMS = ("data_path", "eval_path")
+
+_WHERE = (
+    "data paths are relative to your tenant's data area (<storage>/data/<tenant>/), or "
+    "start with 'shared/' for data the operator publishes"
+)
+
 
 class DataPathError(ValueError):
-    """The path cannot name a data file under the storage root; the message says why."""
+    """The path cannot name a data file the job may read; the message says why."""
 
 
-def resolve_data_path(path: str, storage_root: Path) -> Path:
-    """The real absolute path of a data file, refusing anything outside the storage root."""
+def tenant_area(storage_root: Path, owner: str) -> Path:
+    """A tenant's own data folder under the storage root."""
+    if not owner or "/" in owner or owner in (".", ".."):
+        raise DataPathError(f"tenant {owner!r} has no data area")
+    return storage_root / TENANT_DATA_DIR / owner
+
+
+def shared_area(storage_root: Path) -> Path:
+    return storage_root / SHARED_DATA_DIR
+
+
+def resolve_data_path(path: str, storage_root: Path, owner: str) -> Path:
+    """The real absolute path of a data file of `owner`'s job: in the owner's own area, or
+    in the shared one (`shared/...`); anything else is refused without saying whether it
+    exists."""
     raw = Path(path)
     if ".." in raw.parts:
-        raise DataPathError(f"{path!r}: '..' is not allowed; name the file from the storage root")
+        raise DataPathError(f"{path!r}: '..' is not allowed; {_WHERE}")
     root = storage_root.resolve()
-    real = (raw if raw.is_absolute() else root / raw).resolve()
-    if not real.is_relative_to(root):
-        raise DataPathError(f"{path!r} lies outside the storage root ({root}), links resolved")
+    own, shared = tenant_area(root, owner), shared_area(root)
+    if raw.is_absolute():
+        candidate = raw
+    elif raw.parts and raw.parts[0] == SHARED_DATA_DIR:
+        candidate = shared.joinpath(*raw.parts[1:])
+    else:
+        candidate = own / raw
+    real = candidate.resolve()
+    for area in (own.resolve(), shared.resolve()):
+        if real.is_relative_to(area) and real != area:
+            return real
+    raise DataPathError(f"{path!r} is outside your data area (links resolved); {_WHERE}")
+
+
+def resolve_under(path: str, root: Path) -> Path:
+    """`path` (relative to `root`, or absolute inside it) once links are resolved, refused
+    outside `root`: the workers' last check on what the control plane handed them."""
+    raw = Path(path)
+    if ".." in raw.parts:
+        raise DataPathError(f"{path!r}: '..' is not allowed")
+    base = root.resolve()
+    real = (raw if raw.is_absolute() else base / raw).resolve()
+    if not real.is_relative_to(base):
+        raise DataPathError(f"{path!r} lies outside the storage root, links resolved")
     return real
+
+
+def storage_relative_data_paths(
+    params: dict[str, Any], storage_root: Path, owner: str
+) -> dict[str, Any]:
+    """The gpt's params with each data path resolved for `owner` and written relative to
+    the storage root, as the workers receive them. Raises DataPathError."""
+    out = dict(params)
+    root = storage_root.resolve()
+    for key in PATH_PARAMS:
+        if isinstance(out.get(key), str):
+            try:
+                real = resolve_data_path(out[key], root, owner)
+            except DataPathError as exc:
+                raise DataPathError(f"workload.params.{key}: {exc}") from exc
+            out[key] = str(real.relative_to(root))
+    return out
 
 
 def split_sizes(tokens: int, held_out_fraction: float) -> tuple[int, int]:
@@ -40,9 +117,10 @@ def split_sizes(tokens: int, held_out_fraction: float) -> tuple[int, int]:
     return tokens - held, held
 
 
-def data_path_problems(params: GptParams, storage_root: Path) -> list[str]:
-    """What is wrong with the params' data files, one line per problem, each starting with
-    `workload.params.<key>:` ([] when they can work, or when no data_path is given)."""
+def data_path_problems(params: GptParams, storage_root: Path, owner: str) -> list[str]:
+    """What is wrong with the params' data files for `owner`'s job, one line per problem,
+    each starting with `workload.params.<key>:` ([] when they can work, or when no
+    data_path is given)."""
     window = params.seq_len + 1
     problems: list[str] = []
     for key in ("data_path", "eval_path"):
@@ -51,14 +129,14 @@ def data_path_problems(params: GptParams, storage_root: Path) -> list[str]:
             continue
         where = f"workload.params.{key}"
         try:
-            real = resolve_data_path(path, storage_root)
+            real = resolve_data_path(path, storage_root, owner)
         except DataPathError as exc:
             problems.append(f"{where}: {exc}")
             continue
         if not real.exists():
             problems.append(
-                f"{where}: {path!r} does not exist under the storage root "
-                f"({storage_root.resolve()}); copy the data there first"
+                f"{where}: {path!r} does not exist in your data area; copy the data there "
+                f"first ({_WHERE})"
             )
             continue
         if not real.is_file():

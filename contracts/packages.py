@@ -24,6 +24,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import PurePosixPath
 
+from contracts.bounds import OWN_PACKAGES as _OWN_PACKAGES
+
 DIGEST_PREFIX = "sha256:"
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 #: Under the storage root: `packages/<hex digest>/files/...` and `.../manifest.json`.
@@ -114,7 +116,7 @@ def safe_relative_path(name: str) -> str:
 
 #: This service's own top-level packages: a job's module with one of these names would be
 #: shadowed by (or shadow) the service's code in the worker processes.
-OWN_PACKAGES = frozenset({"api", "checkpoints", "contracts", "service", "workers"})
+OWN_PACKAGES = _OWN_PACKAGES
 
 
 def modules_of(paths: Iterable[str]) -> list[str]:

@@ -278,12 +278,50 @@ class StrategySpec(_Strict):
         return self.schedule or PipelineSchedule.one_f_one_b
 
 
+#: The most workers one job may ask for: more ranks than any cluster we schedule on holds,
+#: and few enough that the scheduler's per-size arithmetic stays cheap.
+MAX_WORKERS = 1024
+#: A worker is a process with torch loaded: below a hundredth of a CPU it is not a share of
+#: a CPU any more but a way to claim a thousand workers on none (and Ray rounds resources
+#: to 1/10000, so smaller values become 0 there).
+MIN_CPUS_PER_WORKER = 0.01
+MAX_CPUS_PER_WORKER = 512
+#: GPUs per worker: a whole number of GPUs, or one of these shares of a GPU (workers that
+#: share a device, 2, 4 or 8 to a GPU); anything else leaves slivers no worker can use.
+GPU_FRACTIONS = (0.5, 0.25, 0.125)
+MAX_GPUS_PER_WORKER = 16
+
+
 class ScalingSpec(_Strict):
-    min_workers: int = Field(default=1, ge=1, le=1024)
-    max_workers: int = Field(default=2, ge=1, le=1024)
+    min_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
+    max_workers: int = Field(default=2, ge=1, le=MAX_WORKERS)
     use_gpu: bool = False
-    cpus_per_worker: float = Field(default=1, gt=0, le=512)
-    gpus_per_worker: float = Field(default=0, ge=0, le=16)
+    cpus_per_worker: float = Field(
+        default=1,
+        ge=MIN_CPUS_PER_WORKER,
+        le=MAX_CPUS_PER_WORKER,
+        allow_inf_nan=False,
+        description=f"CPUs each worker holds ({MIN_CPUS_PER_WORKER:g}..{MAX_CPUS_PER_WORKER}).",
+    )
+    gpus_per_worker: float = Field(
+        default=0,
+        ge=0,
+        le=MAX_GPUS_PER_WORKER,
+        allow_inf_nan=False,
+        description="GPUs each worker holds: 0 without use_gpu, else a whole number "
+        f"(1..{MAX_GPUS_PER_WORKER}) or a share of one GPU: "
+        f"{', '.join(f'{f:g}' for f in GPU_FRACTIONS)}.",
+    )
+
+    @field_validator("gpus_per_worker")
+    @classmethod
+    def _whole_or_documented_share(cls, value: float) -> float:
+        if value == int(value) or value in GPU_FRACTIONS:
+            return value
+        shares = ", ".join(f"{f:g}" for f in GPU_FRACTIONS)
+        raise ValueError(
+            f"must be a whole number of GPUs or one of the shares {shares} (got {value:g})"
+        )
 
     @model_validator(mode="after")
     def _range(self) -> ScalingSpec:

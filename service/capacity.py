@@ -126,13 +126,24 @@ class ClusterCapacity:
         return out
 
 
+#: More workers than any node holds: the answer for a resource the shape does not use.
+_UNBOUNDED = 1 << 30
+
+
 def _fit(node: NodeCapacity, cpus_per_worker: float, gpus_per_worker: float) -> int:
     """Workers of this shape the node holds (none when it is dead or draining)."""
     if not node.alive or node.draining:
         return 0
-    by_cpu = int(node.cpus // cpus_per_worker + 1e-9) if cpus_per_worker > 0 else 1 << 30
-    by_gpu = int(node.gpus // gpus_per_worker + 1e-9) if gpus_per_worker > 0 else 1 << 30
-    return max(min(by_cpu, by_gpu), 0)
+    return max(min(_count(node.cpus, cpus_per_worker), _count(node.gpus, gpus_per_worker)), 0)
+
+
+def _count(have: float, each: float) -> int:
+    """How many `each` fit in `have`, capped: a share too small to count (a stored spec
+    from before the bounds, 1e-320 CPUs) must not overflow `int` and stop the pass."""
+    if not each > 0:  # 0 (a resource the worker does not use), or NaN
+        return _UNBOUNDED
+    ratio = have // each + 1e-9
+    return int(ratio) if ratio < _UNBOUNDED else _UNBOUNDED
 
 
 def memory_share(nodes: Iterable[tuple[int, float]], cpus_per_worker: float) -> int | None:

@@ -331,6 +331,18 @@ def decide(job: JobView, facts: Facts) -> list[Action]:
     return actions + _on_driver_status(job, attempt, facts, report)
 
 
+def give_up(state: JobState, *, live_attempt: bool, reason: str) -> list[Action]:
+    """A job the scheduler cannot decide about (its stored spec does not read back, or
+    deciding raised): failed, with the error as its reason, its live attempt ended first,
+    so that one bad row costs its own job and no other's pass."""
+    if state.is_terminal:
+        return []
+    actions: list[Action] = []
+    if live_attempt:
+        actions.append(EndAttempt(outcome=AttemptOutcome.FAILED))
+    return [*actions, Transition(to=JobState.FAILED, reason=reason)]
+
+
 def _decide_pending(job: JobView, facts: Facts) -> list[Action]:
     if job.cancel_requested:
         return [Transition(to=JobState.CANCELLED, reason=CANCELLED_BY_USER)]

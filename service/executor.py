@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from checkpoints.fence import advance_fence
 from checkpoints.owner import claim_job_folder
 from checkpoints.retention import delete_checkpoints, retention_plan
+from contracts.datasets import DataPathError, storage_relative_data_paths
 from contracts.messages import Control, EventKind
 from contracts.runtime import AttemptKey, LaunchRequest, attempt_name
 from contracts.spec import JobSpec
@@ -47,6 +48,7 @@ from service.decisions import (
     StopWaiting,
     Transition,
     decide,
+    give_up,
 )
 from service.launcher import Launcher
 from service.models import Job, utcnow
@@ -132,7 +134,7 @@ def apply_to_db(
             attempt = jobs.start_attempt(
                 session, job, world_size=action.world_size, driver_name=name
             )
-            spec = JobSpec.from_stored(job.spec)
+            spec = launch_spec(JobSpec.from_stored(job.spec), storage_path, job.owner)
             if action.strategy is not None:  # `auto`: the workers run what the plan chose
                 tp = action.tensor_parallel if action.tensor_parallel > 1 else None
                 chosen = spec.strategy.model_copy(
@@ -186,6 +188,27 @@ def apply_to_db(
     if JobState(job.state).is_terminal:
         effects = [Release(e.key, final=True) if isinstance(e, Release) else e for e in effects]
     return effects
+
+
+class SpecRefused(Exception):
+    """The job's spec cannot be launched as it stands (a data path outside its owner's
+    area): the job fails with this as its reason, whatever it was when submitted."""
+
+
+def launch_spec(spec: JobSpec, storage_path: Path, owner: str) -> JobSpec:
+    """The spec the workers get: a built-in gpt's data paths resolved in the owner's data
+    area and handed over relative to the storage root, checked again at every launch (the
+    files may have become links since the submit)."""
+    if spec.workload.name != "gpt":
+        return spec
+    try:
+        params = storage_relative_data_paths(spec.workload.params, storage_path, owner)
+    except DataPathError as exc:
+        raise SpecRefused(str(exc)) from exc
+    if params == spec.workload.params:
+        return spec
+    workload = spec.workload.model_copy(update={"params": params})
+    return spec.model_copy(update={"workload": workload})
 
 
 #: What the previous attempt's outcome says about why the next one starts.
@@ -262,10 +285,31 @@ class Executor:
                     return False
                 samples = telemetry.samples_for(job, actions, now=utcnow())
                 effects = apply_to_db(session, job, actions, storage_path=self.storage_path)
+        except SpecRefused as exc:
+            self.give_up_on(view.id, f"cannot launch: {exc}")
+            return False
         except Exception:
             log.exception("job %s: applying %s failed; retrying next pass", view.id, actions)
             return False
         telemetry.record(samples)  # counted once committed, like the effects
+        for effect in effects:
+            self._carry_out(effect)
+        return True
+
+    def give_up_on(self, job_id: int, reason: str) -> bool:
+        """Fail a job the scheduler cannot decide about (`decisions.give_up`): read from
+        its row alone, so a spec that does not read back is no obstacle. False when the
+        transaction failed (the next pass tries again)."""
+        try:
+            with session_scope(self.sessions) as session:
+                job = jobs.get_job(session, job_id, for_update=True)
+                attempt = jobs.current_attempt(session, job)
+                live = attempt is not None and attempt.ended_at is None
+                actions = give_up(JobState(job.state), live_attempt=live, reason=reason)
+                effects = apply_to_db(session, job, actions, storage_path=self.storage_path)
+        except Exception:
+            log.exception("job %s: failing it (%s) failed; retrying next pass", job_id, reason)
+            return False
         for effect in effects:
             self._carry_out(effect)
         return True

@@ -31,15 +31,23 @@ class ViewCache:
     def __init__(self) -> None:
         self._specs: dict[int, JobSpec] = {}
         self._views: dict[int, tuple[tuple[Any, ...], JobView]] = {}
+        self.unreadable: dict[int, str] = {}
+        """Jobs of the last `specs` call whose stored spec does not read back (a row
+        written around the API, or from before a bound): job id -> why. They get no view:
+        the scheduler fails them, and decides about every other job as usual."""
 
     def specs(self, session: Session, ids: Sequence[int]) -> dict[int, JobSpec]:
         """The specs of `ids`, reading only those not seen before; forgets the others
         (jobs that left the states asked about), and their views."""
         missing = [i for i in ids if i not in self._specs]
+        self.unreadable = {}
         for start in range(0, len(missing), 500):
             chunk = missing[start : start + 500]
             for job_id, raw in session.execute(select(Job.id, Job.spec).where(Job.id.in_(chunk))):
-                self._specs[job_id] = JobSpec.from_stored(raw)
+                try:
+                    self._specs[job_id] = JobSpec.from_stored(raw)
+                except Exception as exc:  # any row, any error: never the whole pass
+                    self.unreadable[job_id] = unreadable_reason(exc)
         self._specs = {i: self._specs[i] for i in ids if i in self._specs}
         self._views = {i: v for i, v in self._views.items() if i in self._specs}
         return self._specs
@@ -83,8 +91,26 @@ def jobs_in(
         _VIEWS.where(Job.state.in_(list(states))).order_by(Job.created_at, Job.id)
     ).all()
     cache = cache or ViewCache()
-    cache.specs(session, [row.id for row in rows])
-    return [cache.view(row) for row in rows]
+    specs = cache.specs(session, [row.id for row in rows])
+    return [cache.view(row) for row in rows if row.id in specs]
+
+
+def unreadable_reason(exc: Exception) -> str:
+    """Why a stored spec does not read back, in a job's reason: the fields and what is
+    wrong with them (pydantic's errors), or the exception's own words."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            found = errors()
+            parts = [
+                f"{'.'.join(str(p) for p in e['loc']) or 'spec'}: "
+                f"{str(e['msg']).removeprefix('Value error, ')}"
+                for e in found[:5]
+            ]
+            return "its stored spec is invalid: " + "; ".join(parts)
+        except Exception:  # not pydantic's shape after all
+            pass
+    return f"its stored spec is invalid: {type(exc).__name__}: {exc}"[:1000]
 
 
 def _view_of_row(row: Any, spec: JobSpec) -> JobView:

@@ -26,6 +26,7 @@ from contracts.runtime import (
 )
 from service.capacity import ClusterCapacity, DrainSource, NodeCapacity, NodeDrain
 from service.settings import Settings
+from service.worker_env import scrubbed_environ
 from workers.runtime.actor import Runtime
 
 log = logging.getLogger("elastrain.launcher")
@@ -48,11 +49,14 @@ class RuntimeClient:
             if self.settings.ray_address:
                 ray.init(address=self.settings.ray_address, namespace=self.namespace)
             else:
-                ray.init(
-                    namespace=self.namespace,
-                    num_cpus=self.settings.ray_num_cpus,
-                    include_dashboard=False,
-                )
+                # The local Ray's processes, and so every job's worker, start without the
+                # service's secrets (service/worker_env.py).
+                with scrubbed_environ(self.settings.secrets):
+                    ray.init(
+                        namespace=self.namespace,
+                        num_cpus=self.settings.ray_num_cpus,
+                        include_dashboard=False,
+                    )
         self.runtime = self._runtime()
 
     def _runtime(self) -> Any:

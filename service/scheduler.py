@@ -50,6 +50,7 @@ from service.capacity import (
 from service.db import session_scope
 from service.decisions import Action, Facts, JobView, PersistReport, Policy
 from service.executor import Executor, Timers
+from service.isolation import plan_isolating, undecidable_reason
 from service.launcher import Launcher
 from service.logs import job_context
 from service.settings import Settings
@@ -120,38 +121,63 @@ class Scheduler:
                 self._database = identity.database_id(s)
             active = observe.active_jobs(s, cache=self._active_views)
             pending = observe.pending_jobs(s, cache=self._pending_views)
+            unreadable = {**self._active_views.unreadable, **self._pending_views.unreadable}
             quotas = Quotas(auth.quotas(s), self.settings.default_max_workers_per_tenant, active)
             capacity, self._draining = drains.effective(capacity, drains.stored(s))
+        for job_id, reason in unreadable.items():
+            self._give_up(job_id, reason)
         self.executor.buckets.keep_only(job.id for job in active)
         polled = self._reconcile(active, pending, observed_at)
         ledger = CapacityLedger(capacity, _held(active))
         steady: list[tuple[JobView, PersistReport]] = []
         for job in active:
             with _about(job):
-                actions = self._decide_active(
-                    job, ledger, polled.get(job.id), others_waiting=bool(pending), quotas=quotas
-                )
+                try:
+                    actions = self._decide_active(
+                        job, ledger, polled.get(job.id), others_waiting=bool(pending),
+                        quotas=quotas,
+                    )  # fmt: skip
+                except Exception as exc:  # this job's problem, not the pass's
+                    log.exception("job %s: deciding about it raised", job.id)
+                    self._give_up(job.id, undecidable_reason(exc))
+                    continue
                 if (report := _steady_report(job, actions)) is not None:
                     steady.append((job, report))  # stored with the others' below
                 elif self.executor.execute(job, actions):
                     ledger.hold(job.id, decisions.allocation_after(job, actions))
         self.executor.execute_steady(steady)
-        admissions, waiting = decisions.plan_admissions(
-            pending, ledger.free(), capacity, quotas.left(ledger, {j.owner for j in pending})
+        free, quota_left = ledger.free(), quotas.left(ledger, {j.owner for j in pending})
+        planned = plan_isolating(
+            lambda jobs: decisions.plan_admissions(jobs, free, capacity, quota_left), pending
         )
-        sizes = {a.job_id: a.world_size for a in admissions}
-        reasons = {w.job_id: w.reason for w in waiting}
+        for job_id, reason in planned.broken.items():
+            self._give_up(job_id, reason)
+        sizes = {a.job_id: a.world_size for a in planned.admissions}
+        reasons = {w.job_id: w.reason for w in planned.waiting}
         for job in pending:
-            facts = self._facts(
-                job, ledger, admission=sizes.get(job.id), waiting_reason=reasons.get(job.id)
-            )
-            # Most queued jobs wait on, for the same reason: nothing to carry out or hold.
-            if actions := decisions.decide(job, facts):
-                with _about(job):
-                    if self.executor.execute(job, actions):
-                        ledger.hold(job.id, decisions.allocation_after(job, actions))
+            if job.id in planned.broken:
+                continue
+            with _about(job):
+                try:
+                    facts = self._facts(
+                        job, ledger, admission=sizes.get(job.id), waiting_reason=reasons.get(job.id)
+                    )
+                    actions = decisions.decide(job, facts)
+                except Exception as exc:
+                    log.exception("job %s: deciding about it raised", job.id)
+                    self._give_up(job.id, undecidable_reason(exc))
+                    continue
+                # Most queued jobs wait on, for the same reason: nothing to carry out or hold.
+                if actions and self.executor.execute(job, actions):
+                    ledger.hold(job.id, decisions.allocation_after(job, actions))
         self._publish(capacity, ledger)
         self._sweep([*active, *pending])
+
+    def _give_up(self, job_id: int, reason: str) -> None:
+        """Fail a job the scheduler cannot decide about, saying which and why in the log."""
+        with job_context(job_id=job_id):
+            log.error("job %s: failed, the scheduler cannot decide about it: %s", job_id, reason)
+            self.executor.give_up_on(job_id, reason)
 
     def _sweep(self, unfinished: list[JobView]) -> None:
         """Now and then: delete uploaded packages nothing uses any more, and thin the

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from sqlalchemy.engine import make_url
 
-from contracts.bounds import in_standard_library
+from contracts.bounds import OWN_PACKAGES, in_standard_library
 from contracts.packages import PackageLimits
 
 _HOME = Path(".elastrain")
@@ -72,6 +73,11 @@ class Settings(BaseSettings):
         description="The operator's admin token. Setting it turns authentication on: every "
         "request but /healthz and the dashboard's static shell then needs "
         "'Authorization: Bearer <token>' (this one, or one made with `elastrain token create`).",
+    )
+    api_token_file: Path | None = Field(
+        default=None,
+        description="A file holding the admin token (as container secrets are mounted, "
+        "e.g. /run/secrets/elastrain_token); instead of ELASTRAIN_API_TOKEN, not with it.",
     )
     auth: bool = Field(
         default=False,
@@ -142,6 +148,21 @@ class Settings(BaseSettings):
             )
         return value
 
+    @model_validator(mode="after")
+    def _token_from_file(self) -> Settings:
+        if self.api_token_file is None:
+            return self
+        if self.api_token is not None:
+            raise ValueError("give ELASTRAIN_API_TOKEN or ELASTRAIN_API_TOKEN_FILE, not both")
+        try:
+            token = self.api_token_file.read_text().strip()
+        except OSError as exc:
+            raise ValueError(
+                f"ELASTRAIN_API_TOKEN_FILE: cannot read {self.api_token_file}: {exc.strerror}"
+            ) from None
+        self.api_token = self._token_not_empty(SecretStr(token))
+        return self
+
     @field_validator("allowed_hosts", "allowed_entrypoints", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
@@ -158,7 +179,32 @@ class Settings(BaseSettings):
                     f"ELASTRAIN_ALLOWED_ENTRYPOINTS: {prefix!r} is in the standard library; "
                     "its functions run commands, never allow them as workloads"
                 )
+            if prefix.split(".")[0] in OWN_PACKAGES:
+                raise ValueError(
+                    f"ELASTRAIN_ALLOWED_ENTRYPOINTS: {prefix!r} is elastrain's own code; "
+                    "the built-in workloads are reached by name (workload.name)"
+                )
         return value
+
+    @property
+    def secrets(self) -> list[str]:
+        """What must never reach a job's processes: the admin token, the database URL and
+        its password (`service.worker_env`)."""
+        found = [self.database_url]
+        if self.api_token is not None:
+            found.append(self.api_token.get_secret_value())
+        try:
+            password = make_url(self.database_url).password
+        except Exception:  # not a URL SQLAlchemy reads: the whole of it is hidden anyway
+            password = None
+        if password:
+            found.append(str(password))
+        return found
+
+    @property
+    def single_user(self) -> bool:
+        """Ray is local: jobs' code runs as this service's user, next to its files."""
+        return self.ray_address is None
 
     @property
     def auth_enabled(self) -> bool:
@@ -180,7 +226,25 @@ class Settings(BaseSettings):
         return value.expanduser().resolve()
 
     def ensure_dirs(self) -> None:
-        self.storage_path.mkdir(parents=True, exist_ok=True)
+        """Create what does not exist yet readable by this user only: the storage root
+        (0700) and the SQLite file (0600, its folder 0700). What exists is left as the
+        operator made it (an external cluster's workers may need a group's access)."""
+        private_dirs(self.storage_path)
         if self.database_url.startswith("sqlite:///"):
             db_file = Path(self.database_url.removeprefix("sqlite:///"))
-            db_file.parent.mkdir(parents=True, exist_ok=True)
+            private_dirs(db_file.parent)
+            if not db_file.exists():
+                db_file.touch(mode=0o600)
+
+
+def private_dirs(path: Path) -> None:
+    """`mkdir -p` where every folder made is 0700."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for folder in reversed(missing):
+        folder.mkdir(mode=0o700, exist_ok=True)
+        folder.chmod(0o700)  # mkdir's mode is filtered by the umask; this is not

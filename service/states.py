@@ -36,7 +36,8 @@ _S = JobState
 #: Exactly the moves `service.decisions.decide` makes (tests/unit/test_decisions.py checks
 #: both ways), so this table reads as the lifecycle.
 ALLOWED: dict[JobState, frozenset[JobState]] = {
-    _S.PENDING: frozenset({_S.STARTING, _S.CANCELLED}),
+    # PENDING -> FAILED: only a job the scheduler cannot decide about (decisions.give_up).
+    _S.PENDING: frozenset({_S.STARTING, _S.CANCELLED, _S.FAILED}),
     _S.STARTING: frozenset({_S.RUNNING, _S.RECOVERING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
     _S.RUNNING: frozenset({_S.RECOVERING, _S.RESIZING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
     # RECOVERING -> SUCCEEDED: the relaunched attempt found a checkpoint at max_steps and

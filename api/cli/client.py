@@ -232,9 +232,23 @@ def logs(
     ] = False,
     attempt: Annotated[int | None, typer.Option(help="Default: the newest.")] = None,
     interval: Annotated[float, typer.Option(help="Seconds between polls with -f.")] = 1.0,
+    raw: Annotated[
+        bool,
+        typer.Option(
+            "--raw",
+            help="Print the logs byte for byte, terminal escapes included (a job's code "
+            "writes them: only for logs you trust).",
+        ),
+    ] = False,
 ) -> None:
-    """Print a job's worker logs; -f follows them, across restarts, until the job ends."""
+    """Print a job's worker logs; -f follows them, across restarts, until the job ends.
+
+    Control characters (ESC and so CSI/OSC sequences, the other C0 and C1 controls but
+    newline and tab) are shown as escapes such as \x1b: a job's log cannot retitle,
+    clear or write the clipboard of the terminal that reads it. --raw prints them as they
+    are."""
     client = api(ctx)
+    show = _write_raw if raw else _write_safe
     offset = "0"
     while True:
         params: dict[str, Any] = {"offset": offset}
@@ -242,8 +256,7 @@ def logs(
             params["attempt"] = attempt
         chunk = client.call("GET", f"/v1/jobs/{job_id}/logs", params=params)
         if chunk["text"]:
-            sys.stdout.write(chunk["text"])
-            sys.stdout.flush()
+            show(chunk["text"])
         offset = chunk["next_offset"]
         if chunk["attempt"] is not None:
             attempt = chunk["attempt"]
@@ -260,9 +273,19 @@ def logs(
             tail = client.call(
                 "GET", f"/v1/jobs/{job_id}/logs", params={**params, "offset": offset}
             )
-            sys.stdout.write(tail["text"])
+            show(tail["text"])
             return
         time.sleep(interval)
+
+
+def _write_raw(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _write_safe(text: str) -> None:
+    # Character by character, so a sequence split between two reads is escaped as well.
+    _write_raw(printable(text))
 
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}

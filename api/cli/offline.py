@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from api.cli.output import fail
+from contracts.datasets import SHARED_DATA_DIR, TENANT_DATA_DIR
 
 
 def prepare_text(
@@ -34,16 +35,14 @@ def prepare_text(
         f"vocabulary {done.vocab_size} ({done.token_dtype}) in {out_dir}",
         err=True,
     )
-    root = Settings().storage_path
-    folder = out_dir.resolve()
-    if folder.is_relative_to(root):
-        folder = folder.relative_to(root)
-    else:
+    folder = data_path_of(out_dir.resolve(), Settings().storage_path)
+    if folder is None:
         typer.echo(
-            f"note: {out_dir} is not under the storage root ({root}): copy it there and "
-            "name it from the root",
+            f"note: {out_dir} is in no data area: copy it into your tenant's "
+            "(<storage>/data/<tenant>/) and name it from there",
             err=True,
         )
+        folder = out_dir.resolve()
     params: dict[str, Any] = {
         "data_path": str(folder / "train.bin"),
         "token_dtype": done.token_dtype,
@@ -52,3 +51,14 @@ def prepare_text(
     if done.val_tokens:
         params["eval_path"] = str(folder / "val.bin")
     typer.echo(json.dumps({"workload": {"name": "gpt", "params": params}}))
+
+
+def data_path_of(folder: Path, storage: Path) -> Path | None:
+    """How a job names `folder`: relative to the tenant's data area it lies in
+    (`<storage>/data/<tenant>/...`), or `shared/...`; None when it is in neither."""
+    own, shared = storage / TENANT_DATA_DIR, storage / SHARED_DATA_DIR
+    if folder.is_relative_to(shared):
+        return Path(SHARED_DATA_DIR) / folder.relative_to(shared)
+    if folder.is_relative_to(own) and len(folder.relative_to(own).parts) >= 1:
+        return Path(*folder.relative_to(own).parts[1:])
+    return None

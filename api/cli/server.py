@@ -77,6 +77,15 @@ def serve(
             host,
             port,
         )
+    if settings.auth_enabled and settings.single_user:
+        # Tokens on a local Ray: every tenant's code would run as this user, beside the
+        # database and every job's files (README "Security").
+        logging.getLogger("elastrain").warning(
+            "single-host mode is single-user: jobs run as this user on a local Ray, so a "
+            "tenant (non-admin) token's code can read the database and other tenants' "
+            "files. For tenants, set ELASTRAIN_RAY_ADDRESS to a Ray cluster whose workers "
+            "run as another user"
+        )
     if demo:
         _submit_demo_when_up(f"http://{host}:{port}")
     # log_config None: our handlers (text or JSON), not uvicorn's.

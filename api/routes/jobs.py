@@ -22,7 +22,7 @@ from api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from api.errors import Conflict, invalid
 from api.logs import read_logs
 from api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, MetricOut
-from contracts.bounds import entrypoint_refusal, in_standard_library
+from contracts.bounds import entrypoint_refusal, in_standard_library, private_part
 from contracts.datasets import data_path_problems
 from contracts.packages import OWN_PACKAGES, modules_of
 from contracts.plan import AUTO_CHOICES, plan, shape_of
@@ -115,6 +115,12 @@ def check_workload_code(spec: JobSpec, settings: Settings) -> None:
     if workload.package is None or workload.entrypoint is None:
         check_entrypoint(spec, settings.allowed_entrypoints)
         return
+    if (private := private_part(workload.entrypoint)) is not None:
+        raise invalid(
+            ("body", "workload", "entrypoint"),
+            f"workload.entrypoint: {private!r} is private (it starts with '_'); only public "
+            "factories can run",
+        )
     manifest = load_manifest(settings.storage_path, workload.package)
     if manifest is None:
         raise invalid(
@@ -140,12 +146,13 @@ def check_workload_code(spec: JobSpec, settings: Settings) -> None:
     touch(settings.storage_path, workload.package)  # in use: retention counts from now
 
 
-def check_data_paths(spec: JobSpec, storage_root: pathlib.Path) -> None:
-    """A built-in gpt's data files exist under the storage root and can make windows."""
+def check_data_paths(spec: JobSpec, storage_root: pathlib.Path, owner: str) -> None:
+    """A built-in gpt's data files exist in the owner's data area (or the shared one) and
+    can make windows."""
     if spec.workload.name != "gpt":
         return
     params = GptParams.model_validate(spec.workload.params)
-    problems = data_path_problems(params, storage_root)
+    problems = data_path_problems(params, storage_root, owner)
     if problems:  # each starts "workload.params.<key>:"
         raise RequestValidationError(
             [
@@ -200,7 +207,7 @@ def submit_job(
     spec: JobSpec, session: SessionDep, who: CurrentPrincipal, settings: SettingsDep
 ) -> Response:
     check_workload_code(spec, settings)
-    check_data_paths(spec, settings.storage_path)
+    check_data_paths(spec, settings.storage_path, who.tenant)
     check_auto_fits(spec, session, settings)
     job = insert_job(session, spec=spec, owner=who.tenant)
     session.commit()

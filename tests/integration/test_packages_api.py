@@ -241,8 +241,9 @@ def test_gpt_data_paths_are_checked_at_submit(client: TestClient, settings: Sett
     escape = client.post("/v1/jobs", json=gpt(data_path="../../etc/passwd"))
     assert escape.status_code == 422 and "'..' is not allowed" in escape.json()["message"]
 
-    (settings.storage_path / "data").mkdir(parents=True)
-    (settings.storage_path / "data" / "train.bin").write_bytes(bytes(range(64)) * 100)
+    own = settings.storage_path / "data" / "default" / "data"  # the default tenant's area
+    own.mkdir(parents=True)
+    (own / "train.bin").write_bytes(bytes(range(64)) * 100)
     ok = client.post("/v1/jobs", json=gpt(data_path="data/train.bin", token_dtype="uint16",
                                           vocab_size=65536))  # fmt: skip
     assert ok.status_code == 201, ok.text

@@ -146,7 +146,7 @@ def test_logs_are_served(service: TestClient, tmp_path: Path) -> None:
 def test_gpt_trains_on_token_files_under_the_storage_root(
     service: TestClient, tmp_path: Path
 ) -> None:
-    """`prepare-text` output under the storage root, named relative to it, read by the
+    """`prepare-text` output in the tenant's data area, named relative to it, read by the
     warm worker processes (which resolve it against the root, not their cwd)."""
     from importlib import resources
 
@@ -156,9 +156,9 @@ def test_gpt_trains_on_token_files_under_the_storage_root(
     source = tmp_path / "corpus.txt"
     text = resources.files("workers.workloads").joinpath("data", "tinyshakespeare.txt")
     source.write_text(text.read_text("utf-8")[:200_000])
-    done = prepare_text(source, storage / "data" / "corpus")
+    done = prepare_text(source, storage / "data" / "default" / "corpus")  # the tenant's area
     params = {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 32,
-              "data_path": "data/corpus/train.bin", "eval_path": "data/corpus/val.bin",
+              "data_path": "corpus/train.bin", "eval_path": "corpus/val.bin",
               "token_dtype": done.token_dtype, "vocab_size": done.vocab_size}  # fmt: skip
     job_id = submit(service, tiny_gpt_spec("it-tokens", workload={"name": "gpt", "params": params}))
     job = wait_terminal(service, job_id, timeout=400)

@@ -122,6 +122,26 @@ def test_metrics_checkpoints_logs_of_a_fresh_job(cli, tmp_path: Path, server) ->
     assert followed.stdout == "hello from rank 0\n"
 
 
+#: What a hostile job writes to its log for an admin's terminal: retitle it (OSC 0), write
+#: the clipboard (OSC 52), clear the screen (CSI), an 8-bit CSI (C1), a bell and a NUL.
+HOSTILE_LOG = (
+    "step 1\tloss 2.0\n\x1b]0;pwned\x07\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2J\x1b[H\x9b31m\x00\x08done\n"
+)
+
+
+def test_logs_neutralise_control_sequences(cli, tmp_path: Path, server) -> None:  # type: ignore[no-untyped-def]
+    job_id = _submit(cli, tmp_path)
+    _, settings = server
+    logs = JobStorage.of(settings.storage_path, job_id).logs
+    logs.mkdir(parents=True)
+    (logs / "attempt-1.rank-0.log").write_text(HOSTILE_LOG)
+    shown = cli("logs", str(job_id)).stdout
+    assert not any(ch in shown for ch in "\x1b\x07\x9b\x00\x08"), repr(shown)
+    assert shown.startswith("step 1\tloss 2.0\n")  # newline and tab stay
+    assert "\\x1b]0;pwned\\x07" in shown and "\\x1b[2J" in shown and "\\x9b31m" in shown
+    assert cli("logs", str(job_id), "--raw").stdout == HOSTILE_LOG
+
+
 def test_invalid_spec_exits_nonzero_naming_the_field(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     spec_file = tmp_path / "bad.yaml"
     spec_file.write_text(yaml.safe_dump(spec_dict(scaling={"min_workers": 4, "max_workers": 2})))

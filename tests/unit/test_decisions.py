@@ -59,6 +59,7 @@ from service.decisions import (
     allocation_after,
     decide,
     decide_failure,
+    give_up,
     lost_ranks,
     plan_admissions,
     progress,
@@ -486,9 +487,28 @@ ROWS: list[Any] = [
 ]
 
 
+#: A job the scheduler cannot decide about: (state, live attempt) -> what `give_up` does.
+GIVE_UP_ROWS = [
+    pytest.param(S.PENDING, False, [Transition(to=S.FAILED, reason="bad")], id="queued"),
+    pytest.param(
+        S.RUNNING,
+        True,
+        [EndAttempt(outcome=AttemptOutcome.FAILED), Transition(to=S.FAILED, reason="bad")],
+        id="running",
+    ),
+    pytest.param(S.RECOVERING, False, [Transition(to=S.FAILED, reason="bad")], id="between"),
+    pytest.param(S.CANCELLED, False, [], id="finished"),
+]
+
+
 @pytest.mark.parametrize(("view", "observed", "expected"), ROWS)
 def test_decision_table(view: JobView, observed: Facts, expected: list[Action]) -> None:
     assert decide(view, observed) == expected
+
+
+@pytest.mark.parametrize(("state", "live", "expected"), GIVE_UP_ROWS)
+def test_give_up_table(state: JobState, live: bool, expected: list[Action]) -> None:
+    assert give_up(state, live_attempt=live, reason="bad") == expected
 
 
 def test_the_table_takes_exactly_the_allowed_transitions() -> None:
@@ -498,6 +518,11 @@ def test_the_table_takes_exactly_the_allowed_transitions() -> None:
         for action in decide(view, observed):
             if isinstance(action, Transition):
                 taken.add((view.state, action.to))
+    for row in GIVE_UP_ROWS:
+        state, live, _ = row.values
+        for action in give_up(state, live_attempt=live, reason="bad"):
+            if isinstance(action, Transition):
+                taken.add((state, action.to))
     allowed = {(src, dst) for src, dsts in ALLOWED.items() for dst in dsts}
     assert taken == allowed
 

@@ -56,22 +56,28 @@ def test_bad_data_params_name_the_field(params: dict, message: str) -> None:  # 
 # -- paths under the storage root -----------------------------------------------------------
 
 
+#: The tenant whose data area the tests use: `<storage>/data/t/`.
+TENANT = "t"
+
+
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
-    storage = tmp_path / "storage"
-    (storage / "data").mkdir(parents=True)
-    np.arange(200, dtype="<u2").tofile(storage / "data" / "ok.bin")
-    (storage / "data" / "odd.bin").write_bytes(b"\0" * 201)
-    np.arange(40, dtype="<u2").tofile(storage / "data" / "short.bin")
-    (storage / "data" / "folder.bin").mkdir()
+    """A tenant's data area: its `data/` folder holds the files the tests name."""
+    area = tmp_path / "storage" / "data" / TENANT
+    (area / "data").mkdir(parents=True)
+    np.arange(200, dtype="<u2").tofile(area / "data" / "ok.bin")
+    (area / "data" / "odd.bin").write_bytes(b"\0" * 201)
+    np.arange(40, dtype="<u2").tofile(area / "data" / "short.bin")
+    (area / "data" / "folder.bin").mkdir()
     (tmp_path / "outside.bin").write_bytes(b"\0" * 400)
-    (storage / "data" / "link.bin").symlink_to(tmp_path / "outside.bin")
-    return storage
+    (area / "data" / "link.bin").symlink_to(tmp_path / "outside.bin")
+    return area
 
 
 def _problems(root: Path, **params: Any) -> list[str]:
     base = {"seq_len": 16, "token_dtype": "uint16", "vocab_size": 200}
-    return data_path_problems(GptParams.model_validate({**base, **params}), root)
+    storage = root.parent.parent
+    return data_path_problems(GptParams.model_validate({**base, **params}), storage, TENANT)
 
 
 @pytest.mark.parametrize(
@@ -79,8 +85,8 @@ def _problems(root: Path, **params: Any) -> list[str]:
     [
         ({"data_path": "../outside.bin"}, "data_path: '../outside.bin': '..' is not allowed"),
         ({"data_path": "ROOT/../outside.bin"}, "'..' is not allowed"),
-        ({"data_path": "/etc/passwd"}, "lies outside the storage root"),
-        ({"data_path": "data/link.bin"}, "lies outside the storage root"),
+        ({"data_path": "/etc/passwd"}, "is outside your data area"),
+        ({"data_path": "data/link.bin"}, "is outside your data area"),
         ({"data_path": "data/missing.bin"}, "data_path: 'data/missing.bin' does not exist"),
         ({"data_path": "data/folder.bin"}, "is not a regular file"),
         ({"data_path": "data/odd.bin"}, "201 bytes is not a whole number of uint16 token ids"),
@@ -150,16 +156,16 @@ def test_prepare_text_gives_the_bundled_corpus_ids(tmp_path: Path) -> None:
     corpus = resources.files("workers.workloads").joinpath("data", "tinyshakespeare.txt")
     source = tmp_path / "shakespeare.txt"
     source.write_text(corpus.read_text("utf-8"))
-    out = tmp_path / "storage" / "data" / "shakespeare"
+    out = tmp_path / "storage" / "data" / "default" / "shakespeare"  # the tenant's area
     env = {"ELASTRAIN_STORAGE_PATH": str(tmp_path / "storage")}
     result = CliRunner().invoke(app, ["prepare-text", str(source), str(out)], env=env)
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)["workload"]["params"]
     assert printed == {
-        "data_path": "data/shakespeare/train.bin",
+        "data_path": "shakespeare/train.bin",
         "token_dtype": "uint16",
         "vocab_size": 65,
-        "eval_path": "data/shakespeare/val.bin",
+        "eval_path": "shakespeare/val.bin",
     }
     tokens, _ = load_corpus()
     train = np.fromfile(out / "train.bin", dtype="<u2")
@@ -169,7 +175,7 @@ def test_prepare_text_gives_the_bundled_corpus_ids(tmp_path: Path) -> None:
     meta = json.loads((out / "meta.json").read_text())
     assert meta["vocab_size"] == 65 and len(meta["vocab"]) == 65
     # The prepared files train: the workload built from them has the bundled ids.
-    w = _gpt(tmp_path / "storage", seq_len=32, **printed)
+    w = _gpt(tmp_path / "storage" / "data" / "default", seq_len=32, **printed)
     assert w.dataset[0][0].tolist() == tokens[:32].tolist()
 
 

@@ -225,9 +225,24 @@ def test_refused_entrypoints(api: TestClient, entrypoint: str, why: str) -> None
     assert "ELASTRAIN_ALLOWED_ENTRYPOINTS" in msg or "standard library" in msg
 
 
-def test_built_in_workload_modules_are_always_allowed(api: TestClient) -> None:
-    body = spec_dict(workload={"entrypoint": "workers.workloads.synthetic:build"})
-    assert api.post("/v1/jobs", json=body).status_code == 201
+@pytest.mark.parametrize(
+    "entrypoint",
+    [
+        "workers.workloads.synthetic:build",
+        "workers.workloads.gpt:load_corpus",
+        "workers.loop:train",
+    ],
+)
+def test_built_in_workloads_are_reached_by_name_only(api: TestClient, entrypoint: str) -> None:
+    msg = rejected(api, spec_dict(workload={"entrypoint": entrypoint}))
+    assert msg.startswith("workload.entrypoint:") and "elastrain's own" in msg, msg
+    assert "workload.name" in msg
+
+
+def test_only_public_factories_of_allowed_modules(api: TestClient) -> None:
+    for entrypoint in ("my_pkg:_helper", "my_pkg._internal:build"):
+        msg = rejected(api, spec_dict(workload={"entrypoint": entrypoint}))
+        assert "is private" in msg, msg
 
 
 def test_the_operator_cannot_allow_the_standard_library() -> None:
@@ -235,6 +250,8 @@ def test_the_operator_cannot_allow_the_standard_library() -> None:
         Settings(allowed_entrypoints=["os"])
     with pytest.raises(ValueError, match="standard library"):
         Settings(allowed_entrypoints="my_pkg, subprocess")
+    with pytest.raises(ValueError, match="elastrain's own"):
+        Settings(allowed_entrypoints="workers.workloads")
 
 
 @pytest.mark.parametrize(
@@ -332,3 +349,29 @@ def test_unexpected_errors_are_500_without_a_traceback(tmp_path: Path) -> None:
     assert response.status_code == 500
     assert response.json() == {"detail": "internal server error"}
     assert "shadow" not in response.text
+
+
+@pytest.mark.parametrize(
+    ("scaling", "field", "words"),
+    [
+        ({"cpus_per_worker": 0.001}, "scaling.cpus_per_worker", "greater than or equal to 0.01"),
+        ({"cpus_per_worker": 5e-324}, "scaling.cpus_per_worker", "0.01"),
+        ({"cpus_per_worker": 513}, "scaling.cpus_per_worker", "less than or equal to 512"),
+        ({"max_workers": 1025}, "scaling.max_workers", "1024"),
+        ({"use_gpu": True, "gpus_per_worker": 0.3}, "scaling.gpus_per_worker", "0.5, 0.25"),
+        ({"use_gpu": True, "gpus_per_worker": 1e-9}, "scaling.gpus_per_worker", "whole number"),
+        ({"use_gpu": True, "gpus_per_worker": 1.5}, "scaling.gpus_per_worker", "whole number"),
+    ],
+)
+def test_resources_a_cluster_cannot_mean(
+    api: TestClient, scaling: dict[str, Any], field: str, words: str
+) -> None:
+    msg = rejected(api, spec_dict(scaling=scaling))
+    assert field in msg and words in msg, msg
+
+
+@pytest.mark.parametrize("gpus", [0.5, 0.25, 0.125, 1, 4])
+def test_whole_gpus_and_documented_shares(gpus: float) -> None:
+    from contracts.spec import ScalingSpec
+
+    assert ScalingSpec(use_gpu=True, gpus_per_worker=gpus).gpus_per_worker == gpus

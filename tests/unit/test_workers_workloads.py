@@ -87,11 +87,15 @@ def test_stage_block_range() -> None:
         ({"name": "nope"}, "unknown built-in"),
         ({"name": "gpt", "entrypoint": "a:b"}, "exactly one"),
         ({"entrypoint": "no_such_module_xyz:f"}, "cannot import module"),
-        ({"entrypoint": "workers.workloads.gpt:missing"}, "no callable 'missing'"),
-        ({"entrypoint": "workers.workloads.gpt:lm_loss"}, "do not fit"),
+        ({"entrypoint": f"{__name__}:missing"}, "no callable 'missing'"),
+        ({"entrypoint": f"{__name__}:two_args"}, "do not fit"),
         ({"name": "synthetic", "params": {"bogus": 1}}, "workload.params.bogus: unknown"),
-        ({"entrypoint": "workers.workloads.synthetic:build", "params": {"bogus": 1}}, "do not fit"),
-        ({"entrypoint": "workers.workloads.gpt:load_corpus"}, "expected workers.api.Workload"),
+        ({"entrypoint": f"{__name__}:synthetic_factory", "params": {"bogus": 1}}, "do not fit"),
+        ({"entrypoint": f"{__name__}:not_a_workload"}, "expected workers.api.Workload"),
+        # Built-ins by name only: their module's functions skip the checks the name gets.
+        ({"entrypoint": "workers.workloads.gpt:load_corpus"}, "elastrain's own"),
+        ({"entrypoint": "workers.workloads.synthetic:build"}, "elastrain's own"),
+        ({"entrypoint": f"{__name__}:_private_helper"}, "'_private_helper' is private"),
     ],
 )
 def test_load_workload_errors_name_the_field(spec: dict, message: str) -> None:
@@ -99,6 +103,25 @@ def test_load_workload_errors_name_the_field(spec: dict, message: str) -> None:
     # worker sees it; the rest when the worker loads the workload.
     with pytest.raises((ValidationError, WorkloadError), match=message):
         load_workload(WorkloadSpec.model_validate(spec))
+
+
+def synthetic_factory(num_samples: int = 8) -> Workload:
+    """A user's factory (the synthetic workload under another name)."""
+    from workers.workloads.synthetic import build
+
+    return build(num_samples=num_samples)
+
+
+def two_args(a: int, b: int) -> Workload:
+    raise AssertionError("never called: the params do not fit")
+
+
+def not_a_workload() -> int:
+    return 3
+
+
+def _private_helper() -> Workload:
+    raise AssertionError("never called: private")
 
 
 def refusing_factory(size: int = 1) -> Workload:
@@ -116,7 +139,7 @@ def test_a_factory_that_raises_while_building_is_a_configuration_error() -> None
 
 def test_custom_entrypoint() -> None:
     w = load_workload(
-        WorkloadSpec(entrypoint="workers.workloads.synthetic:build", params={"num_samples": 8})
+        WorkloadSpec(entrypoint=f"{__name__}:synthetic_factory", params={"num_samples": 8})
     )
     assert len(w.dataset) == 8
 

@@ -10,8 +10,8 @@ import importlib
 import inspect
 from pathlib import Path
 
-from contracts.bounds import in_standard_library
-from contracts.datasets import DataPathError, resolve_data_path
+from contracts.bounds import OWN_PACKAGES, in_standard_library, private_part
+from contracts.datasets import DataPathError, resolve_under
 from contracts.spec import BUILTIN_WORKLOADS, WorkloadSpec
 from workers.api import Workload, WorkloadFactory
 
@@ -23,17 +23,21 @@ class WorkloadError(ValueError):
 def load_workload(spec: WorkloadSpec, *, storage_root: Path | None = None) -> Workload:
     """Build the workload the spec's `workload` section describes: a built-in by name
     (`contracts.spec.BUILTIN_WORKLOADS`) or a user's `module:function`, called with
-    `params` as keyword arguments. The gpt's data paths are resolved under `storage_root`
-    (as the API checked them at submit)."""
+    `params` as keyword arguments. The gpt's data paths are resolved under `storage_root`:
+    the control plane hands them over relative to it, already confined to the job owner's
+    data area (`contracts.datasets.storage_relative_data_paths`)."""
     entrypoint = BUILTIN_WORKLOADS[spec.name] if spec.name is not None else spec.entrypoint
     if entrypoint is None:  # WorkloadSpec validates exactly one; a model_construct may not
         raise WorkloadError("workload: give exactly one of 'name' or 'entrypoint'")
+    if spec.name is None and (why := custom_entrypoint_refusal(entrypoint)) is not None:
+        # The API refuses these at submit; a job stored before that rule must not run one.
+        raise WorkloadError(f"workload.entrypoint: {why}")
     params = dict(spec.params)
     if spec.name == "gpt" and storage_root is not None:
         for key in ("data_path", "eval_path"):
             if isinstance(params.get(key), str):
                 try:
-                    params[key] = str(resolve_data_path(params[key], storage_root))
+                    params[key] = str(resolve_under(params[key], storage_root))
                 except DataPathError as exc:
                     raise WorkloadError(f"workload.params.{key}: {exc}") from exc
     factory = resolve_entrypoint(entrypoint)
@@ -61,13 +65,24 @@ def load_workload(spec: WorkloadSpec, *, storage_root: Path | None = None) -> Wo
     return workload
 
 
+def custom_entrypoint_refusal(entrypoint: str) -> str | None:
+    """Why a custom entrypoint may not run on a worker whatever the operator allows: the
+    service's own modules (built-ins are named, and checked, by `workload.name`), or a
+    private name."""
+    module = entrypoint.partition(":")[0]
+    if module.split(".")[0] in OWN_PACKAGES:
+        return f"module {module!r} is elastrain's own; give a built-in workload by name"
+    if (private := private_part(entrypoint)) is not None:
+        return f"{private!r} is private; only public factories can run"
+    return None
+
+
 def resolve_entrypoint(entrypoint: str) -> WorkloadFactory:
     """'package.module:function' -> the function, with errors that say what is missing."""
     module_name, sep, attr = entrypoint.partition(":")
     if not sep or not module_name or not attr:
         raise WorkloadError(f"workload.entrypoint: {entrypoint!r} is not 'package.module:factory'")
     if in_standard_library(module_name):
-        # The API refuses these at submit; a job stored before that rule must not run one.
         raise WorkloadError(
             f"workload.entrypoint: {module_name!r} is in the standard library; refused"
         )

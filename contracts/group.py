@@ -43,6 +43,9 @@ class WorkerInfo:
     process, which sees no GPU)."""
     device: str = ""
     """What it trains on, in words (`workers.devices.warm_cuda`)."""
+    own_code_of: JobRef | None = None
+    """The job whose own code this process ran, if any (`workers.runtime.pool.runs_own_code`):
+    a runtime that adopts the process after a restart lends it to that job alone."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -148,6 +148,15 @@ class WorkloadSpec(_Strict):
             check_json_document(value, max_depth=MAX_PARAMS_DEPTH, max_bytes=MAX_PARAMS_BYTES)
         return value
 
+    @property
+    def runs_own_code(self) -> bool:
+        """Whether the job's ranks run code of its own (an uploaded package or a custom
+        entrypoint). Modules, threads, patched functions or memory it leaves in a process
+        could reach the next job that process serves, so such a process serves that job
+        alone and is stopped when the job ends (`workers.runtime.pool`). Built-in
+        workloads leave nothing but the job's state, dropped before another job runs there."""
+        return self.package is not None or self.entrypoint is not None
+
     @model_validator(mode="after")
     def _exactly_one_source(self, info: ValidationInfo) -> WorkloadSpec:
         if (self.name is None) == (self.entrypoint is None):

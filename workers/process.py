@@ -44,7 +44,7 @@ from contracts.messages import (
     WorkerEvent,
     WorkerMessage,
 )
-from contracts.runtime import AttemptKey
+from contracts.runtime import AttemptKey, JobRef
 from contracts.storage import JobStorage
 from workers.comm_release import GroupSockets, release_group
 
@@ -225,6 +225,7 @@ class WorkerProcess:
         self._abort = threading.Event()
         self._group_sockets: GroupSockets | None = None
         self._running: AttemptKey | None = None  # the attempt this process runs a rank of
+        self._own_code_of: JobRef | None = None  # told to the pool (`runs_own_code`)
         # Controls pushed by the runtime, by attempt, until that attempt's rank 0 takes them
         # (one can arrive before the rank it is for has started).
         self._controls: dict[AttemptKey, list[Control]] = {}
@@ -241,6 +242,7 @@ class WorkerProcess:
                 held=self._held(),
                 gpu=self.gpu,
                 device=self.device,
+                own_code_of=self._own_code_of,
             )
 
     def _held(self) -> HeldState | None:
@@ -407,6 +409,8 @@ class WorkerProcess:
             abort=self._abort,
             database=a.database,
         )
+        if a.spec.workload.runs_own_code and self._own_code_of is None:
+            self._own_code_of = JobRef(a.database, a.job_id)
         try:
             if scaling.use_gpu and self.gpu is None:
                 raise RuntimeError(f"{self.name} owns no GPU: a GPU rank reached a CPU process")

@@ -3,16 +3,19 @@ error explains a failed attempt."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from contracts.group import HeldState, WorkerInfo
 from contracts.messages import ErrorKind, WorkerError
-from contracts.runtime import JobRef
+from contracts.runtime import AttemptKey, JobRef
 from contracts.spec import JobSpec
 from tests.factories import spec_dict
 from workers.runtime.driver import cause_of, private_worker_options
 from workers.runtime.pool import (
     PooledWorker,
+    WorkerPool,
     choose_worker,
     gpus_to_start,
     surplus_gpu_workers,
@@ -203,3 +206,86 @@ def test_cause_of(errors: list[WorkerError], expected: WorkerError) -> None:
 def test_private_worker_options(overrides: dict, expected: dict | None) -> None:  # type: ignore[type-arg]
     spec = JobSpec.model_validate(spec_dict(**overrides))
     assert private_worker_options(spec) == expected
+
+
+# -- processes that ran a job's own code -----------------------------------------------------
+
+JOB_A, JOB_B = JobRef("db", 1), JobRef("db", 2)
+
+
+def dedicated(name: str, to: JobRef, **kw: Any) -> PooledWorker:
+    w = worker(name, **kw)
+    w.dedicated_to = to
+    return w
+
+
+@pytest.mark.parametrize(
+    ("candidates", "job", "expected"),
+    [
+        pytest.param([dedicated("a", JOB_A)], JOB_B, None, id="never-lent-to-another-job"),
+        pytest.param([dedicated("a", JOB_A)], JOB_A, "a", id="lent-to-its-own-job"),
+        pytest.param(
+            [dedicated("a", JOB_A, held=(1, 5)), worker("clean")],
+            JOB_B,
+            "clean",
+            id="a-clean-process-for-the-other-job",
+        ),
+    ],
+)
+def test_a_process_that_ran_a_jobs_code_serves_that_job_alone(
+    candidates: list[PooledWorker], job: JobRef, expected: str | None
+) -> None:
+    chosen = choose_worker(candidates, job)
+    assert (chosen.name if chosen else None) == expected
+
+
+def test_a_job_runs_its_own_code_with_a_package_or_an_entrypoint() -> None:
+    built_in = JobSpec.model_validate(spec_dict())
+    assert not built_in.workload.runs_own_code
+    custom = JobSpec.model_validate(
+        spec_dict(workload={"entrypoint": "my_pkg.train:make", "package": "sha256:" + "a" * 64})
+    )
+    assert custom.workload.runs_own_code
+
+
+@pytest.fixture
+def pool(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerPool, list[Any]]:
+    killed: list[Any] = []
+    monkeypatch.setattr(WorkerPool, "__post_init__", lambda self: None)
+    monkeypatch.setattr("workers.runtime.pool.ray.kill", killed.append)
+    return WorkerPool(namespace="ns", warm_per_node=1), killed
+
+
+class _Handle:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.forget = self  # `handle.forget.remote()`
+
+    def remote(self) -> None:
+        return None
+
+
+def _lent(pool: WorkerPool, name: str, job: JobRef, *, own_code: bool) -> PooledWorker:
+    w = worker(name)
+    w.handle = _Handle(name)
+    pool.workers[name] = w
+    pool.take(w, AttemptKey(job.job_id, 1), job, own_code=own_code)
+    return w
+
+
+def test_when_the_job_ends_its_code_running_processes_stop_and_the_others_stay(
+    pool: tuple[WorkerPool, list[Any]],
+) -> None:
+    workers, killed = pool
+    running = _lent(workers, "running", JOB_A, own_code=True)
+    idle = _lent(workers, "idle", JOB_A, own_code=True)
+    workers.give_back(idle, None, alive=True)
+    built_in = _lent(workers, "built-in", JOB_B, own_code=False)
+    workers.give_back(built_in, None, alive=True)
+
+    workers.forget_job(JOB_A)  # job A ended: its idle process stops at once
+    assert [h.name for h in killed] == ["idle"] and "running" in workers.workers
+    workers.give_back(running, None, alive=True)  # ... the busy one when it comes back
+    assert [h.name for h in killed] == ["idle", "running"]
+    workers.forget_job(JOB_B)
+    assert set(workers.workers) == {"built-in"}  # a built-in job's process serves on

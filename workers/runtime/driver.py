@@ -294,6 +294,7 @@ class AttemptDriver:
         if gpu:
             self._wait_for_gpu_processes(nodes)
         options = private_worker_options(self.request.spec)
+        own_code = self.request.spec.workload.runs_own_code
         chosen: list[PooledWorker] = []
         with self.pool.lock:
             try:
@@ -314,7 +315,7 @@ class AttemptDriver:
                             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, index),
                             **options,
                         )
-                    self.pool.take(worker, self.key, job)
+                    self.pool.take(worker, self.key, job, own_code=own_code)
                     chosen.append(worker)
             except BaseException:
                 for w in chosen:  # never handed a rank: back to the pool as they were

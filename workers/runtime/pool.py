@@ -72,6 +72,9 @@ class PooledWorker:
     """Started for one attempt (its pip environment): never lent to another."""
     gpu: int | None = None
     """The node-local index of the GPU it owns (None: a CPU process)."""
+    dedicated_to: JobRef | None = None
+    """The job whose own code (package or custom entrypoint) it ran: lent to that job's
+    attempts only, and stopped when that job ends (`WorkloadSpec.runs_own_code`)."""
 
     @property
     def held(self) -> HeldState | None:
@@ -92,7 +95,7 @@ def choose_worker(
 ) -> PooledWorker | None:
     """Among idle processes on one node of the kind the rank needs (owning a GPU or
     not): the one holding the newest state of `job`, else one holding nothing, else any
-    (its other job's state is dropped)."""
+    (its other job's state is dropped). Never one dedicated to another job."""
 
     def rank(w: PooledWorker) -> tuple[int, int]:
         held = w.held
@@ -100,7 +103,11 @@ def choose_worker(
             return (2, held.step)
         return (1 if held is None else 0, 0)
 
-    idle = [w for w in candidates if w.idle and not w.private and (w.gpu is not None) == gpu]
+    idle = [
+        w
+        for w in candidates
+        if w.idle and not w.private and (w.gpu is not None) == gpu and w.dedicated_to in (None, job)
+    ]
     return max(idle, key=rank) if idle else None
 
 
@@ -172,7 +179,7 @@ class WorkerPool:
                 handle.abort.remote()
             self.workers[name] = PooledWorker(
                 name=name, handle=handle, node_id=info.node_id, info=info, busy=info.busy,
-                gpu=info.gpu,
+                gpu=info.gpu, dedicated_to=info.own_code_of,
             )  # fmt: skip
         if self.workers:
             log.info("adopted %d worker processes", len(self.workers))
@@ -223,6 +230,10 @@ class WorkerPool:
         free = gpus_to_start(self.node_gpus.get(node_id, 0.0), owners)
         if free:
             return self.start(node_id, gpu=free[0])
+        kept = [w for w in owners if w.idle and w.dedicated_to is not None]
+        if kept:  # it holds another job's state, and ran that job's code: not lent here
+            self._retire(kept[0], "its GPU is wanted by another job")
+            return self.start(node_id, gpu=kept[0].gpu)
         stuck = [w for w in owners if w.busy and w.lent_to not in self.live]
         if stuck:
             log.warning("GPU %s of node %s: a second process beside stuck %s",
@@ -249,15 +260,22 @@ class WorkerPool:
                 if (w.held is not None and w.held.job == job) or w.lent_job == job
             ]
 
-    def take(self, worker: PooledWorker, key: AttemptKey, job: JobRef) -> None:
+    def take(
+        self, worker: PooledWorker, key: AttemptKey, job: JobRef, *, own_code: bool = False
+    ) -> None:
         with self.lock:
             worker.busy = True
             worker.lent_to, worker.lent_job_ref = key, job
+            if own_code:
+                worker.dedicated_to = job
 
     def give_back(self, worker: PooledWorker, held: HeldState | None, *, alive: bool) -> None:
         with self.lock:
             if not alive or worker.private:  # a private one dies with its placement group
                 self.workers.pop(worker.name, None)
+                return
+            if worker.dedicated_to is not None and worker.forget_job == worker.dedicated_to:
+                self._retire(worker, "its job ended")
                 return
             worker.busy = False
             worker.returned_at = time.time()
@@ -271,12 +289,26 @@ class WorkerPool:
     def forget_job(self, job: JobRef) -> None:
         """The job ended: its processes drop its state (now, or when they come back)."""
         with self.lock:
-            for w in self.workers.values():
-                if w.lent_job == job:
+            for w in list(self.workers.values()):
+                if w.lent_job == job and w.busy:
+                    w.forget_job = job
+                elif w.dedicated_to == job:
+                    self._retire(w, "its job ended")
+                elif w.lent_job == job:
                     w.forget_job = job
                 elif w.held is not None and w.held.job == job:
                     w.handle.forget.remote()
                     w.info = replace(w.info, held=None) if w.info is not None else None
+
+    def _retire(self, worker: PooledWorker, why: str) -> None:
+        """Stop a process for good (call with `lock` held): upkeep starts a clean one."""
+        self.workers.pop(worker.name, None)
+        log.info("stopping %s (%s): it ran job %s's own code", worker.name, why,
+                 worker.dedicated_to)  # fmt: skip
+        try:
+            ray.kill(worker.handle)
+        except Exception as exc:  # gone already
+            log.info("stop %s: %s", worker.name, exc)
 
     def held_jobs(self) -> set[JobRef]:
         """Jobs whose state a process holds, or will hold when its attempt lets go (unless
@@ -343,7 +375,10 @@ class WorkerPool:
                 continue
             cpu_procs = [w for w in mine if w.gpu is None]
             busy = sum(1 for w in cpu_procs if w.busy)
-            spare = sum(1 for w in cpu_procs if not w.busy and not w.private)  # idle or starting
+            # Idle or starting, and free to serve any job.
+            spare = sum(
+                1 for w in cpu_procs if not w.busy and not w.private and w.dedicated_to is None
+            )
             for _ in range(
                 warm_target(node_cpus=cpus, busy=busy, per_node=self.warm_per_node) - spare
             ):

@@ -36,6 +36,7 @@ from service import (
     lease,
     metric_store,
     observe,
+    package_access,
     packages,
     reports,
     telemetry,
@@ -166,10 +167,14 @@ class Scheduler:
     def _sweep_packages(self, unfinished: list[JobView], now: float) -> None:
         in_use = {p for job in unfinished if (p := job.spec.workload.package) is not None}
         keep_s = self.settings.package_keep_days * 86400
-        for digest in packages.sweep(self.settings.storage_path, in_use, now=now, keep_s=keep_s):
+        deleted = packages.sweep(self.settings.storage_path, in_use, now=now, keep_s=keep_s)
+        for digest in deleted:
             log.info(
                 "deleted package %s: unused for %g days", digest, self.settings.package_keep_days
             )
+        if deleted:  # nobody holds them now, and they no longer count against quotas
+            with session_scope(self.sessions) as s:
+                package_access.forget(s, deleted)
 
     def _thin_metrics(self, now: float) -> None:
         days = self.settings.metrics_thin_after_days

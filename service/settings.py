@@ -101,6 +101,18 @@ class Settings(BaseSettings):
     max_package_files: int = Field(
         default=10_000, ge=1, description="Most files in a working directory."
     )
+    max_package_expansion: float = Field(
+        default=100.0,
+        ge=1,
+        description="Most bytes a working-directory upload may unpack to per byte of the zip "
+        "(beyond its first MiB): counted while unpacking, so a zip bomb stops at once.",
+    )
+    package_quota_bytes: int | None = Field(
+        default=2**30,
+        ge=1,
+        description="What one tenant's uploaded packages may take on the storage, bytes "
+        "(unpacked; unset: no quota).",
+    )
     worker_memory_bytes: int | None = Field(
         default=None,
         ge=1,
@@ -170,6 +182,7 @@ class Settings(BaseSettings):
             max_archive_bytes=self.max_package_bytes,
             max_unpacked_bytes=self.max_package_unpacked_bytes,
             max_files=self.max_package_files,
+            max_expansion=self.max_package_expansion,
         )
 
     @field_validator("storage_path")

@@ -28,6 +28,7 @@ from contracts.messages import DriverReport, DriverStatus
 from contracts.runtime import AttemptKey, LiveAttempt, Reconcile
 from contracts.spec import JobSpec
 from service import (
+    admission,
     auth,
     cluster,
     decisions,
@@ -137,8 +138,14 @@ class Scheduler:
                 elif self.executor.execute(job, actions):
                     ledger.hold(job.id, decisions.allocation_after(job, actions))
         self.executor.execute_steady(steady)
-        admissions, waiting = decisions.plan_admissions(
-            pending, ledger.free(), capacity, quotas.left(ledger, {j.owner for j in pending})
+        admissions, waiting = admission.plan_admissions(
+            pending,
+            ledger.free(),
+            capacity,
+            quotas.left(ledger, {j.owner for j in pending}),
+            usage=quotas.usage(ledger),
+            now=observed_at,
+            reserve_after_s=self.settings.queue_reserve_after_s,
         )
         sizes = {a.job_id: a.world_size for a in admissions}
         reasons = {w.job_id: w.reason for w in waiting}
@@ -320,6 +327,14 @@ class Quotas:
             return None
         others = [j for j in self.jobs_of.get(job.owner, []) if j != job.id]
         return max(0, quota - ledger.workers_held(others))
+
+    def usage(self, ledger: CapacityLedger) -> dict[str, admission.Usage]:
+        """What each tenant's live jobs hold (its dominant share: `service.admission`)."""
+        return {
+            tenant: admission.Usage(cpus=cpus, gpus=gpus)
+            for tenant, ids in self.jobs_of.items()
+            for cpus, gpus in [ledger.resources_held(ids)]
+        }
 
     def left(self, ledger: CapacityLedger, tenants: set[str]) -> dict[str, int | None]:
         return {

@@ -43,6 +43,12 @@ class Settings(BaseSettings):
         default=600.0, gt=0, description="How long a job may wait below min_workers before failing."
     )
     restart_backoff_s: float = Field(default=1.0, ge=0)
+    queue_reserve_after_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="A job queued this long holds a reservation: capacity it could use goes "
+        "to nobody else until it starts (no job waits forever behind others' smaller ones).",
+    )
     ray_namespace: str = "elastrain"
     ray_num_cpus: int | None = Field(
         default=None, description="CPUs of the local Ray (unset: all)."

@@ -32,6 +32,27 @@ class Settings(BaseSettings):
     )
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
+    # What one client may hold of the HTTP server (api/http_guard.py).
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="Most bytes of a request's headers; past them a 431 and the connection closed.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A request's headers (and a new connection's first) must arrive within "
+        "this long, else a 408 and the connection closed (slow and half-open clients).",
+    )
+    keep_alive_s: int = Field(
+        default=5, ge=1, description="An idle keep-alive connection closes after this long."
+    )
+    max_connections: int = Field(
+        default=2048,
+        ge=1,
+        description="Most open connections per API process; past it the oldest one still "
+        "waiting for its headers is closed to make room (or the new one gets a 503).",
+    )
 
     # Scheduler tuning. The loop is level-triggered: each pass is cheap, so a short
     # interval buys fast reaction to node loss without extra machinery.

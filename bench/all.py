@@ -74,6 +74,10 @@ PARTS = (
          "training_bench.py", (), ("--steps", "8")),
     Part("packages", "Shipping a working directory", "package_bench.py",
          (), ("--repeats", "1", "--data-mb", "4")),
+    Part("abuse", "Other clients' latency while one client abuses the server",
+         "server_abuse_bench.py", (),
+         ("--runs", "1", "--seconds", "2", "--warmup", "1", "--jobs", "20", "--header-mb", "8",
+          "--half-open", "200")),
 )  # fmt: skip
 BY_NAME = {p.name: p for p in PARTS}
 #: The other files under bench/: helpers the parts' scripts import or start, and a script

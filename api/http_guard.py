@@ -30,8 +30,12 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-#: How long a refused connection's remaining bytes are read and dropped before it closes.
+#: How long a refused connection stays open after its answer (so a client still sending
+#: reads the answer rather than a reset), and how much more of it is read and dropped
+#: meanwhile: past that, reading stops (the client's sends block), so a client that keeps
+#: sending costs the server nothing more.
 LINGER_S = 1.0
+LINGER_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,6 +78,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._waiting_since = time.monotonic()
         self._header_timer: asyncio.TimerHandle | None = None
         self._dropping = False
+        self._dropped = 0
 
     # --- connection limit -------------------------------------------------------------
 
@@ -102,8 +107,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # --- header size and time -----------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        if self._dropping:
-            return  # refused: what is still coming is read and dropped until it closes
+        if self._dropping:  # refused: what is still coming is dropped until it closes
+            self._dropped += len(data)
+            if self._dropped > LINGER_BYTES:
+                self.transport.pause_reading()
+            return
         if not self._in_headers:
             super().data_received(data)
             return

@@ -223,11 +223,12 @@ def main() -> None:
     parser.add_argument("--header-mb", type=int, default=64)
     parser.add_argument("--half-open", type=int, default=1000)
     parser.add_argument("--servers", default="guarded,plain")
+    parser.add_argument("--abuses", default=",".join(ABUSES))
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench-abuse.md")
     args = parser.parse_args()
     rows = []
     load_before = os.getloadavg()[0]
-    for abuse in ABUSES:
+    for abuse in args.abuses.split(","):
         for kind in args.servers.split(","):
             runs = [run(kind, abuse, args) for _ in range(args.runs)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}

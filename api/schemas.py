@@ -7,7 +7,7 @@ models with `from_attributes` and serialise them once, straight into their JSON 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -207,6 +207,16 @@ class PackageFileOut(BaseModel):
     size: int
 
 
+class PackageGrantOut(BaseModel):
+    """Who may use a package: its uploader, or a tenant an admin shared it with."""
+
+    tenant: str = Field(description="The tenant, or '*' for every tenant.")
+    uploaded: bool = Field(description="It uploaded the package (else an admin shared it).")
+    size_bytes: int = Field(description="What the upload counts against its storage quota.")
+    granted_by: str = Field(description="Whose token uploaded or shared it.")
+    created_at: datetime
+
+
 class PackageOut(BaseModel):
     """A stored working directory (`POST /v1/packages`); `digest` goes in `workload.package`."""
 
@@ -214,6 +224,17 @@ class PackageOut(BaseModel):
     file_count: int
     size_bytes: int
     files: list[PackageFileOut]
+    grants: list[PackageGrantOut] | None = Field(
+        default=None, description="Admins only: who may use it (uploaders and shares)."
+    )
+
+
+class PackageShare(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: TenantName | Literal["*"] = Field(
+        description="The tenant that may use the package from now on; '*': every tenant."
+    )
 
 
 class PlanRequest(BaseModel):

@@ -78,6 +78,10 @@ PARTS = (
     # skipped, nothing measured" and exits 0, leaving docs/bench-gpu.md as it is.
     Part("gpu", "GPU check: bf16 DDP and FSDP2 vs plain torchrun", "gpu_check.py",
          (), ("--quick",)),
+    Part("abuse", "Other clients' latency while one client abuses the server",
+         "server_abuse_bench.py", (),
+         ("--runs", "1", "--seconds", "2", "--warmup", "1", "--jobs", "20", "--header-mb", "8",
+          "--half-open", "200")),
 )  # fmt: skip
 BY_NAME = {p.name: p for p in PARTS}
 #: The other files under bench/: helpers the parts' scripts import or start, and a script

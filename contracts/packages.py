@@ -144,3 +144,25 @@ class PackageLimits:
     max_unpacked_bytes: int = 256 * 2**20
     """All files once unpacked: what bounds a zip bomb."""
     max_files: int = 10_000
+    max_expansion: float = 100.0
+    """Unpacked bytes per byte of the zip, beyond `EXPANSION_FLOOR`: a few KiB that
+    inflate to hundreds of MiB are a bomb, whatever the absolute limit allows."""
+
+    def unpacked_budget(self, archive_bytes: int) -> tuple[int, str]:
+        """The most bytes a zip of `archive_bytes` may unpack to, and which limit that is."""
+        by_ratio = max(int(self.max_expansion * archive_bytes), EXPANSION_FLOOR)
+        if by_ratio < self.max_unpacked_bytes:
+            return by_ratio, (
+                f"{self.max_expansion:g} times the {archive_bytes}-byte upload "
+                "(ELASTRAIN_MAX_PACKAGE_EXPANSION)"
+            )
+        return self.max_unpacked_bytes, "ELASTRAIN_MAX_PACKAGE_UNPACKED_BYTES"
+
+
+#: Archives this small may expand past the ratio up to this many bytes (a tiny zip of text
+#: legitimately compresses more than code usually does).
+EXPANSION_FLOOR = 1 << 20
+
+
+class PackageQuotaExceeded(PackageRefused):
+    """Storing the package would take the tenant past its storage quota."""

@@ -258,6 +258,14 @@ class CapacityLedger:
         """Workers the given jobs hold (a tenant's, for its quota)."""
         return sum(a.count for jid in job_ids if (a := self._held.get(jid)) is not None)
 
+    def resources_held(self, job_ids: Iterable[int]) -> tuple[float, float]:
+        """CPUs and GPUs the given jobs hold (a tenant's, for its fair share)."""
+        held = [a for jid in job_ids if (a := self._held.get(jid)) is not None]
+        return (
+            sum(a.shape.cpus * a.count for a in held),
+            sum(a.shape.gpus * a.count for a in held),
+        )
+
     def hold(self, job_id: int, allocation: Allocation | None) -> None:
         if self._held.get(job_id) == allocation:
             return  # a queued job still holding nothing: the sum stands

@@ -54,7 +54,6 @@ from service.capacity import (
     ClusterCapacity,
     NodeDrain,
     WorkerShape,
-    free_capacity,
     target_world_size,
 )
 from service.states import JobState
@@ -107,6 +106,8 @@ class JobView:
     """When the job started waiting for `min_workers` (epoch seconds), None if it is not."""
     failures: tuple[PastFailure, ...] = ()
     """The job's failed attempts, oldest first (read only when needed)."""
+    submitted_at: float = 0.0
+    """Epoch seconds (how long a queued job has waited: `service.admission`)."""
 
     @property
     def live_attempt(self) -> AttemptView | None:
@@ -689,79 +690,8 @@ def allocation_after(job: JobView, actions: Sequence[Action]) -> Allocation | No
     return held
 
 
+# Admission (which queued jobs start, once per pass, fair between tenants): service/admission.py
 # ---------------------------------------------------------------------------------------
-# Admission: which queued jobs start (cluster-wide, once per pass)
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Admission:
-    job_id: int
-    world_size: int
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Waiting:
-    job_id: int
-    reason: str
-
-
-def plan_admissions(
-    pending: Sequence[JobView],
-    free: ClusterCapacity,
-    total: ClusterCapacity,
-    quota_left: Mapping[str, int | None] | None = None,
-) -> tuple[list[Admission], list[Waiting]]:
-    """Gang admission by priority, then age (`pending` is oldest first).
-
-    A job starts only when `min_workers` fit, at the largest world size that fits (up to
-    max, and within what its tenant's quota has left: `quota_left`, tenant -> workers, a
-    tenant not in it has no quota). No backfill: when the first job in line does not fit,
-    the ones behind it wait too, so a large high-priority job is never starved by a stream
-    of small ones. A job that could not fit even on the whole (empty) cluster, or that its
-    tenant's quota holds back, does not block the line.
-    """
-    order = sorted(pending, key=lambda j: -j.spec.priority)  # stable: oldest first
-    left = dict(quota_left or {})
-    admissions: list[Admission] = []
-    waiting: list[Waiting] = []
-    blocked_by: int | None = None
-    for job in order:
-        shape = WorkerShape.of(job.spec)
-        need = job.spec.min_world_size
-        limit = left.get(job.owner)
-        if limit is not None and limit < need:
-            waiting.append(
-                Waiting(
-                    job_id=job.id,
-                    reason=f"tenant {job.owner}'s quota: {limit} more workers allowed, "
-                    f"the job needs {need}",
-                )
-            )
-            continue
-        if target_world_size(job.spec, total) == 0:
-            whole = total.workers_that_fit(shape.cpus, shape.gpus)
-            waiting.append(
-                Waiting(
-                    job_id=job.id,
-                    reason=f"needs {need} workers of {shape.cpus:g} CPU/{shape.gpus:g} GPU; "
-                    f"the whole cluster holds {whole}",
-                )
-            )
-            continue
-        if blocked_by is not None:
-            waiting.append(Waiting(job_id=job.id, reason=f"queued behind job {blocked_by}"))
-            continue
-        size = target_world_size(job.spec, free, limit=limit)
-        if size == 0:
-            blocked_by = job.id
-            waiting.append(Waiting(job_id=job.id, reason=f"waiting for {need} free workers"))
-            continue
-        admissions.append(Admission(job_id=job.id, world_size=size))
-        if limit is not None:
-            left[job.owner] = limit - size
-        free = free_capacity(free, [Allocation(shape=shape, count=size)])
-    return admissions, waiting
 
 
 # ---------------------------------------------------------------------------------------

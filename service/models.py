@@ -310,3 +310,20 @@ class NodeDrainRow(Base):
     deadline: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
     created_by: Mapped[str] = mapped_column(String(100), default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class PackageGrant(Base):
+    """Who may use a stored package (`service.package_access`). The files are stored once
+    by their content; visibility is per tenant: the tenant that uploaded it (`uploaded`,
+    its bytes counted against that tenant's storage quota) or one an admin shared it with
+    (`tenant` "*": every tenant)."""
+
+    __tablename__ = "package_owners"
+
+    digest: Mapped[str] = mapped_column(String(71), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(100), primary_key=True)
+    uploaded: Mapped[bool] = mapped_column(Boolean, default=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Whose token made the row: the uploading tenant, or the admin who shared.
+    granted_by: Mapped[str] = mapped_column(String(100), default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

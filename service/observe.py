@@ -68,7 +68,7 @@ class ViewCache:
 #: (building a thousand queued jobs' objects every pass cost more than the query).
 _VIEW_COLUMNS = (
     Job.id, Job.state, Job.owner, Job.step, Job.world_size, Job.restarts, Job.state_reason,
-    Job.cancel_requested, Job.checkpoint_requested, Job.below_min_since,
+    Job.cancel_requested, Job.checkpoint_requested, Job.below_min_since, Job.created_at,
     Attempt.number.label("a_number"), Attempt.world_size.label("a_world_size"),
     Attempt.nodes.label("a_nodes"), Attempt.ended_at.label("a_ended_at"),
     Attempt.stop_requested.label("a_stop_requested"), Attempt.report_seq.label("a_report_seq"),
@@ -140,6 +140,7 @@ def _view_of_row(row: Any, spec: JobSpec) -> JobView:
         cancel_requested=row.cancel_requested,
         checkpoint_requested=row.checkpoint_requested,
         below_min_since=as_utc(since).timestamp() if since is not None else None,
+        submitted_at=as_utc(row.created_at).timestamp(),
     )
 
 

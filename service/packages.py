@@ -23,6 +23,7 @@ import uuid
 import zipfile
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -35,6 +36,7 @@ from contracts.packages import (
     FileEntry,
     Manifest,
     PackageLimits,
+    PackageQuotaExceeded,
     PackageRefused,
     hex_of,
     safe_relative_path,
@@ -118,13 +120,48 @@ def sweep(storage: Path, in_use: set[str], *, now: float, keep_s: float) -> list
     return deleted
 
 
-def store_archive(archive: Path, storage: Path, limits: PackageLimits) -> tuple[Manifest, bool]:
-    """Check and unpack a zip into the package store: (its manifest, whether it is new)."""
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """The most bytes an upload may unpack to, and the limit that sets it (for the 4xx)."""
+
+    max_bytes: int
+    limit: str
+    quota: bool = False
+    """The tenant's storage quota is what binds (a 413, not a 422)."""
+
+    def refuse(self, unpacked: str) -> PackageRefused:
+        why = f"unpacks to {unpacked} bytes; at most {self.max_bytes} allowed ({self.limit})"
+        return PackageQuotaExceeded(why) if self.quota else PackageRefused(why)
+
+
+def budget_for(archive_bytes: int, limits: PackageLimits, quota_left: int | None) -> Budget:
+    """What a zip of `archive_bytes` may unpack to: the absolute limit, the expansion ratio,
+    and what the tenant's storage quota has left, whichever is least."""
+    most, limit = limits.unpacked_budget(archive_bytes)
+    if quota_left is not None and quota_left < most:
+        return Budget(
+            max(quota_left, 0),
+            "the tenant's storage quota, ELASTRAIN_PACKAGE_QUOTA_BYTES",
+            quota=True,
+        )
+    return Budget(most, limit)
+
+
+def store_archive(
+    archive: Path, storage: Path, limits: PackageLimits, *, quota_left: int | None = None
+) -> tuple[Manifest, bool]:
+    """Check and unpack a zip into the package store: (its manifest, whether it is new).
+
+    The bytes are counted as they are inflated, against the least of the unpacked limit,
+    `limits.max_expansion` times the zip's size and `quota_left` (what the uploading
+    tenant's storage quota has left): the first chunk past it stops the upload, before it
+    is written."""
+    budget = budget_for(archive.stat().st_size, limits, quota_left)
     staging = incoming_path(storage)
     try:
         with _open_zip(archive) as zf:
-            members = _checked_members(zf, limits)
-            entries = _unpack(zf, members, staging / FILES_DIR, limits)
+            members = _checked_members(zf, limits, budget)
+            entries = _unpack(zf, members, staging / FILES_DIR, budget)
         manifest = Manifest.of(entries)
         atomic_write_bytes(staging / MANIFEST, manifest.to_json().encode())
         final = package_dir(storage, manifest.digest)
@@ -154,7 +191,7 @@ def _open_zip(archive: Path) -> zipfile.ZipFile:
 
 
 def _checked_members(
-    zf: zipfile.ZipFile, limits: PackageLimits
+    zf: zipfile.ZipFile, limits: PackageLimits, budget: Budget
 ) -> list[tuple[zipfile.ZipInfo, str]]:
     """The archive's files with safe paths; refuses the whole archive on the first bad one."""
     infos = zf.infolist()
@@ -182,10 +219,8 @@ def _checked_members(
         seen.add(path)
         declared += info.file_size
         files.append((info, path))
-    if declared > limits.max_unpacked_bytes:
-        raise PackageRefused(
-            f"unpacks to {declared} bytes; at most {limits.max_unpacked_bytes} allowed"
-        )
+    if declared > budget.max_bytes:  # what the archive admits to; its real sizes below
+        raise budget.refuse(str(declared))
     for path in seen:  # "a" as a file and "a/b" inside it cannot both exist
         parents = {str(p) for p in Path(path).parents if str(p) != "."}
         clash = parents & seen
@@ -198,7 +233,7 @@ def _unpack(
     zf: zipfile.ZipFile,
     members: list[tuple[zipfile.ZipInfo, str]],
     into: Path,
-    limits: PackageLimits,
+    budget: Budget,
 ) -> list[FileEntry]:
     """Write each member under `into`, counting the bytes as they come (a member may lie
     about its size), never following a link and never overwriting."""
@@ -215,10 +250,8 @@ def _unpack(
             while chunk := src.read(_CHUNK):
                 size += len(chunk)
                 total += len(chunk)
-                if total > limits.max_unpacked_bytes:
-                    raise PackageRefused(
-                        f"unpacks to more than {limits.max_unpacked_bytes} bytes (limit)"
-                    )
+                if total > budget.max_bytes:  # before this chunk is written
+                    raise budget.refuse(f"more than {budget.max_bytes}")
                 digest.update(chunk)
                 out.write(chunk)
         entries.append(FileEntry(path=path, size=size, sha256=digest.hexdigest()))

@@ -28,6 +28,7 @@ from contracts.messages import DriverReport, DriverStatus
 from contracts.runtime import AttemptKey, LiveAttempt, Reconcile
 from contracts.spec import JobSpec
 from service import (
+    admission,
     auth,
     cluster,
     decisions,
@@ -36,6 +37,7 @@ from service import (
     lease,
     metric_store,
     observe,
+    package_access,
     packages,
     reports,
     telemetry,
@@ -147,8 +149,18 @@ class Scheduler:
                     ledger.hold(job.id, decisions.allocation_after(job, actions))
         self.executor.execute_steady(steady)
         free, quota_left = ledger.free(), quotas.left(ledger, {j.owner for j in pending})
+        usage = quotas.usage(ledger)
         planned = plan_isolating(
-            lambda jobs: decisions.plan_admissions(jobs, free, capacity, quota_left), pending
+            lambda jobs: admission.plan_admissions(
+                jobs,
+                free,
+                capacity,
+                quota_left,
+                usage=usage,
+                now=observed_at,
+                reserve_after_s=self.settings.queue_reserve_after_s,
+            ),
+            pending,
         )
         for job_id, reason in planned.broken.items():
             self._give_up(job_id, reason)
@@ -192,10 +204,14 @@ class Scheduler:
     def _sweep_packages(self, unfinished: list[JobView], now: float) -> None:
         in_use = {p for job in unfinished if (p := job.spec.workload.package) is not None}
         keep_s = self.settings.package_keep_days * 86400
-        for digest in packages.sweep(self.settings.storage_path, in_use, now=now, keep_s=keep_s):
+        deleted = packages.sweep(self.settings.storage_path, in_use, now=now, keep_s=keep_s)
+        for digest in deleted:
             log.info(
                 "deleted package %s: unused for %g days", digest, self.settings.package_keep_days
             )
+        if deleted:  # nobody holds them now, and they no longer count against quotas
+            with session_scope(self.sessions) as s:
+                package_access.forget(s, deleted)
 
     def _thin_metrics(self, now: float) -> None:
         days = self.settings.metrics_thin_after_days
@@ -341,6 +357,14 @@ class Quotas:
             return None
         others = [j for j in self.jobs_of.get(job.owner, []) if j != job.id]
         return max(0, quota - ledger.workers_held(others))
+
+    def usage(self, ledger: CapacityLedger) -> dict[str, admission.Usage]:
+        """What each tenant's live jobs hold (its dominant share: `service.admission`)."""
+        return {
+            tenant: admission.Usage(cpus=cpus, gpus=gpus)
+            for tenant, ids in self.jobs_of.items()
+            for cpus, gpus in [ledger.resources_held(ids)]
+        }
 
     def left(self, ledger: CapacityLedger, tenants: set[str]) -> dict[str, int | None]:
         return {

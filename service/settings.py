@@ -33,6 +33,27 @@ class Settings(BaseSettings):
     )
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
+    # What one client may hold of the HTTP server (api/http_guard.py).
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="Most bytes of a request's headers; past them a 431 and the connection closed.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A request's headers (and a new connection's first) must arrive within "
+        "this long, else a 408 and the connection closed (slow and half-open clients).",
+    )
+    keep_alive_s: int = Field(
+        default=5, ge=1, description="An idle keep-alive connection closes after this long."
+    )
+    max_connections: int = Field(
+        default=2048,
+        ge=1,
+        description="Most open connections per API process; past it the oldest one still "
+        "waiting for its headers is closed to make room (or the new one gets a 503).",
+    )
 
     # Scheduler tuning. The loop is level-triggered: each pass is cheap, so a short
     # interval buys fast reaction to node loss without extra machinery.
@@ -44,6 +65,12 @@ class Settings(BaseSettings):
         default=600.0, gt=0, description="How long a job may wait below min_workers before failing."
     )
     restart_backoff_s: float = Field(default=1.0, ge=0)
+    queue_reserve_after_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="A job queued this long holds a reservation: capacity it could use goes "
+        "to nobody else until it starts (no job waits forever behind others' smaller ones).",
+    )
     ray_namespace: str = "elastrain"
     ray_num_cpus: int | None = Field(
         default=None, description="CPUs of the local Ray (unset: all)."
@@ -106,6 +133,18 @@ class Settings(BaseSettings):
     )
     max_package_files: int = Field(
         default=10_000, ge=1, description="Most files in a working directory."
+    )
+    max_package_expansion: float = Field(
+        default=100.0,
+        ge=1,
+        description="Most bytes a working-directory upload may unpack to per byte of the zip "
+        "(beyond its first MiB): counted while unpacking, so a zip bomb stops at once.",
+    )
+    package_quota_bytes: int | None = Field(
+        default=2**30,
+        ge=1,
+        description="What one tenant's uploaded packages may take on the storage, bytes "
+        "(unpacked; unset: no quota).",
     )
     worker_memory_bytes: int | None = Field(
         default=None,
@@ -216,6 +255,7 @@ class Settings(BaseSettings):
             max_archive_bytes=self.max_package_bytes,
             max_unpacked_bytes=self.max_package_unpacked_bytes,
             max_files=self.max_package_files,
+            max_expansion=self.max_package_expansion,
         )
 
     @field_validator("storage_path")

@@ -88,9 +88,11 @@ def serve(
         )
     if demo:
         _submit_demo_when_up(f"http://{host}:{port}")
-    # log_config None: our handlers (text or JSON), not uvicorn's.
+    # log_config None: our handlers (text or JSON), not uvicorn's. The protocol bounds
+    # what one client may hold: header size and time, connections (api/http_guard.py).
     served: dict[str, Any] = {"host": host, "port": port, "log_level": "info",
-                              "access_log": False, "log_config": None}  # fmt: skip
+                              "access_log": False, "log_config": None,
+                              **guarded_http(settings)}  # fmt: skip
     if api_workers == 1:
         uvicorn.run(create_app(settings, start_scheduler=not no_scheduler), **served)
         return
@@ -118,6 +120,20 @@ def _serve_api_workers(
         if scheduler is not None:
             scheduler.stop()
         engine.dispose()
+
+
+def guarded_http(settings: Settings) -> dict[str, Any]:
+    """uvicorn's options for a server that survives slow and large clients."""
+    from api.http_guard import GuardedHttpProtocol
+
+    return {
+        "http": GuardedHttpProtocol,
+        "timeout_keep_alive": settings.keep_alive_s,
+        # The guard's connection limit replaces uvicorn's, which answers 503 to everyone
+        # once idle sockets fill it; backlog: room for a burst of new connections.
+        "limit_concurrency": None,
+        "backlog": 4096,
+    }
 
 
 def is_loopback(host: str) -> bool:

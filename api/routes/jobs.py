@@ -29,7 +29,7 @@ from contracts.plan import AUTO_CHOICES, plan, shape_of
 from contracts.spec import JobSpec, StrategyKind
 from contracts.storage import JobStorage
 from contracts.workload_params import GptParams
-from service import cluster, executor, metric_store
+from service import cluster, executor, metric_store, package_access
 from service.auth import Principal
 from service.jobs import (
     JobNotFound,
@@ -107,10 +107,13 @@ def check_entrypoint(spec: JobSpec, allowed_prefixes: list[str]) -> None:
         raise invalid(("body", "workload", "entrypoint"), f"workload.entrypoint: {why}")
 
 
-def check_workload_code(spec: JobSpec, settings: Settings) -> None:
+def check_workload_code(
+    spec: JobSpec, settings: Settings, session: Session, who: Principal
+) -> None:
     """The code the job will run exists and may run: an installed module the operator
     allows, or a module inside the job's uploaded package (which the operator's list does
-    not restrict: it is the tenant's own code, shipped with the job)."""
+    not restrict: it is the tenant's own code, shipped with the job). Another tenant's
+    package is refused with the words used for a digest nobody uploaded."""
     workload = spec.workload
     if workload.package is None or workload.entrypoint is None:
         check_entrypoint(spec, settings.allowed_entrypoints)
@@ -122,7 +125,7 @@ def check_workload_code(spec: JobSpec, settings: Settings) -> None:
             "factories can run",
         )
     manifest = load_manifest(settings.storage_path, workload.package)
-    if manifest is None:
+    if manifest is None or not package_access.visible(session, workload.package, who):
         raise invalid(
             ("body", "workload", "package"),
             f"workload.package: no package {workload.package} on this service; upload the "
@@ -206,7 +209,7 @@ def _parse_labels(raw: list[str] | None) -> dict[str, str]:
 def submit_job(
     spec: JobSpec, session: SessionDep, who: CurrentPrincipal, settings: SettingsDep
 ) -> Response:
-    check_workload_code(spec, settings)
+    check_workload_code(spec, settings, session, who)
     check_data_paths(spec, settings.storage_path, who.tenant)
     check_auto_fits(spec, session, settings)
     job = insert_job(session, spec=spec, owner=who.tenant)

@@ -28,7 +28,7 @@ from tests.factories import spec_dict
 ADMIN_TOKEN = "operator-admin-token-0123456789"
 
 # Who may call a route: "open" (no token), "tenant" (any token; sees its own), "job" (a
-# job's tenant or an admin; others get 404), "token" (a token's tenant or an admin), "admin".
+# job's or package's tenant or an admin; others get 404), "token" (a token's tenant or an admin), "admin".
 ACCESS: dict[tuple[str, str], str] = {
     ("get", "/healthz"): "open",
     ("get", "/metrics"): "admin",
@@ -49,7 +49,9 @@ ACCESS: dict[tuple[str, str], str] = {
     ("get", "/v1/tenants"): "admin",
     ("put", "/v1/tenants/{name}"): "admin",
     ("post", "/v1/packages"): "tenant",
-    ("get", "/v1/packages/{digest}"): "tenant",
+    ("get", "/v1/packages/{digest}"): "job",  # the uploader's (or shared); others: 404
+    ("post", "/v1/packages/{digest}/share"): "admin",
+    ("delete", "/v1/packages/{digest}/share/{name}"): "admin",
     ("post", "/v1/plan"): "tenant",
     ("post", "/v1/cluster/nodes/{node_id}/drain"): "admin",
     ("post", "/v1/cluster/nodes/{node_id}/undrain"): "admin",
@@ -129,6 +131,7 @@ def _request(w: World, method: str, path: str, owner: str) -> tuple[str, str, An
         ("post", "/v1/tokens"): {"tenant": owner},
         ("put", "/v1/tenants/{name}"): {"max_workers": 4},
         ("post", "/v1/packages"): a_zip(),
+        ("post", "/v1/packages/{digest}/share"): {"tenant": owner},
         ("post", "/v1/plan"): {"spec": spec_dict(), "device_memory_bytes": 2**30},
     }.get((method, path))
     return method, url, body

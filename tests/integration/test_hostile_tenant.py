@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.main import create_app
 from contracts.spec import JobSpec
-from service import decisions, jobs
+from service import admission, jobs
 from service.db import session_scope
 from service.models import Job
 from service.scheduler import Scheduler
@@ -83,14 +83,14 @@ def test_poisoned_rows_cost_only_their_own_jobs(
     _poison(session_factory, running, {**good, "strategy": {"kind": "warp-drive"}})
     # And a job whose admission arithmetic raises (a bug no bound foresaw).
     arith = _submit(session_factory, _spec("arith"), owner="evil")
-    target = decisions.target_world_size
+    target = admission.target_world_size
 
     def raising_for_arith(spec: JobSpec, *args: Any, **kwargs: Any) -> int:
         if spec.name == "arith":
             raise OverflowError("cannot convert float infinity to integer")
         return target(spec, *args, **kwargs)
 
-    monkeypatch.setattr(decisions, "target_world_size", raising_for_arith)
+    monkeypatch.setattr(admission, "target_world_size", raising_for_arith)
     # Other tenants' jobs, queued behind all of them.
     others = [_submit(session_factory, _spec(f"ok{i}"), owner="good") for i in range(3)]
 

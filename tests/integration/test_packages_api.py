@@ -56,7 +56,9 @@ def test_upload_is_content_addressed_and_idempotent(client: TestClient, settings
     assert {f["path"] for f in body["files"]} == set(MODEL)
     again = client.post("/v1/packages", content=a_zip(MODEL), headers=ZIP)
     assert again.status_code == 200 and again.json() == body
-    assert client.get(f"/v1/packages/{body['digest']}").json() == body
+    looked_up = client.get(f"/v1/packages/{body['digest']}").json()
+    assert looked_up == {**body, "grants": looked_up["grants"]}  # an admin sees who holds it
+    assert [g["tenant"] for g in looked_up["grants"]] == ["default"]
     stored = settings.storage_path / "packages" / body["digest"].removeprefix("sha256:")
     assert (stored / "files" / "my_lib" / "layers.py").is_file()
     missing = client.get("/v1/packages/sha256:" + "0" * 64)

@@ -61,7 +61,6 @@ from service.decisions import (
     decide_failure,
     give_up,
     lost_ranks,
-    plan_admissions,
     progress,
     should_grow,
 )
@@ -654,66 +653,6 @@ def test_allocation_after_follows_the_actions() -> None:
     lost = decide(view, facts(nodes("a", "c"), alive=("a", "c"), report=report()))
     assert allocation_after(view, lost) == Allocation(shape=SHAPE, count=2)
     assert allocation_after(view, cancel_live) is None
-
-
-def _pending(
-    job_id: int, *, priority: int = 0, min_workers: int = 1, max_workers: int = 1
-) -> JobView:
-    return JobView(
-        id=job_id,
-        state=S.PENDING,
-        spec=spec(
-            priority=priority, scaling={"min_workers": min_workers, "max_workers": max_workers}
-        ),
-    )
-
-
-def test_plan_admissions_priority_gang_and_no_backfill() -> None:
-    cluster = nodes("a", "b", "c")
-    queue = [
-        _pending(1, min_workers=2, max_workers=2),
-        _pending(2, priority=5, min_workers=2, max_workers=3),  # first: higher priority
-        _pending(3, min_workers=9, max_workers=9),  # never fits: does not block
-        _pending(4),
-    ]
-    admitted, waiting = plan_admissions(queue, cluster, cluster)
-    assert [(a.job_id, a.world_size) for a in admitted] == [(2, 3)]
-    reasons = {w.job_id: w.reason for w in waiting}
-    assert reasons[1] == "waiting for 2 free workers"
-    assert reasons[3].endswith("the whole cluster holds 3")
-    assert reasons[4] == "queued behind job 1"  # no backfill past the blocked job
-
-
-def test_plan_admissions_shares_what_is_free() -> None:
-    cluster = nodes("a", "b", "c")
-    admitted, _ = plan_admissions(
-        [_pending(1, max_workers=2), _pending(2, max_workers=2)], cluster, cluster
-    )
-    assert [(a.job_id, a.world_size) for a in admitted] == [(1, 2), (2, 1)]
-
-
-@pytest.mark.parametrize(
-    ("quota_left", "expected", "why"),
-    [
-        # (tenant -> workers its quota has left) -> (job, size) admitted, reason of job 1
-        ({}, [(1, 3), (2, 0)], None),
-        ({"a": 2}, [(1, 2), (2, 1)], None),  # capped by the quota, not by the cluster
-        ({"a": 1}, [(2, 3)], "tenant a's quota: 1 more workers allowed, the job needs 2"),
-        ({"a": 0, "b": 1}, [(2, 1)], "tenant a's quota: 0 more workers allowed, the job needs 2"),
-    ],
-)
-def test_plan_admissions_within_tenant_quotas(
-    quota_left: dict[str, int], expected: list[tuple[int, int]], why: str | None
-) -> None:
-    cluster = nodes("a", "b", "c")
-    queue = [
-        replace(_pending(1, min_workers=2, max_workers=3), owner="a"),
-        replace(_pending(2, min_workers=1, max_workers=3), owner="b"),
-    ]
-    admitted, waiting = plan_admissions(queue, cluster, cluster, quota_left)
-    assert [(a.job_id, a.world_size) for a in admitted] == [e for e in expected if e[1]]
-    reasons = {w.job_id: w.reason for w in waiting}
-    assert reasons.get(1) == why
 
 
 def test_relaunch_and_growth_respect_the_quota() -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from contracts.messages import Control, DriverStatus, EventKind
 from service import drains
+from service.admission import plan_admissions
 from service.capacity import ClusterCapacity, DrainSource, NodeCapacity, NodeDrain
 from service.decisions import (
     Action,
@@ -29,7 +30,6 @@ from service.decisions import (
     Transition,
     decide,
     draining_ranks,
-    plan_admissions,
 )
 from service.states import ALLOWED, JobState
 from tests.unit.test_decisions import (

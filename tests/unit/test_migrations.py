@@ -102,3 +102,44 @@ def test_metric_summaries_are_built_for_jobs_stored_before(db_url: str) -> None:
         assert rows == [(37, 100)]
     finally:
         engine.dispose()
+
+
+def test_packages_jobs_used_before_0008_stay_their_owners(db_url: str) -> None:
+    """0008 grants each package a stored job names to that job's owner (and nobody else)."""
+    import json
+
+    from sqlalchemy import text
+
+    digest = "sha256:" + "e" * 64
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            cfg = alembic_config(engine)
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "0007")
+            for job_id, owner, workload in (
+                (1, "team-a", {"entrypoint": "m:build", "package": digest}),
+                (2, "team-a", {"entrypoint": "m:build", "package": digest}),
+                (3, "team-b", {"name": "synthetic"}),
+            ):
+                conn.execute(
+                    text(
+                        "INSERT INTO jobs (id, owner, name, spec, state, priority, strategy, "
+                        "min_workers, max_workers, max_steps, step, attempt, restarts, "
+                        "world_size, cancel_requested, checkpoint_requested, created_at, "
+                        "updated_at, seconds_in, compute_s, kept_s, stall_s) VALUES (:id, "
+                        ":owner, 'old', :spec, 'SUCCEEDED', 0, 'ddp', 1, 1, 100, 100, 1, 0, 1, "
+                        "false, false, :now, :now, '{}', 0, 0, 0)"
+                    ),
+                    {
+                        "id": job_id,
+                        "owner": owner,
+                        "spec": json.dumps({"name": "old", "workload": workload}),
+                        "now": "2026-01-01T00:00:00+00:00",
+                    },
+                )
+            command.upgrade(cfg, "head")
+            rows = conn.execute(text("SELECT digest, tenant, uploaded FROM package_owners")).all()
+        assert [tuple(r) for r in rows] == [(digest, "team-a", True)]
+    finally:
+        engine.dispose()

@@ -32,7 +32,7 @@ from contracts.bounds import (
     no_control_characters,
 )
 from contracts.packages import DIGEST_RE
-from contracts.workload_params import GptParams, params_problems
+from contracts.workload_params import BUILTIN_PARAMS, GptParams, params_problems
 
 #: Built-in workloads shipped with the package: name -> the factory's entrypoint in
 #: `workers/workloads/`. Strings only, so the API validates without importing torch; the
@@ -295,10 +295,6 @@ MAX_WORKERS = 1024
 #: to 1/10000, so smaller values become 0 there).
 MIN_CPUS_PER_WORKER = 0.01
 MAX_CPUS_PER_WORKER = 512
-#: GPUs per worker: a whole number of GPUs, or one of these shares of a GPU (workers that
-#: share a device, 2, 4 or 8 to a GPU); anything else leaves slivers no worker can use.
-GPU_FRACTIONS = (0.5, 0.25, 0.125)
-MAX_GPUS_PER_WORKER = 16
 
 
 class ScalingSpec(_Strict):
@@ -315,22 +311,11 @@ class ScalingSpec(_Strict):
     gpus_per_worker: float = Field(
         default=0,
         ge=0,
-        le=MAX_GPUS_PER_WORKER,
+        le=1,
         allow_inf_nan=False,
-        description="GPUs each worker holds: 0 without use_gpu, else a whole number "
-        f"(1..{MAX_GPUS_PER_WORKER}) or a share of one GPU: "
-        f"{', '.join(f'{f:g}' for f in GPU_FRACTIONS)}.",
+        description="GPUs each worker holds: 0 without use_gpu, 1 with it (a rank runs in a "
+        "warm process that owns one GPU; no shares, no second GPU).",
     )
-
-    @field_validator("gpus_per_worker")
-    @classmethod
-    def _whole_or_documented_share(cls, value: float) -> float:
-        if value == int(value) or value in GPU_FRACTIONS:
-            return value
-        shares = ", ".join(f"{f:g}" for f in GPU_FRACTIONS)
-        raise ValueError(
-            f"must be a whole number of GPUs or one of the shares {shares} (got {value:g})"
-        )
 
     @model_validator(mode="after")
     def _range(self) -> ScalingSpec:
@@ -455,6 +440,12 @@ class JobSpec(_Strict):
                 f"scaling.min_workers to {lo - lo % group} or raise scaling.max_workers to "
                 f"{lo + (-lo) % group}"
             )
+        if (
+            self.strategy.kind == StrategyKind.pipeline
+            and not stored
+            and (why := self._no_pipeline_split())
+        ):
+            raise ValueError(f"strategy.pipeline_stages: {why}")
         if self.strategy.tensor_parallel_degree > 1 and (why := self._no_tensor_parallel()):
             raise ValueError(f"strategy.tensor_parallel: {why}")
         if self.strategy.kind == StrategyKind.auto and self.workload.name is None:
@@ -496,6 +487,23 @@ class JobSpec(_Strict):
         if tp == 1:
             return f"a pipeline of {stages} stages"
         return f"a pipeline of {stages} stages x {tp} tensor-parallel ranks = {stages * tp}"
+
+    def _no_pipeline_split(self) -> str | None:
+        """Why a built-in workload's model cannot be cut into the pipeline's stages (None:
+        it can, or it is a custom workload, which says so when it is built). Each stage
+        takes whole blocks (`workers.workloads.stage_block_range`)."""
+        if self.workload.name not in BUILTIN_PARAMS:
+            return None
+        blocks = BUILTIN_PARAMS[self.workload.name].model_validate(self.workload.params)
+        n_layer = int(getattr(blocks, "n_layer", 0))
+        stages = self.strategy.stages
+        if stages > n_layer:
+            return (
+                f"{stages} stages, but the {self.workload.name} model has {n_layer} blocks "
+                f"(workload.params.n_layer) and a stage takes whole blocks: at most {n_layer} "
+                "stages, or more layers"
+            )
+        return None
 
     def _no_tensor_parallel(self) -> str | None:
         """Why a built-in workload cannot be split `tensor_parallel` ways (None: it can,

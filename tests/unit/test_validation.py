@@ -358,9 +358,13 @@ def test_unexpected_errors_are_500_without_a_traceback(tmp_path: Path) -> None:
         ({"cpus_per_worker": 5e-324}, "scaling.cpus_per_worker", "0.01"),
         ({"cpus_per_worker": 513}, "scaling.cpus_per_worker", "less than or equal to 512"),
         ({"max_workers": 1025}, "scaling.max_workers", "1024"),
-        ({"use_gpu": True, "gpus_per_worker": 0.3}, "scaling.gpus_per_worker", "0.5, 0.25"),
-        ({"use_gpu": True, "gpus_per_worker": 1e-9}, "scaling.gpus_per_worker", "whole number"),
-        ({"use_gpu": True, "gpus_per_worker": 1.5}, "scaling.gpus_per_worker", "whole number"),
+        ({"use_gpu": True, "gpus_per_worker": 0.3}, "scaling.gpus_per_worker", "must be 1"),
+        ({"use_gpu": True, "gpus_per_worker": 1e-9}, "scaling.gpus_per_worker", "must be 1"),
+        (
+            {"use_gpu": True, "gpus_per_worker": 1.5},
+            "scaling.gpus_per_worker",
+            "less than or equal to 1",
+        ),
     ],
 )
 def test_resources_a_cluster_cannot_mean(
@@ -370,8 +374,19 @@ def test_resources_a_cluster_cannot_mean(
     assert field in msg and words in msg, msg
 
 
-@pytest.mark.parametrize("gpus", [0.5, 0.25, 0.125, 1, 4])
-def test_whole_gpus_and_documented_shares(gpus: float) -> None:
+def test_a_gpu_rank_holds_one_whole_gpu() -> None:
     from contracts.spec import ScalingSpec
 
-    assert ScalingSpec(use_gpu=True, gpus_per_worker=gpus).gpus_per_worker == gpus
+    assert ScalingSpec(use_gpu=True, gpus_per_worker=1).gpus_per_worker == 1
+
+
+def test_a_pipeline_split_the_model_cannot_have_is_refused_at_submit(api: TestClient) -> None:
+    msg = rejected(
+        api,
+        spec_dict(
+            workload={"name": "gpt", "params": {"n_layer": 2}},
+            strategy={"kind": "pipeline", "pipeline_stages": 4},
+            scaling={"min_workers": 4, "max_workers": 4, "cpus_per_worker": 0.5},
+        ),
+    )
+    assert "strategy.pipeline_stages" in msg and "at most 2" in msg, msg

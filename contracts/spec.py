@@ -354,6 +354,17 @@ class CheckpointSpec(_Strict):
         default=3, ge=2, le=1000, description=">= 2: the newest is never the only one"
     )
     async_save: bool = True
+    memory_every: int | None = Field(
+        default=None,
+        ge=0,
+        le=10_000_000,
+        description=(
+            "steps between refreshes of each rank's state and its buddy's copy in host "
+            "memory (sharded strategies; ddp survivors hold whole replicas anyway). null: "
+            "every step when that costs <= 5% of step time as measured, else the smallest "
+            "interval that does; 0: off (node loss resumes from the checkpoint)"
+        ),
+    )
 
 
 class FailureSpec(_Strict):

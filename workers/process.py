@@ -349,6 +349,7 @@ class WorkerProcess:
             storage_root=Path(a.storage_path),
             abort=self._abort,
             database=a.database,
+            node=self.node_id,
         )
         try:
             package = self._use_package(a)

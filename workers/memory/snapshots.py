@@ -1,0 +1,215 @@
+"""Peer memory's refresh: every rank copies its shard to host memory and sends the copy to
+its buddy on another node (`workers.memory.buddy`), every `checkpoint.memory_every` steps
+(`workers.memory.pacing`).
+
+A snapshot is an in-memory DCP checkpoint (`checkpoints.dcp.in_memory`): the first
+refresh of an attempt plans it collectively with DCP's save planner (the same items,
+deduplication and metadata as a disk checkpoint of the same state); later refreshes reuse
+that plan and only copy, locally. The buddy copy goes over a gloo group of its own,
+point to point, in buckets (`workers.memory.transfer`): a small header with the byte
+sizes of the sender's items, then the items' raw bytes.
+
+Two generations are kept. A refresh writes into the buffers of the older one and keeps
+the newer: a refresh torn by a failure leaves the newer one whole on every rank (each
+rank finished it before the training step that followed, whose collectives every rank
+passed). `sources.choose_source` then picks the newest generation that is whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict_saver
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import WriteItem
+
+from checkpoints.dcp.in_memory import (
+    Blob,
+    MemoryWriter,
+    as_bytes,
+    blob_bytes,
+    empty_item,
+    held_items,
+    keep_items,
+)
+from contracts.spec import JobSpec
+from workers.api import TrainContext
+from workers.memory.buddy import buddies, wards
+from workers.memory.pacing import RefreshPacer, overhead
+from workers.memory.sources import Generation
+from workers.memory.transfer import stream
+from workers.strategies import Strategy
+
+log = logging.getLogger("elastrain.workers.memory")
+
+#: Generations kept: the newest whole one, and the one being written.
+KEPT = 2
+
+
+@dataclass
+class Snapshot:
+    """One generation held by this process: items of the ranks in `blobs` (its own and
+    its wards'), and the metadata of the whole in-memory checkpoint."""
+
+    generation: Generation
+    metadata: Metadata
+    blobs: dict[int, Blob]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(blob_bytes(b) for b in self.blobs.values())
+
+
+@dataclass
+class RefreshStats:
+    refreshes: int = 0
+    every: int = 1
+    refresh_s: float | None = None
+    step_s: float | None = None
+    bytes_sent: int = 0
+    held_bytes: int = 0
+
+    @property
+    def overhead(self) -> float | None:
+        if self.refresh_s is None or self.step_s is None:
+            return None
+        return overhead(self.refresh_s, self.step_s, self.every)
+
+    def describe(self) -> str:
+        share = self.overhead
+        cost = (
+            f", {self.refresh_s * 1e3:.1f} ms each = {share:.1%} of step time"
+            if share is not None and self.refresh_s is not None
+            else ""
+        )
+        return (
+            f"{self.refreshes} refreshes, every {self.every} step(s){cost}, "
+            f"{self.held_bytes / 1e6:.1f} MB held"
+        )
+
+
+@dataclass
+class PeerRefresher:
+    """One attempt's refreshes on one rank; every rank of the group calls `after_step`
+    after every optimizer step (refreshes are collective)."""
+
+    ctx: TrainContext
+    group: dist.ProcessGroup
+    buddy: int | None
+    wards: list[int]
+    pacer: RefreshPacer
+    stats: RefreshStats = field(default_factory=RefreshStats)
+    _items: list[WriteItem] | None = None
+    _metadata: Metadata | None = None
+
+    @classmethod
+    def join(cls, ctx: TrainContext, spec: JobSpec) -> PeerRefresher:
+        """Collective (every rank, same point): a gloo group for peer memory (host
+        tensors, whatever the training backend) and every rank's node."""
+        group = dist.new_group(backend="gloo")
+        nodes: list[str] = [""] * ctx.world_size
+        dist.all_gather_object(nodes, ctx.node or socket.gethostname(), group=group)
+        buddy_of = buddies(nodes)
+        if ctx.rank == 0 and ctx.world_size > 1 and buddy_of[0] is None:
+            log.info("peer memory: all %d ranks on one node, no buddy copy possible (a "
+                     "node loss resumes from the checkpoint)", ctx.world_size)  # fmt: skip
+        return cls(
+            ctx=ctx,
+            group=group,
+            buddy=buddy_of[ctx.rank],
+            wards=wards(buddy_of)[ctx.rank],
+            pacer=RefreshPacer(fixed=spec.checkpoint.memory_every),
+        )
+
+    def after_step(
+        self,
+        copies: list[Snapshot],
+        strategy: Strategy,
+        step: int,
+        step_s: float,
+        *,
+        final: bool = False,
+    ) -> float:
+        """Refresh `copies` (the process's list) when due after optimizer step `step`;
+        `final`: the group stops now, hand the state on as it is. Seconds spent."""
+        if strategy.full_replica:
+            return 0.0  # every survivor holds the whole live state: nothing to copy
+        self.pacer.stepped(step_s)
+        if not self.pacer.due(step, final=final):
+            return 0.0
+        started = time.perf_counter()
+        self.refresh(copies, strategy, step)
+        spent = time.perf_counter() - started
+        # Every rank must choose the same interval: the group's slowest figures.
+        agreed = torch.tensor([spent, self.pacer.mean_step_s()], dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        self.pacer.refreshed(step, float(agreed[0]), float(agreed[1]))
+        self.stats.refreshes = self.pacer.refreshes
+        self.stats.every = self.pacer.fixed or self.pacer.every
+        self.stats.refresh_s, self.stats.step_s = self.pacer.refresh_s, self.pacer.step_s
+        self.stats.held_bytes = sum(c.nbytes for c in copies)
+        return spent
+
+    def refresh(self, copies: list[Snapshot], strategy: Strategy, step: int) -> Snapshot:
+        """Copy this rank's shard at `step`, send it to the buddy, receive the wards'."""
+        rank = self.ctx.rank
+        # Keep the newest; write into the buffers of what is older.
+        recycled = copies[:-1]
+        del copies[:-1]
+        old = recycled[-1] if recycled else None
+        state = strategy.state_dict_for_checkpoint()
+        if self._items is None:
+            writer = MemoryWriter(reuse=old.blobs.get(rank) if old else None)
+            metadata = state_dict_saver.save(state, storage_writer=writer, process_group=self.group)
+            self._items, self._metadata = writer.items, metadata
+            own = writer.blob
+        else:
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(state, storage_meta=None, is_coordinator=False)
+            own = keep_items(self._items, planner, reuse=old.blobs.get(rank) if old else None)
+        metadata = self._metadata
+        assert metadata is not None
+        blobs = {rank: own}
+        blobs.update(self._exchange(metadata, own, old))
+        snapshot = Snapshot(
+            Generation(self.ctx.attempt, step, self.ctx.world_size), metadata, blobs
+        )
+        copies.append(snapshot)
+        del copies[:-KEPT]
+        return snapshot
+
+    def _exchange(self, metadata: Metadata, own: Blob, old: Snapshot | None) -> dict[int, Blob]:
+        """Send `own` to the buddy and receive each ward's items: first their sizes (the
+        pickled items' change), then their bytes."""
+        mine = held_items(metadata, self.ctx.rank)
+        sizes = torch.tensor(
+            [own[i].numel() * own[i].element_size() for i in mine], dtype=torch.int64
+        )
+        theirs = {w: held_items(metadata, w) for w in self.wards}
+        headers = {w: torch.empty(len(items), dtype=torch.int64) for w, items in theirs.items()}
+        to_buddy = {self.buddy: [as_bytes(sizes)]} if self.buddy is not None else {}
+        stream(to_buddy, {w: [as_bytes(h)] for w, h in headers.items()}, self.group)
+
+        received: dict[int, Blob] = {}
+        recvs: dict[int, list[torch.Tensor]] = {}
+        for w, items in theirs.items():
+            reuse = old.blobs.get(w, {}) if old is not None else {}
+            blob: Blob = {}
+            for index, nbytes in zip(items, headers[w].tolist(), strict=True):
+                fresh = empty_item(metadata, index, nbytes, allocate=False)
+                buffer = reuse.get(index)
+                if buffer is None or (buffer.shape, buffer.dtype) != (fresh.shape, fresh.dtype):
+                    buffer = empty_item(metadata, index, nbytes)
+                blob[index] = buffer
+            received[w] = blob
+            recvs[w] = [as_bytes(blob[i]) for i in items]
+        sends = {self.buddy: [as_bytes(own[i]) for i in mine]} if self.buddy is not None else {}
+        moved = stream(sends, recvs, self.group)
+        self.stats.bytes_sent += moved
+        return received

@@ -74,6 +74,8 @@ PARTS = (
          "training_bench.py", (), ("--steps", "8")),
     Part("packages", "Shipping a working directory", "package_bench.py",
          (), ("--repeats", "1", "--data-mb", "4")),
+    Part("peer-restore", "Peer memory: refresh cost, hand-over vs broadcast, node loss per strategy",
+         "peer_restore_bench.py", ("--repeats", "5"), ("--quick",)),
 )  # fmt: skip
 BY_NAME = {p.name: p for p in PARTS}
 #: The other files under bench/: helpers the parts' scripts import or start, and a script

@@ -136,10 +136,14 @@ def keep_items(
     *,
     copy: bool = True,
     reuse: Blob | None = None,
+    into: Blob | None = None,
 ) -> Blob:
     """This rank's items of a save plan, resolved by `planner` (set up on the state to
     keep) and kept on the host: what one refresh of peer memory copies. Local: no
-    collective, so a plan made once (collectively) serves every later refresh."""
+    collective, so a plan made once (collectively) serves every later refresh.
+
+    `reuse`: buffers to copy into where shape and dtype match; `into`: buffers every
+    tensor item must be copied into (an arena's views: a mismatch is an error)."""
     reuse = reuse or {}
     blob: Blob = {}
     for item in items:
@@ -151,6 +155,15 @@ def keep_items(
             continue
         assert isinstance(data, torch.Tensor)
         tensor = data.detach()
+        if into is not None:
+            target = into[item.index]
+            if (target.shape, target.dtype) != (tensor.shape, tensor.dtype):
+                raise ValueError(
+                    f"{item.index.fqn}: {tuple(tensor.shape)} {tensor.dtype} does not fit the "
+                    f"planned {tuple(target.shape)} {target.dtype}"
+                )
+            blob[item.index] = target.copy_(tensor)
+            continue
         if not copy and tensor.device.type == "cpu":
             blob[item.index] = tensor
             continue
@@ -192,23 +205,49 @@ def tensor_layout(
     raise KeyError(f"no chunk of {index.fqn} at offset {list(offset)} in the metadata")
 
 
-def empty_item(
-    metadata: Metadata, index: MetadataIndex, nbytes: int, *, allocate: bool = True
-) -> torch.Tensor:
-    """A buffer to receive item `index` into (`nbytes`: a pickled item's size); with
-    `allocate` off, a storage-less tensor of the same shape and dtype (to compare with)."""
-    layout = tensor_layout(metadata, index)
-    dtype, shape = (torch.uint8, torch.Size([nbytes])) if layout is None else layout
-    return torch.empty(shape, dtype=dtype, device="cpu" if allocate else "meta")
+#: Tensor items start at multiples of this in an arena (any dtype's view is aligned).
+ARENA_ALIGN = 64
 
 
-def item_bytes(metadata: Metadata, index: MetadataIndex) -> int | None:
-    """A tensor item's byte size from the metadata alone; None for a pickled item."""
-    layout = tensor_layout(metadata, index)
-    if layout is None:
-        return None
-    dtype, shape = layout
-    return shape.numel() * torch.empty((), dtype=dtype).element_size()
+@dataclasses.dataclass(frozen=True, slots=True)
+class Arena:
+    """Where the items one rank of the saving group holds lie in host memory: its tensor
+    items side by side in one flat byte buffer of `nbytes` (so a copy of them travels as
+    one message, with no packing), its pickled items apart (their size changes)."""
+
+    tensors: tuple[tuple[MetadataIndex, int, torch.dtype, torch.Size], ...]
+    """(item, byte offset, dtype, chunk shape), in `held_items` order."""
+    pickled: tuple[MetadataIndex, ...]
+    nbytes: int
+
+    def views(self, buffer: torch.Tensor) -> Blob:
+        """The tensor items as views of `buffer` (flat uint8 of `nbytes`)."""
+        out: Blob = {}
+        for index, offset, dtype, shape in self.tensors:
+            size = shape.numel() * _element_size(dtype)
+            out[index] = buffer[offset : offset + size].view(dtype).view(shape)
+        return out
+
+
+def arena_of(metadata: Metadata, rank: int) -> Arena:
+    """The arena of the items rank `rank` of the saving group holds."""
+    tensors: list[tuple[MetadataIndex, int, torch.dtype, torch.Size]] = []
+    pickled: list[MetadataIndex] = []
+    offset = 0
+    for index in held_items(metadata, rank):
+        layout = tensor_layout(metadata, index)
+        if layout is None:
+            pickled.append(index)
+            continue
+        dtype, shape = layout
+        tensors.append((index, offset, dtype, shape))
+        size = shape.numel() * _element_size(dtype)
+        offset += -(-size // ARENA_ALIGN) * ARENA_ALIGN
+    return Arena(tuple(tensors), tuple(pickled), offset)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 # ---------------------------------------------------------------------------------------

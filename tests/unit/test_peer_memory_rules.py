@@ -184,10 +184,16 @@ def test_spread_balances_the_serving_ranks() -> None:
     ],
 )  # fmt: skip
 def test_bucket_plan(sizes: list[int], bucket: int, expected: list[list[Piece]]) -> None:
-    plan = bucket_plan(sizes, bucket)
+    plan = bucket_plan(sizes, bucket, direct_bytes=bucket)
     assert plan == expected
     assert all(sum(p.size for p in m) <= bucket for m in plan)
     covered = sorted((p.item, p.start, p.stop) for m in plan for p in m)
     for item, size in enumerate(sizes):
         pieces = [(a, b) for i, a, b in covered if i == item]
         assert sum(b - a for a, b in pieces) == size
+
+
+def test_items_past_the_direct_size_go_alone_without_packing() -> None:
+    assert bucket_plan([2, 6, 3, 12], 10, direct_bytes=5) == [
+        [Piece(1, 0, 6)], [Piece(3, 0, 10)], [Piece(3, 10, 12)], [Piece(0, 0, 2), Piece(2, 0, 3)]
+    ]  # fmt: skip

@@ -29,15 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem
 
-from checkpoints.dcp.in_memory import (
-    Blob,
-    MemoryWriter,
-    as_bytes,
-    blob_bytes,
-    empty_item,
-    held_items,
-    keep_items,
-)
+from checkpoints.dcp.in_memory import Arena, Blob, MemoryWriter, arena_of, as_bytes, keep_items
 from contracts.spec import JobSpec
 from workers.api import TrainContext
 from workers.memory.buddy import buddies, wards
@@ -60,10 +52,15 @@ class Snapshot:
     generation: Generation
     metadata: Metadata
     blobs: dict[int, Blob]
+    arenas: dict[int, torch.Tensor]
+    """Per rank held, the flat buffer its tensor items are views of (`Arena`)."""
 
     @property
     def nbytes(self) -> int:
-        return sum(blob_bytes(b) for b in self.blobs.values())
+        pickled = sum(
+            t.numel() for b in self.blobs.values() for t in b.values() if t.dtype == torch.uint8
+        )
+        return sum(a.numel() for a in self.arenas.values()) + pickled
 
 
 @dataclass
@@ -107,6 +104,7 @@ class PeerRefresher:
     stats: RefreshStats = field(default_factory=RefreshStats)
     _items: list[WriteItem] | None = None
     _metadata: Metadata | None = None
+    _arenas: dict[int, Arena] = field(default_factory=dict)
 
     @classmethod
     def join(cls, ctx: TrainContext, spec: JobSpec) -> PeerRefresher:
@@ -165,51 +163,61 @@ class PeerRefresher:
         old = recycled[-1] if recycled else None
         state = strategy.state_dict_for_checkpoint()
         if self._items is None:
-            writer = MemoryWriter(reuse=old.blobs.get(rank) if old else None)
+            # The first refresh of the attempt plans, collectively, what each rank keeps
+            # (by reference: nothing is copied yet) and so where it goes in its arena.
+            writer = MemoryWriter(copy=False)
             metadata = state_dict_saver.save(state, storage_writer=writer, process_group=self.group)
             self._items, self._metadata = writer.items, metadata
-            own = writer.blob
-        else:
-            planner = DefaultSavePlanner()
-            planner.set_up_planner(state, storage_meta=None, is_coordinator=False)
-            own = keep_items(self._items, planner, reuse=old.blobs.get(rank) if old else None)
+            self._arenas = {r: arena_of(metadata, r) for r in (rank, *self.wards)}
         metadata = self._metadata
         assert metadata is not None
+        arenas = {r: self._buffer(r, old) for r in self._arenas}
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state, storage_meta=None, is_coordinator=False)
+        own = keep_items(self._items, planner, into=self._arenas[rank].views(arenas[rank]))
         blobs = {rank: own}
-        blobs.update(self._exchange(metadata, own, old))
-        snapshot = Snapshot(
-            Generation(self.ctx.attempt, step, self.ctx.world_size), metadata, blobs
-        )
+        blobs.update(self._exchange(own, arenas))
+        generation = Generation(self.ctx.attempt, step, self.ctx.world_size)
+        snapshot = Snapshot(generation, metadata, blobs, arenas)
         copies.append(snapshot)
         del copies[:-KEPT]
         return snapshot
 
-    def _exchange(self, metadata: Metadata, own: Blob, old: Snapshot | None) -> dict[int, Blob]:
-        """Send `own` to the buddy and receive each ward's items: first their sizes (the
-        pickled items' change), then their bytes."""
-        mine = held_items(metadata, self.ctx.rank)
-        sizes = torch.tensor(
-            [own[i].numel() * own[i].element_size() for i in mine], dtype=torch.int64
-        )
-        theirs = {w: held_items(metadata, w) for w in self.wards}
-        headers = {w: torch.empty(len(items), dtype=torch.int64) for w, items in theirs.items()}
+    def _buffer(self, rank: int, old: Snapshot | None) -> torch.Tensor:
+        """The arena buffer for `rank`'s items: the older snapshot's when it fits."""
+        nbytes = self._arenas[rank].nbytes
+        buffer = old.arenas.get(rank) if old is not None else None
+        if buffer is None or buffer.numel() != nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer
+
+    def _exchange(self, own: Blob, arenas: dict[int, torch.Tensor]) -> dict[int, Blob]:
+        """Send `own` to the buddy and receive each ward's items: first the sizes of the
+        pickled items (they change), then the tensor arena and the pickled bytes."""
+        rank = self.ctx.rank
+        mine = self._arenas[rank]
+        sizes = torch.tensor([own[i].numel() for i in mine.pickled], dtype=torch.int64)
+        headers = {
+            w: torch.empty(len(self._arenas[w].pickled), dtype=torch.int64) for w in self.wards
+        }
         to_buddy = {self.buddy: [as_bytes(sizes)]} if self.buddy is not None else {}
         stream(to_buddy, {w: [as_bytes(h)] for w, h in headers.items()}, self.group)
 
         received: dict[int, Blob] = {}
         recvs: dict[int, list[torch.Tensor]] = {}
-        for w, items in theirs.items():
-            reuse = old.blobs.get(w, {}) if old is not None else {}
-            blob: Blob = {}
-            for index, nbytes in zip(items, headers[w].tolist(), strict=True):
-                fresh = empty_item(metadata, index, nbytes, allocate=False)
-                buffer = reuse.get(index)
-                if buffer is None or (buffer.shape, buffer.dtype) != (fresh.shape, fresh.dtype):
-                    buffer = empty_item(metadata, index, nbytes)
-                blob[index] = buffer
+        for w in self.wards:
+            arena = self._arenas[w]
+            blob = arena.views(arenas[w])
+            pickled = [torch.empty(int(n), dtype=torch.uint8) for n in headers[w].tolist()]
+            blob.update(zip(arena.pickled, pickled, strict=True))
             received[w] = blob
-            recvs[w] = [as_bytes(blob[i]) for i in items]
-        sends = {self.buddy: [as_bytes(own[i]) for i in mine]} if self.buddy is not None else {}
-        moved = stream(sends, recvs, self.group)
-        self.stats.bytes_sent += moved
+            recvs[w] = [arenas[w], *pickled]
+        sends = (
+            {self.buddy: [arenas[rank], *(own[i] for i in mine.pickled)]}
+            if self.buddy is not None
+            else {}
+        )
+        self.stats.bytes_sent += stream(
+            {k: [as_bytes(t) for t in v] for k, v in sends.items()}, recvs, self.group
+        )
         return received

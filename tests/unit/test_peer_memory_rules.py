@@ -79,6 +79,14 @@ def test_pacer_measures_from_the_second_refresh_and_honours_a_fixed_interval() -
     pacer.refreshed(6, refresh_s=0.2, step_s=1.0)
     assert not pacer.due(6, final=True)  # already refreshed at this step
 
+    # Later refreshes agree on measurements only every few (one all-reduce less).
+    measured = []
+    for step in range(7, 40):
+        measured.append(pacer.measures_next())
+        pacer.refreshed(step, 0.01, 1.0) if measured[-1] else pacer.refreshed(step)
+    # The 4th refresh, then the 8th, 16th, 24th and 32nd.
+    assert measured.count(True) == 5 and pacer.every == 1  # cheap now: every step
+
     fixed = RefreshPacer(fixed=3)
     fixed.refreshed(1, 0.0, 1.0)
     assert [s for s in range(2, 8) if fixed.due(s)] == [4, 5, 6, 7]

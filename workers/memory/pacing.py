@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 OVERHEAD_BUDGET = 0.05
 #: Measurements are smoothed so one slow step does not swing the interval.
 SMOOTHING = 0.5
+#: After the first few, the group agrees on its measurements (an all-reduce) only every
+#: this many refreshes: a round trip less on the others, the interval revised all the same.
+AGREE_EVERY = 8
 
 
 def choose_interval(refresh_s: float, step_s: float, budget: float = OVERHEAD_BUDGET) -> int:
@@ -72,11 +75,22 @@ class RefreshPacer:
         times = self._step_times
         return sum(times) / len(times) if times else 0.0
 
-    def refreshed(self, step: int, refresh_s: float, step_s: float) -> None:
-        """Record a refresh and choose the next interval; `refresh_s` and `step_s` must be
-        the same on every rank (the group's slowest)."""
+    def measures_next(self) -> bool:
+        """Whether the refresh about to be recorded comes with agreed measurements (the
+        same answer on every rank: it depends on the count of refreshes alone)."""
+        if self.fixed is not None:
+            return False
+        return self.refreshes < 4 or self.refreshes % AGREE_EVERY == 0
+
+    def refreshed(
+        self, step: int, refresh_s: float | None = None, step_s: float | None = None
+    ) -> None:
+        """Record a refresh and, given measurements, choose the next interval;
+        `refresh_s` and `step_s` must be the same on every rank (the group's slowest)."""
         self.last = step
         self.refreshes += 1
+        if refresh_s is None or step_s is None:
+            return  # not measured this time: the interval stands
         self._step_times = []
         if self.refreshes == 1:
             return  # planning and allocation: not what later refreshes cost

@@ -105,6 +105,8 @@ class PeerRefresher:
     _items: list[WriteItem] | None = None
     _metadata: Metadata | None = None
     _arenas: dict[int, Arena] = field(default_factory=dict)
+    _views: dict[tuple[int, int], Blob] = field(default_factory=dict)
+    """Arena views by (rank, buffer address): buffers are recycled, so are their views."""
 
     @classmethod
     def join(cls, ctx: TrainContext, spec: JobSpec) -> PeerRefresher:
@@ -144,10 +146,13 @@ class PeerRefresher:
         started = time.perf_counter()
         self.refresh(copies, strategy, step)
         spent = time.perf_counter() - started
-        # Every rank must choose the same interval: the group's slowest figures.
-        agreed = torch.tensor([spent, self.pacer.mean_step_s()], dtype=torch.float64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-        self.pacer.refreshed(step, float(agreed[0]), float(agreed[1]))
+        if self.pacer.measures_next():
+            # Every rank must choose the same interval: the group's slowest figures.
+            agreed = torch.tensor([spent, self.pacer.mean_step_s()], dtype=torch.float64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+            self.pacer.refreshed(step, float(agreed[0]), float(agreed[1]))
+        else:
+            self.pacer.refreshed(step)
         self.stats.refreshes = self.pacer.refreshes
         self.stats.every = self.pacer.fixed or self.pacer.every
         self.stats.refresh_s, self.stats.step_s = self.pacer.refresh_s, self.pacer.step_s
@@ -174,7 +179,7 @@ class PeerRefresher:
         arenas = {r: self._buffer(r, old) for r in self._arenas}
         planner = DefaultSavePlanner()
         planner.set_up_planner(state, storage_meta=None, is_coordinator=False)
-        own = keep_items(self._items, planner, into=self._arenas[rank].views(arenas[rank]))
+        own = keep_items(self._items, planner, into=self._views_of(rank, arenas[rank]))
         blobs = {rank: own}
         blobs.update(self._exchange(own, arenas))
         generation = Generation(self.ctx.attempt, step, self.ctx.world_size)
@@ -182,6 +187,15 @@ class PeerRefresher:
         copies.append(snapshot)
         del copies[:-KEPT]
         return snapshot
+
+    def _views_of(self, rank: int, buffer: torch.Tensor) -> Blob:
+        key = (rank, buffer.data_ptr())
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 2 * KEPT * (1 + len(self.wards)):
+                self._views.clear()  # buffers of an old layout: not to be kept alive
+            views = self._views[key] = self._arenas[rank].views(buffer)
+        return views
 
     def _buffer(self, rank: int, old: Snapshot | None) -> torch.Tensor:
         """The arena buffer for `rank`'s items: the older snapshot's when it fits."""
@@ -207,7 +221,7 @@ class PeerRefresher:
         recvs: dict[int, list[torch.Tensor]] = {}
         for w in self.wards:
             arena = self._arenas[w]
-            blob = arena.views(arenas[w])
+            blob = dict(self._views_of(w, arenas[w]))
             pickled = [torch.empty(int(n), dtype=torch.uint8) for n in headers[w].tolist()]
             blob.update(zip(arena.pickled, pickled, strict=True))
             received[w] = blob

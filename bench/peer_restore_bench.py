@@ -239,7 +239,13 @@ def node_loss_trials(
                 client.post(f"/v1/jobs/{job_id}/cancel")
                 wait_terminal(client, job_id, timeout=120)
                 events = client.get(f"/v1/jobs/{job_id}/events").json()
-                resumed = next(e["details"] for e in events if e["kind"] == "resumed")
+                lost_step = next(e["details"]["step"] for e in events if e["kind"] == "node_lost")
+                # No `resumed` event: the group started fresh (a survivor holding shards was
+                # left out of it, e.g. still blocked on the dead node past the driver's wait).
+                resumed = next(
+                    (e["details"] for e in events if e["kind"] == "resumed"),
+                    {"source": "fresh", "steps_recomputed": lost_step},
+                )
                 trial = {
                     "loss_to_step_s": first["wall_time"] - t_remove,
                     "steps_recomputed": resumed.get("steps_recomputed"),

@@ -120,6 +120,44 @@ def lose_ranks(rank: int, world_size: int, root: str, label: str, lost: list[int
     return {"steady": steady, "first": first, "after": after, "error": error}
 
 
+def stop_and_regroup(rank: int, world_size: int, root: str) -> Any:
+    """A resize STOP of an FSDP job on ONE node (no buddy possible): the same processes
+    form the next group, with the checkpoint folder gone, so only memory can resume it."""
+    import shutil
+
+    from workers.api import Control
+    from workers.loop import train
+    from workers.memory import ReplicaMemory
+
+    spec = spec_for(STRATEGIES["fsdp"]).model_copy(update={"checkpoint": spec_for(
+        STRATEGIES["fsdp"]).checkpoint.model_copy(update={"memory_every": None})})  # fmt: skip
+    store = host_store("127.0.0.1", world_size, _STORE_TIMEOUT) if rank == 0 else None
+    port: list[Any] = [store.port if store is not None else None]
+    dist.broadcast_object_list(port, src=0)
+    memory = ReplicaMemory()
+    first = NullHooks(controls=[Control.NONE, Control.NONE, Control.STOP])
+    c = TrainContext(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
+                     job_id=1, attempt=1, node="one", checkpoint_root=Path(root) / "job1")  # fmt: skip
+    train(c, spec, first, memory)  # stops after step 3, refreshing memory at it
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(Path(root) / "job1")
+    _regroup(rank, world_size, int(port[0]), store)
+    after = NullHooks()
+    c2 = TrainContext(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
+                      job_id=1, attempt=2, node="one", checkpoint_root=Path(root) / "job1")  # fmt: skip
+    train(c2, spec, after, memory)
+    return {"first": first, "after": after}
+
+
+def test_a_resize_on_one_node_hands_the_shards_on_in_memory(tmp_path: Path) -> None:
+    run = run_distributed(stop_and_regroup, 2, str(tmp_path), timeout_s=600)[0]
+    resumed = run["after"].resumed
+    assert resumed is not None
+    assert (resumed.source, resumed.step, resumed.steps_recomputed) == (RestoreSource.PEER, 3, 0)
+    assert [m.step for m in run["after"].metrics] == list(range(4, STEPS + 1))
+
+
 CASES = [(label, [2, 3]) for label in STRATEGIES] + [
     (f"{label}/buddies", [1, 3]) for label in ("fsdp", "pipeline")
 ]

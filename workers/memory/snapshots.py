@@ -101,6 +101,9 @@ class PeerRefresher:
     buddy: int | None
     wards: list[int]
     pacer: RefreshPacer
+    periodic: bool = True
+    """Whether to refresh every `memory_every` steps; off when all ranks share a node: no
+    copy can then outlive a node loss, and a resize STOP refreshes at its step anyway."""
     stats: RefreshStats = field(default_factory=RefreshStats)
     _items: list[WriteItem] | None = None
     _metadata: Metadata | None = None
@@ -118,13 +121,15 @@ class PeerRefresher:
         buddy_of = buddies(nodes)
         if ctx.rank == 0 and ctx.world_size > 1 and buddy_of[0] is None:
             log.info("peer memory: all %d ranks on one node, no buddy copy possible (a "
-                     "node loss resumes from the checkpoint)", ctx.world_size)  # fmt: skip
+                     "node loss resumes from the checkpoint; a resize hands the state on "
+                     "from memory)", ctx.world_size)  # fmt: skip
         return cls(
             ctx=ctx,
             group=group,
             buddy=buddy_of[ctx.rank],
             wards=wards(buddy_of)[ctx.rank],
             pacer=RefreshPacer(fixed=spec.checkpoint.memory_every),
+            periodic=any(b is not None for b in buddy_of),
         )
 
     def after_step(
@@ -140,6 +145,8 @@ class PeerRefresher:
         `final`: the group stops now, hand the state on as it is. Seconds spent."""
         if strategy.full_replica:
             return 0.0  # every survivor holds the whole live state: nothing to copy
+        if not (self.periodic or final):
+            return 0.0
         self.pacer.stepped(step_s)
         if not self.pacer.due(step, final=final):
             return 0.0

@@ -79,7 +79,8 @@ def handover_body(rank: int, world_size: int, total_bytes: int, repeats: int) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict_saver
 
-    from checkpoints.dcp.in_memory import MemoryWriter, PeerReader
+    from checkpoints.dcp.in_memory import MemoryWriter
+    from checkpoints.dcp.peer_reader import PeerReader
     from workers.memory.handover import GroupTransport
 
     group = dist.new_group(backend="gloo")
@@ -370,14 +371,22 @@ def render(
         ]
         for label, trials in losses.items():
             secs = [t["loss_to_step_s"] for t in trials]
-            redo = sorted({t["steps_recomputed"] for t in trials}, key=str)
-            sources = sorted({t["source"] for t in trials})
+            redo = _counted(str(t["steps_recomputed"]) for t in trials)
+            sources = _counted(t["source"] for t in trials)
             worlds = sorted({f"{t['world_before']} -> {t['world_after']}" for t in trials})
             lines.append(
                 f"| {label} | {statistics.median(secs):.2f} | {min(secs):.2f}-{max(secs):.2f} | "
-                f"{', '.join(map(str, redo))} | {', '.join(sources)} | {', '.join(worlds)} |"
+                f"{redo} | {sources} | {', '.join(worlds)} |"
             )
     return "\n".join(lines)
+
+
+def _counted(values: Any) -> str:
+    """'0 (x3), 1 (x2)': each value with how many trials had it."""
+    counts: dict[str, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return ", ".join(f"{v} (x{n})" for v, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 if __name__ == "__main__":

@@ -333,6 +333,9 @@ class TimelineMark:
     detail: str = ""
     source: RestoreSource | None = None
     """Where STATE_RESTORED took the state from; None for a fresh start and other phases."""
+    steps_recomputed: int | None = None
+    """STATE_RESTORED: steps the previous attempt had done beyond the state restored (None:
+    unknown, or another phase)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -362,6 +365,7 @@ class Timeline:
                     "since_start_s": round(mark.at - start, 3),
                     "detail": mark.detail,
                     "source": mark.source.value if mark.source is not None else None,
+                    "steps_recomputed": mark.steps_recomputed,
                 }
             )
             prev = mark.at

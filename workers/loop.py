@@ -109,6 +109,7 @@ def _train(
             at=time.time(),
             detail=describe_restore(restored),
             source=restored.source if restored is not None else None,
+            steps_recomputed=restored.steps_recomputed if restored is not None else None,
         )
     )
 

@@ -12,7 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_saver
 
-from checkpoints.dcp.in_memory import ARENA_ALIGN, MemoryWriter, PeerReader, arena_of, held_items
+from checkpoints.dcp.in_memory import ARENA_ALIGN, MemoryWriter, arena_of, held_items
+from checkpoints.dcp.peer_reader import PeerReader
 
 
 class Alone:

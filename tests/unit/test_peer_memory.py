@@ -205,7 +205,8 @@ def test_a_lost_node_resumes_from_peers_with_no_step_recomputed(
     assert (resumed.source, resumed.step, resumed.path) == (RestoreSource.PEER, LOST_AT, "")
     assert (resumed.saved_world_size, resumed.world_size) == (4, 2)
     assert resumed.steps_recomputed == 0
-    assert _restored(run["after"]).source == RestoreSource.PEER
+    mark = _restored(run["after"])
+    assert (mark.source, mark.steps_recomputed) == (RestoreSource.PEER, 0)
     _curve_is_uninterrupted(run, LOST_AT)
 
 
@@ -218,5 +219,6 @@ def test_a_rank_lost_with_its_buddy_falls_back_to_the_checkpoint(
     assert resumed is not None
     assert (resumed.source, resumed.step) == (RestoreSource.CHECKPOINT, EVERY)
     assert resumed.steps_recomputed == LOST_AT - EVERY
-    assert _restored(run["after"]).source == RestoreSource.CHECKPOINT
+    mark = _restored(run["after"])
+    assert (mark.source, mark.steps_recomputed) == (RestoreSource.CHECKPOINT, LOST_AT - EVERY)
     _curve_is_uninterrupted(run, EVERY)

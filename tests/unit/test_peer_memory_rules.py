@@ -205,3 +205,14 @@ def test_items_past_the_direct_size_go_alone_without_packing() -> None:
     assert bucket_plan([2, 6, 3, 12], 10, direct_bytes=5) == [
         [Piece(1, 0, 6)], [Piece(3, 0, 10)], [Piece(3, 10, 12)], [Piece(0, 0, 2), Piece(2, 0, 3)]
     ]  # fmt: skip
+
+
+def test_memory_every_is_validated() -> None:
+    from pydantic import ValidationError
+
+    from contracts.spec import CheckpointSpec
+
+    assert CheckpointSpec().memory_every is None  # measured by default
+    assert CheckpointSpec(memory_every=0).memory_every == 0  # off
+    with pytest.raises(ValidationError, match="memory_every"):
+        CheckpointSpec(memory_every=-1)

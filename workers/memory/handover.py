@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_saver
 
-from checkpoints.dcp.in_memory import Blob, MemoryWriter, PeerReader
+from checkpoints.dcp.in_memory import Blob, MemoryWriter
+from checkpoints.dcp.peer_reader import PeerReader
 from contracts.messages import StepMetrics
 from workers.memory.replica import ReplicaMemory
 from workers.memory.sources import RestorePlan, Source

@@ -17,6 +17,7 @@ stay the durable copy.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 from collections.abc import Iterable
@@ -133,22 +134,24 @@ def keep_items(
     copy: bool = True,
     reuse: Blob | None = None,
     into: Blob | None = None,
+    pickled: dict[MetadataIndex, tuple[Any, torch.Tensor]] | None = None,
 ) -> Blob:
     """This rank's items of a save plan, resolved by `planner` (set up on the state to
     keep) and kept on the host: what one refresh of peer memory copies. Local: no
     collective, so a plan made once (collectively) serves every later refresh.
 
     `reuse`: buffers to copy into where shape and dtype match; `into`: buffers every
-    tensor item must be copied into (an arena's views: a mismatch is an error)."""
+    tensor item must be copied into (an arena's views: a mismatch is an error);
+    `pickled`: the pickled items of an earlier call, by item, with the value each was
+    made from: an item whose value is unchanged (most hyperparameters, every step) is not
+    pickled again (its bytes are shared, never written to)."""
     reuse = reuse or {}
     blob: Blob = {}
     for item in items:
-        data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
-            assert isinstance(data, io.BytesIO)
-            raw = data.getvalue()
-            blob[item.index] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            blob[item.index] = _pickled(item, planner, pickled)
             continue
+        data = planner.resolve_data(item)
         assert isinstance(data, torch.Tensor)
         tensor = data.detach()
         if into is not None:
@@ -169,6 +172,42 @@ def keep_items(
         buffer.copy_(tensor)
         blob[item.index] = buffer
     return blob
+
+
+def _pickled(
+    item: WriteItem,
+    planner: SavePlanner,
+    cache: dict[MetadataIndex, tuple[Any, torch.Tensor]] | None,
+) -> torch.Tensor:
+    """A pickled item's bytes: from `cache` when its value is the one they were made of."""
+    lookup = getattr(planner, "lookup_object", None)
+    value = lookup(item.index) if cache is not None and lookup is not None else None
+    if cache is not None and item.index in cache:
+        before, raw = cache[item.index]
+        if _same(before, value):
+            return raw
+    data = planner.resolve_data(item)
+    assert isinstance(data, io.BytesIO)
+    raw = torch.frombuffer(bytearray(data.getvalue()), dtype=torch.uint8)
+    if cache is not None and lookup is not None:
+        cache[item.index] = (copy.deepcopy(value), raw)
+    return raw
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values of the same types (1 == 1.0 == True, but they pickle apart)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return False  # never cached by value
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 # ---------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ arena that lays one rank's tensor items side by side."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -79,3 +80,30 @@ def test_the_arena_lays_tensor_items_side_by_side_aligned() -> None:
     assert buffer[offset : offset + 96].view(torch.float32).eq(3.0).all()
     assert torch.cat([buffer[:offset], buffer[offset + 96 :]]).count_nonzero() == 0
     assert held_items(metadata, 0) == sorted(held_items(metadata, 0), key=lambda i: i.fqn)
+
+
+def test_unchanged_pickled_items_are_not_pickled_again() -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from checkpoints.dcp.in_memory import keep_items
+
+    source = state()
+    writer = MemoryWriter(copy=False)
+    state_dict_saver.save(source, storage_writer=writer, no_dist=True)
+    cache: dict[Any, Any] = {}
+
+    def keep(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(sd, storage_meta=None, is_coordinator=False)
+        return {i.fqn: t for i, t in keep_items(writer.items, planner, pickled=cache).items()}
+
+    first = keep(source)
+    same = keep(source)
+    assert same["groups.0.lr"] is first["groups.0.lr"]  # the value did not change
+    source["groups"][0]["lr"] = 0.5
+    changed = keep(source)
+    assert changed["groups.0.lr"] is not first["groups.0.lr"]
+    assert changed["groups.0.betas"] is first["groups.0.betas"]
+    assert torch.load(io.BytesIO(changed["groups.0.lr"].numpy().tobytes())) == 0.5
+    source["groups"][0]["lr"] = 1  # equal to 1.0 but not the same pickle
+    assert torch.load(io.BytesIO(keep(source)["groups.0.lr"].numpy().tobytes())) == 1

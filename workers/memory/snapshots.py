@@ -21,12 +21,13 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
 from checkpoints.dcp.in_memory import Arena, Blob, MemoryWriter, arena_of, as_bytes, keep_items
@@ -108,6 +109,8 @@ class PeerRefresher:
     _items: list[WriteItem] | None = None
     _metadata: Metadata | None = None
     _arenas: dict[int, Arena] = field(default_factory=dict)
+    _pickled: dict[MetadataIndex, tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    """This rank's pickled items as last made, with their values (`keep_items`)."""
     _views: dict[tuple[int, int], Blob] = field(default_factory=dict)
     """Arena views by (rank, buffer address): buffers are recycled, so are their views."""
 
@@ -186,7 +189,9 @@ class PeerRefresher:
         arenas = {r: self._buffer(r, old) for r in self._arenas}
         planner = DefaultSavePlanner()
         planner.set_up_planner(state, storage_meta=None, is_coordinator=False)
-        own = keep_items(self._items, planner, into=self._views_of(rank, arenas[rank]))
+        own = keep_items(
+            self._items, planner, into=self._views_of(rank, arenas[rank]), pickled=self._pickled
+        )
         blobs = {rank: own}
         blobs.update(self._exchange(own, arenas))
         generation = Generation(self.ctx.attempt, step, self.ctx.world_size)

@@ -1,7 +1,7 @@
 """A sharded (FSDP) job loses a node of a real 3-node Ray cluster mid-run and resumes
 from its peers' memory: the survivors hold their own shards and the lost rank's buddy
-copy, the next attempt re-shards them to world size 2, no step is trained again, and the
-loss curve is that of the same job run without interruption."""
+copy, the next attempt re-shards them to world size 2, at most the step being copied is
+trained again, and the loss curve is that of the same job run without interruption."""
 
 from __future__ import annotations
 
@@ -50,8 +50,12 @@ def test_fsdp_node_loss_resumes_from_peer_memory(tmp_path: Path) -> None:
         assert lost and lost[0]["ranks"] == [2], lost
         assert len(resumed) == 1, resumed
         (r,) = resumed
-        # From the survivors' memory, at world size 2, nothing trained twice.
-        assert (r["source"], r["saved_world_size"], r["steps_recomputed"]) == ("peer", 3, 0), r
+        # From the survivors' memory, at world size 2. Nothing is trained twice unless the
+        # node died during the refresh of the step just done (its copy then incomplete: the
+        # one before it is restored, one step older); the gloo tests of every strategy
+        # (tests/unit/test_peer_memory.py) lose ranks at a step boundary and check 0.
+        assert (r["source"], r["saved_world_size"]) == ("peer", 3), r
+        assert r["steps_recomputed"] in (0, 1), r
         assert r["step"] >= 12 and r["step"] < 100  # newer than any checkpoint
         timelines = [e["details"] for e in events if e["kind"] == "timeline"]
         restored = [p for p in timelines[-1]["phases"] if p["phase"] == "state_restored"]

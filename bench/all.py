@@ -82,6 +82,8 @@ PARTS = (
          "server_abuse_bench.py", (),
          ("--runs", "1", "--seconds", "2", "--warmup", "1", "--jobs", "20", "--header-mb", "8",
           "--half-open", "200")),
+    Part("peer-restore", "Peer memory: refresh cost, hand-over vs broadcast, node loss per strategy",
+         "peer_restore_bench.py", ("--repeats", "5"), ("--quick",)),
 )  # fmt: skip
 BY_NAME = {p.name: p for p in PARTS}
 #: The other files under bench/: helpers the parts' scripts import or start, and a script

@@ -392,14 +392,22 @@ class Resumed:
     """The steps before the checkpoint, as saved with it: the scheduler fills in those it
     never received (reports still in flight when their attempt was stopped)."""
     source: RestoreSource = field(default_factory=lambda: RestoreSource.CHECKPOINT)
+    steps_recomputed: int | None = None
+    """Steps the previous attempt had completed beyond `step`, to be trained again; None
+    when no process of the previous attempt is in the group to say how far it got."""
 
     def describe(self) -> str:
         origin = (
             "peer memory" if self.source == RestoreSource.PEER else f"checkpoint step {self.step}"
         )
+        redo = (
+            f", {self.steps_recomputed} step(s) recomputed"
+            if self.steps_recomputed is not None
+            else ""
+        )
         return (
             f"resumed from step {self.step} ({origin}; saved at world size "
-            f"{self.saved_world_size}, now {self.world_size})"
+            f"{self.saved_world_size}, now {self.world_size}{redo})"
         )
 
 
@@ -446,6 +454,9 @@ class TimelineMark:
     detail: str = ""
     source: RestoreSource | None = None
     """Where STATE_RESTORED took the state from; None for a fresh start and other phases."""
+    steps_recomputed: int | None = None
+    """STATE_RESTORED: steps the previous attempt had done beyond the state restored (None:
+    unknown, or another phase)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -475,6 +486,7 @@ class Timeline:
                     "since_start_s": round(mark.at - start, 3),
                     "detail": mark.detail,
                     "source": mark.source.value if mark.source is not None else None,
+                    "steps_recomputed": mark.steps_recomputed,
                 }
             )
             prev = mark.at

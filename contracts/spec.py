@@ -405,6 +405,17 @@ class CheckpointSpec(_Strict):
         "load: 'xxh3' (XXH3-128, fast, detects corruption) or 'sha256' (cryptographic, "
         "slower). Checkpoints load whichever their manifest names.",
     )
+    memory_every: int | None = Field(
+        default=None,
+        ge=0,
+        le=10_000_000,
+        description=(
+            "steps between refreshes of each rank's state and its buddy's copy in host "
+            "memory (sharded strategies; ddp survivors hold whole replicas anyway). null: "
+            "every step when that costs <= 5% of step time as measured, else the smallest "
+            "interval that does; 0: off (node loss resumes from the checkpoint)"
+        ),
+    )
 
 
 class FailureSpec(_Strict):

@@ -88,6 +88,7 @@ def persist_report(session: Session, job: Job, report: DriverReport) -> None:
                     "source": message.source.value,
                     "path": message.path,
                     "saved_world_size": message.saved_world_size,
+                    "steps_recomputed": message.steps_recomputed,
                 },
             )
         elif isinstance(message, Timeline):

@@ -105,6 +105,9 @@ class TrainContext:
     abort: threading.Event | None = None
     """Set by the launcher glue when the attempt is released under the loop: every rank
     checks it between steps and raises `AttemptAborted` (no collective needed)."""
+    node: str = ""
+    """The node this rank runs on (Ray's node id; empty: this host's name). Peer memory
+    keeps each rank's state also on a rank of another node (`workers.memory.buddy`)."""
     database: str = ""
     """The database the job is stored in: the job's folder must be fenced by it
     (`checkpoints.fence.Fence.owner`), else another database's job of the same id owns it

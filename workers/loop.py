@@ -28,6 +28,7 @@ from workers.api import AttemptAborted, SampleDataset, TrainContext, TrainHooks,
 from workers.checkpointing import make_checkpointer, save_checkpoint, settles_staging
 from workers.lr_schedule import lr_at
 from workers.memory import ReplicaMemory
+from workers.memory.snapshots import PeerRefresher
 from workers.reports import Reports
 from workers.resume import describe_restore, restore
 from workers.rng import seed_everything
@@ -83,6 +84,8 @@ def _train(
     collate = Collator(workload.dataset)
     evaluator = Evaluator.of(workload.eval_dataset, spec, ctx.device)
     checkpointer = make_checkpointer(ctx, spec)
+    # Peer memory: each rank's shard kept in host memory with a copy on another node.
+    peers = PeerRefresher.join(ctx, spec)
     if is_rank0:
         log.info(
             "job %s attempt %s: %s world_size=%d dp=%d pp=%d tp=%d G=%d micro=%d accum=%d "
@@ -93,14 +96,14 @@ def _train(
 
     # Resume from a survivor's memory, else the latest good checkpoint (whatever world
     # size or split wrote it), else start fresh.
-    restored = restore(checkpointer, strategy, ctx, reports, training.seed, memory)
+    restored = restore(checkpointer, strategy, ctx, reports, training.seed, memory, peers.group)
     start_step = done = ctx.step = restored.step if restored is not None else 0
     # The newest metric points come along with the state, and go on with it.
     reports.carry_on(restored.metrics if restored is not None else ())
     # From here on this process's memory is the new state (the old one was handed on).
     memory.hold(
         job_id=ctx.job_id, strategy=strategy, step=start_step, world_size=ctx.world_size,
-        attempt=ctx.attempt, recent=reports.recent,
+        attempt=ctx.attempt, recent=reports.recent, rank=ctx.rank,
     )  # fmt: skip
     reports.send(
         TimelineMark(
@@ -108,6 +111,7 @@ def _train(
             at=time.time(),
             detail=describe_restore(restored),
             source=restored.source if restored is not None else None,
+            steps_recomputed=restored.steps_recomputed if restored is not None else None,
         )
     )
 
@@ -164,7 +168,12 @@ def _train(
                                           metrics=reports.kept_with_checkpoint())  # fmt: skip
             # Every rank polls: a failed background save then raises on every rank alike.
             reports.commits(checkpointer.poll_commits())
-            if control in _STOPS:  # LEAVE: the state goes on in memory, unsaved
+            # A STOP or LEAVE (resize, drain) hands the state on as it is now: refresh at
+            # this step (LEAVE saves no checkpoint: the state goes on in memory alone).
+            if done < max_steps:
+                peers.after_step(memory.copies, strategy, done, step_time,
+                                 final=control in _STOPS)  # fmt: skip
+            if control in _STOPS:
                 break
 
         # Waits for the in-flight async save to commit, then stops the checkpointer's thread.
@@ -172,6 +181,8 @@ def _train(
     stopped = control in _STOPS and done < max_steps
     if is_rank0:
         log.info("%s at step %d", "stopped" if stopped else "finished", done)
+        if peers.stats.refreshes:
+            log.info("peer memory: %s", peers.stats.describe())
     return TrainResult(
         final_step=done,
         stopped_early=stopped,

@@ -408,6 +408,7 @@ class WorkerProcess:
             storage_root=Path(a.storage_path),
             abort=self._abort,
             database=a.database,
+            node=self.node_id,
         )
         if a.spec.workload.runs_own_code and self._own_code_of is None:
             self._own_code_of = JobRef(a.database, a.job_id)

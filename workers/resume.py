@@ -1,28 +1,26 @@
-"""Where an attempt's state comes from: a surviving rank's memory when one holds a full
-replica at least as new as the newest checkpoint (no step lost), else the latest good
-checkpoint (whatever world size or split wrote it, resharded), else a fresh start.
+"""Where an attempt's state comes from: the survivors' memory when they hold the job's
+newest state (a whole live replica, or every shard of a snapshot generation in own and
+buddy copies: `workers.memory`), else the latest good checkpoint (whatever world size or
+split wrote it, resharded), else a fresh start.
 
-Every rank calls `restore` (both ways load collectively); rank 0 reports what happened.
+Every rank calls `restore` (every way loads collectively); rank 0 reports what happened,
+where from and how many steps the group must train again.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from contracts.messages import (
-    EventKind,
-    RestoreSource,
-    Resumed,
-    SavedTraining,
-    StepMetrics,
-    WorkerEvent,
-)
+from contracts.messages import EventKind, RestoreSource, Resumed, SavedTraining, WorkerEvent
 from workers.api import TrainContext
-from workers.memory import NOTHING, ReplicaMemory, share_from_peer
+from workers.memory import ReplicaMemory
+from workers.memory.handover import load_from_peers
+from workers.memory.sources import Offer, choose_source
 from workers.reports import Reports
 from workers.rng import reseed, set_rng_states
 from workers.strategies import Strategy
@@ -40,34 +38,40 @@ def restore(
     reports: Reports,
     seed: int,
     memory: ReplicaMemory,
+    group: dist.ProcessGroup | None = None,
 ) -> Resumed | None:
-    """What was restored into `strategy` (None: a fresh start). From a peer's memory when
-    some rank holds a full replica of the job at least as new as the newest checkpoint,
-    else `resume`."""
+    """What was restored into `strategy` (None: a fresh start). From the survivors'
+    memory when they hold a state at least as new as the newest checkpoint
+    (`workers.memory.sources.choose_source`), else `resume`. `group`: a gloo group of
+    every rank (host tensors travel over it)."""
     newest = newest_checkpoint_step(ctx.checkpoint_root) if ctx.rank == 0 else None
-    # Every rank's (step of the replica it holds, rank 0's newest checkpoint step).
-    offers: list[tuple[int, int | None]] = [(NOTHING, None)] * ctx.world_size
-    dist.all_gather_object(offers, (memory.step_for(ctx.job_id), newest))
-    held = [step for step, _ in offers]
-    newest = offers[0][1]
-    best = max(held)
-    if best == NOTHING or best == 0 or (newest is not None and newest > best):
-        memory.forget()  # superseded (or nothing): do not keep two models alive
-        return resume(checkpointer, strategy, ctx, reports, seed)
-    donor = held.index(best)
-    meta = share_from_peer(memory, strategy, donor)
-    reseed(seed, best, ctx.rank)  # a new group: per-rank streams restart from (seed, step)
+    offers: list[tuple[Offer, int | None]] = [(Offer(), None)] * ctx.world_size
+    dist.all_gather_object(offers, (memory.offer(ctx.job_id), newest), group=group)
+    plan = choose_source([o for o, _ in offers], offers[0][1])
+    if not plan.from_peers:
+        if plan.missing and ctx.rank == 0:
+            log.warning("peer memory lacks the shards of ranks %s of its newest copy (each "
+                        "lost with its buddy): resuming from storage", list(plan.missing))  # fmt: skip
+        memory.forget()  # superseded (or nothing): do not keep two states alive
+        return resume(checkpointer, strategy, ctx, reports, seed, reached=plan.reached)
+    started = time.perf_counter()
+    handed = load_from_peers(plan, memory, strategy, group)
+    reseed(seed, plan.step, ctx.rank)  # a new group: per-rank streams restart from (seed, step)
     restored = Resumed(
-        step=best,
+        step=plan.step,
         path="",
-        saved_world_size=int(meta["world_size"]),
+        saved_world_size=handed.saved_world_size,
         world_size=ctx.world_size,
-        saved_attempt=int(meta["attempt"]),
-        metrics=tuple(StepMetrics.from_point(p) for p in meta["metrics"]),
+        saved_attempt=handed.saved_attempt,
+        metrics=handed.metrics,
         source=RestoreSource.PEER,
+        steps_recomputed=plan.steps_recomputed,
     )
     if ctx.rank == 0:
-        log.info("resumed at step %d from the memory of rank %d", best, donor)
+        log.info("resumed at step %d from peer memory (%s, served by ranks %s; %.1f MB in "
+                 "%.2fs on rank 0; %s step(s) recomputed)", plan.step, plan.source.value,
+                 sorted(set(plan.holder.values())), handed.bytes_moved / 1e6,
+                 time.perf_counter() - started, plan.steps_recomputed)  # fmt: skip
     reports.send(restored)
     return restored
 
@@ -78,9 +82,12 @@ def resume(
     ctx: TrainContext,
     reports: Reports,
     seed: int,
+    *,
+    reached: int | None = None,
 ) -> Resumed | None:
     """Load the latest good checkpoint into the strategy; what was restored, or None for a
-    fresh start. Every rank must call it (DCP loads collectively)."""
+    fresh start. Every rank must call it (DCP loads collectively). `reached`: the furthest
+    step the previous attempt got to, if a survivor said."""
     state = strategy.state_dict_for_checkpoint()
     outcome = checkpointer.load_latest(state)
     for path, reason in outcome.skipped if outcome is not None else ():
@@ -108,6 +115,7 @@ def resume(
         world_size=ctx.world_size,
         saved_attempt=outcome.info.attempt,
         metrics=SavedTraining.from_extra(outcome.info.manifest.extra).metrics,
+        steps_recomputed=None if reached is None else max(0, reached - step),
     )
     if ctx.rank == 0:
         log.info("resumed from %s at step %d", outcome.info.path, step)
@@ -125,6 +133,11 @@ def newest_checkpoint_step(root: Path) -> int | None:
 def describe_restore(restored: Resumed | None) -> str:
     if restored is None:
         return "fresh start"
-    if restored.source == RestoreSource.PEER:
-        return f"peer memory at step {restored.step}"
-    return f"checkpoint step {restored.step}"
+    where = (
+        f"peer memory at step {restored.step}"
+        if restored.source == RestoreSource.PEER
+        else f"checkpoint step {restored.step}"
+    )
+    if restored.steps_recomputed is not None:
+        where += f", {restored.steps_recomputed} step(s) recomputed"
+    return where

@@ -2,7 +2,8 @@
 `checkpoints` that imports torch. Workers import it; the control plane never does.
 
 `checkpointer` saves and loads (sync or async, committing through `checkpoints.commit`);
-`writer` is DCP's file system writer with each shard digested as it is written.
+`writer` is DCP's file system writer with each shard digested as it is written;
+`in_memory` and `peer_reader` are a checkpoint held in peers' host memory (`workers.memory`).
 """
 
 from checkpoints.dcp.checkpointer import CheckpointSaveError, ShardedCheckpointer

@@ -74,6 +74,7 @@ def run_distributed(
     timeout_s: float = 300.0,
     num_threads: int = 1,
     pg_timeout_s: float = 120.0,
+    may_exit: bool = False,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` spawned processes with an
     initialised process group; return each rank's return value, by rank.
@@ -81,6 +82,8 @@ def run_distributed(
     A failure in any rank is raised here (torch's ProcessRaisedException carries the
     child's traceback); the other ranks are terminated. Exceeding `timeout_s` terminates
     every rank and raises TimeoutError (a hung collective must fail the test, not hang it).
+    `may_exit`: a rank may end its process itself (`os._exit(0)`, as a lost node's ranks
+    do in tests of node loss); its result is None.
     """
     # The rendezvous store listens from before the ranks start until after they end, on a
     # port the OS picked for it: a port picked free and bound only later by rank 0 could be
@@ -104,8 +107,12 @@ def run_distributed(
                 for p in ctx.processes:
                     p.join(5)
                 raise TimeoutError(f"{fn.__name__} did not finish in {timeout_s} s")
-        results = []
+        results: list[Any] = []
         for rank in range(world_size):
-            with open(Path(result_dir) / f"{rank}.pkl", "rb") as f:
+            path = Path(result_dir) / f"{rank}.pkl"
+            if may_exit and not path.exists():
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
                 results.append(pickle.load(f))
         return results

@@ -1,0 +1,86 @@
+"""What a worker process keeps of a job's training state between attempts.
+
+Worker processes outlive attempts (`workers.process`). When a peer dies mid-run, the
+survivors stop at a step boundary (the loop agrees on every step before any rank updates
+its weights) and keep here:
+
+- their live model and optimizer (`strategy`, at `step`): a ddp rank's is a whole
+  replica, so a new group can take the state from any one survivor;
+- snapshots of shards (`copies`, `workers.memory.snapshots`): this rank's own and those of
+  the ranks whose buddy it is, refreshed every `checkpoint.memory_every` steps, so that the
+  survivors of a node loss together hold every shard of a sharded job (fsdp, tp, pipeline,
+  2-D) and the next group re-shards from them (`workers.memory.handover`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from contracts.group import HeldState
+from contracts.messages import StepMetrics
+from workers.memory.snapshots import Snapshot
+from workers.memory.sources import NOTHING, Offer
+from workers.strategies import Strategy
+
+
+@dataclass
+class ReplicaMemory:
+    job_id: int | None = None
+    step: int = NOTHING
+    """Optimizer steps applied to the held state (the loop advances it after each one)."""
+    world_size: int = 0
+    attempt: int = 0
+    rank: int = 0
+    """This process's rank in the attempt that made the live state."""
+    strategy: Strategy | None = None
+    recent: Iterable[StepMetrics] = field(default_factory=tuple)
+    """The newest metric points (handed on like those saved with a checkpoint)."""
+    copies: list[Snapshot] = field(default_factory=list)
+    """Snapshot generations held, oldest first (at most two: `workers.memory.snapshots`)."""
+
+    def hold(
+        self,
+        *,
+        job_id: int,
+        strategy: Strategy,
+        step: int,
+        world_size: int,
+        attempt: int,
+        recent: Iterable[StepMetrics],
+        rank: int = 0,
+    ) -> None:
+        if self.job_id != job_id:
+            self.copies = []
+        self.job_id, self.strategy, self.step = job_id, strategy, step
+        self.world_size, self.attempt, self.recent = world_size, attempt, recent
+        self.rank = rank
+
+    def forget(self) -> None:
+        self.job_id, self.strategy, self.step, self.recent = None, None, NOTHING, ()
+        self.copies = []
+
+    def step_for(self, job_id: int) -> int:
+        """The step of a full replica of `job_id`'s state held here, or NOTHING."""
+        if self.job_id != job_id or self.strategy is None or not self.strategy.full_replica:
+            return NOTHING
+        return self.step
+
+    def offer(self, job_id: int) -> Offer:
+        """What this process can give a new group of `job_id` (`workers.memory.sources`)."""
+        if self.job_id != job_id:
+            return Offer()
+        full = self.strategy is not None and self.strategy.full_replica
+        live = self.step if self.strategy is not None else NOTHING
+        copies = tuple((c.generation, frozenset(c.blobs)) for c in self.copies)
+        return Offer(live_step=live, full_replica=full, copies=copies)
+
+    def describe(self) -> HeldState | None:
+        if self.job_id is None or self.strategy is None:
+            return None
+        return HeldState(
+            job_id=self.job_id,
+            step=self.step,
+            world_size=self.world_size,
+            full_replica=self.strategy.full_replica,
+        )

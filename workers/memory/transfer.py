@@ -1,0 +1,125 @@
+"""Tensors between ranks in buckets: what peer memory sends to a buddy and what a new
+group fetches from the survivors. Never a pickled state: raw bytes, point to point.
+
+Both sides of a pair know the byte size of every item, in order, so no header travels
+with the data. `bucket_plan` cuts the items into messages of at most `bucket_bytes`: an
+item of at least `direct_bytes` goes as its own message(s), bucket-sized slices of its
+own bytes (no copy on either side); smaller items are packed together into one flat
+buffer per message (one copy on each side, far fewer round trips than one message per
+small tensor). All receives and sends
+are posted at once (gloo's isend/irecv, each message under its own tag) and then waited
+on, so pairs stream concurrently and nothing waits on a send that has no receiver yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+#: The largest message: big enough that per-message costs vanish, small enough that the
+#: packing buffers stay a small fraction of the state.
+BUCKET_BYTES = 32 * 1024 * 1024
+#: Items at least this large travel in messages of their own: copying them into a bucket
+#: would cost more than the message (measured: packing 16 MB items halved the rate).
+DIRECT_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Bytes [start, stop) of item `item`."""
+
+    item: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def bucket_plan(
+    sizes: Sequence[int], bucket_bytes: int = BUCKET_BYTES, direct_bytes: int = DIRECT_BYTES
+) -> list[list[Piece]]:
+    """The messages that carry items of these byte sizes, in order: each a list of pieces.
+    A message of one piece is sent from (received into) the item itself; a message of
+    several is packed. Empty items travel in no message."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    direct_bytes = min(direct_bytes, bucket_bytes)
+    messages: list[list[Piece]] = []
+    packed: list[Piece] = []
+    packed_size = 0
+    for item, size in enumerate(sizes):
+        if size == 0:
+            continue
+        if size >= direct_bytes:
+            messages.extend(
+                [Piece(item, start, min(start + bucket_bytes, size))]
+                for start in range(0, size, bucket_bytes)
+            )
+            continue
+        if packed_size + size > bucket_bytes:
+            messages.append(packed)
+            packed, packed_size = [], 0
+        packed.append(Piece(item, 0, size))
+        packed_size += size
+    if packed:
+        messages.append(packed)
+    return messages
+
+
+def stream(
+    sends: Mapping[int, Sequence[torch.Tensor]],
+    recvs: Mapping[int, Sequence[torch.Tensor]],
+    group: dist.ProcessGroup | None,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> int:
+    """Send `sends[peer]` (flat uint8 host tensors) to each peer and receive into
+    `recvs[peer]` (flat uint8 host tensors of the sizes the peer sends) from each; group
+    ranks. Returns the bytes moved (sent plus received)."""
+    works: list[dist.Work] = []
+    unpack: list[tuple[torch.Tensor, list[Piece], Sequence[torch.Tensor]]] = []
+    moved = 0
+    for peer, items in recvs.items():
+        for tag, message in enumerate(bucket_plan([t.numel() for t in items], bucket_bytes)):
+            buffer = _target(message, items)
+            works.append(_posted(dist.irecv(buffer, group=group, group_src=peer, tag=tag)))
+            moved += buffer.numel()
+            if len(message) > 1:
+                unpack.append((buffer, message, items))
+    for peer, items in sends.items():
+        for tag, message in enumerate(bucket_plan([t.numel() for t in items], bucket_bytes)):
+            buffer = _source(message, items)
+            works.append(_posted(dist.isend(buffer, group=group, group_dst=peer, tag=tag)))
+            moved += buffer.numel()
+    for work in works:
+        work.wait()
+    for buffer, message, items in unpack:
+        offset = 0
+        for piece in message:
+            items[piece.item][piece.start : piece.stop].copy_(buffer[offset : offset + piece.size])
+            offset += piece.size
+    return moved
+
+
+def _posted(work: dist.Work | None) -> dist.Work:
+    # None only for a rank outside `group`, which a caller never is.
+    assert work is not None, "this rank is not in the group"
+    return work
+
+
+def _source(message: list[Piece], items: Sequence[torch.Tensor]) -> torch.Tensor:
+    if len(message) == 1:
+        p = message[0]
+        return items[p.item][p.start : p.stop]
+    return torch.cat([items[p.item][p.start : p.stop] for p in message])
+
+
+def _target(message: list[Piece], items: Sequence[torch.Tensor]) -> torch.Tensor:
+    if len(message) == 1:
+        p = message[0]
+        return items[p.item][p.start : p.stop]
+    return torch.empty(sum(p.size for p in message), dtype=torch.uint8)

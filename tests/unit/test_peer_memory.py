@@ -183,9 +183,9 @@ def _restored(hooks: NullHooks) -> TimelineMark:
 
 
 def _curve_is_uninterrupted(run: dict[str, Any], resumed_at: int) -> None:
-    steady = {m.step: m.values for m in run["steady"].metrics}
-    first = {m.step: m.values for m in run["first"].metrics}
-    after = {m.step: m.values for m in run["after"].metrics}
+    steady = {m.step: m.to_values() for m in run["steady"].metrics}
+    first = {m.step: m.to_values() for m in run["first"].metrics}
+    after = {m.step: m.to_values() for m in run["after"].metrics}
     assert sorted(first) == list(range(1, LOST_AT + 1))
     assert sorted(after) == list(range(resumed_at + 1, STEPS + 1))
     for step, values in {**first, **after}.items():

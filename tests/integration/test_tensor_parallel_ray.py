@@ -49,5 +49,7 @@ def test_fsdp_tp_job_loses_a_node_and_resumes_at_fewer_replicas(tmp_path: Path) 
     dps = [m["dp"] for m in metrics]
     assert dps[0] == 2 and dps[-1] == 1 and dps == sorted(dps, reverse=True)
     resumed = [e["details"] for e in events if e["kind"] == "resumed"]
-    assert resumed and resumed[0]["source"] == "checkpoint", resumed
+    # The lost node's shards live on in their buddies' memory on the other node: no
+    # checkpoint load (issue 25's peer memory for every strategy).
+    assert resumed and resumed[0]["source"] == "peer", resumed
     assert metrics[-1]["loss"] < metrics[0]["loss"]

@@ -24,7 +24,9 @@ def test_fsdp_tp_job_loses_a_node_and_resumes_at_fewer_replicas(tmp_path: Path) 
             # 3 is not a multiple of the tensor-parallel degree: never launched there.
             scaling={"min_workers": 2, "max_workers": 4, "cpus_per_worker": 1},
             training={"max_steps": MAX_STEPS},
-            checkpoint={"every_steps": 10},
+            # Peer copies every step: newer than the step-10 checkpoint whenever the node
+            # goes (at the measured default interval the checkpoint may be the newer one).
+            checkpoint={"every_steps": 10, "memory_every": 1},
             failure={"max_restarts": 2},
         )
         job_id = submit(client, spec)

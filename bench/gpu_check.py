@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 from workers.devices import TEST_GPU_ON_CPU, gpu_on_cpu  # noqa: E402 (no torch import)
 
 SITE = ROOT / ".gpu-site"
+PROFILES = ROOT / ".gpu-site" / "profiles.txt"
 #: module -> the distribution that provides it (what the service imports beyond torch).
 SERVICE_MODULES = {
     "ray": "ray",
@@ -249,7 +250,8 @@ def rates(step_s: float, shape: Shape, gpus: int, device: str) -> tuple[float, f
     return shape.tokens_per_step / step_s, mfu
 
 
-def plain_torchrun(strategy: str, shape: Shape, gpus: int, deadline: Deadline) -> float:
+def plain_torchrun(strategy: str, shape: Shape, gpus: int, deadline: Deadline,
+                   *, sync_every_step: bool = False) -> float:  # fmt: skip
     """The mean step time (s) of the plain script, after its warm-up steps."""
     on_cpu = gpu_on_cpu()
     with tempfile.TemporaryDirectory() as tmp:
@@ -261,7 +263,7 @@ def plain_torchrun(strategy: str, shape: Shape, gpus: int, deadline: Deadline) -
             "--precision", "fp32" if on_cpu else "bf16",
             "--steps", str(shape.steps + WARMUP_STEPS), "--params", json.dumps(shape.params),
             "--global-batch", str(shape.global_batch), "--micro-batch", str(shape.micro_batch),
-            "--out", str(out),
+            "--out", str(out), *(["--sync-every-step"] if sync_every_step else []),
         ]  # fmt: skip
         say(" ".join(argv[1:]))
         subprocess.run(argv, check=True, timeout=deadline.left(300), cwd=ROOT)
@@ -448,6 +450,14 @@ def run_job(svc: Service, report: Report, strategy: str, shape: Shape, gpus: int
     step_s = throughput_step_s(points, 1, shape.checkpoint_every)
     tokens, mfu = rates(step_s, shape, len(first), device)
     report.throughput.append((label, "service", tokens, mfu))
+    inside = statistics.median(float(p["step_time_s"]) for p in points
+                               if p["attempt"] == 1 and p["step"] > WARMUP_STEPS + 1
+                               and p.get("step_time_s") is not None)  # fmt: skip
+    report.environment.append(
+        f"{label}: a steady step {steady_step_s(points, 1) * 1e3:.1f} ms from end to end, of "
+        f"which the strategy's step (forward, backward, agreement, update) "
+        f"{inside * 1e3:.1f} ms (medians)"
+    )
     report.timelines.append((label, *timeline_of(svc, job, 1), restore_source(svc, job, 1)))
     stall, whole = checkpoint_costs(points, 1, shape.checkpoint_every)
     report.checkpoints += [(label, "async save: stall per checkpoint", stall),
@@ -511,6 +521,19 @@ def service_checks(report: Report, shape: Shape, gpus: int, device: str,
             with step(report, f"service: {strategy} bf16 job"):
                 run_job(svc, report, strategy, shape, gpus, device, deadline,
                         kill=strategy == "ddp")  # fmt: skip
+        keep_profiles(Path(tmp))
+
+
+def keep_profiles(root: Path) -> None:
+    """Step profiles the jobs wrote (`ELASTRAIN_PROFILE_STEPS`, `workers/profiling.py`)
+    into one file beside the report, before the service's storage goes."""
+    found = sorted(root.rglob("jobs/*/profile/*.txt"))
+    if found:
+        PROFILES.parent.mkdir(exist_ok=True)
+        PROFILES.write_text(
+            "\n\n".join(f"== {p.relative_to(root)}\n{p.read_text()}" for p in found)
+        )
+        say(f"{len(found)} step profiles -> {PROFILES}")
 
 
 # -- 5. the report -----------------------------------------------------------------------------
@@ -534,13 +557,15 @@ def render(report: Report, command: str) -> str:
     if report.throughput:
         lines += ["## Throughput", "",
                   "| job | plain torchrun tokens/s | service tokens/s | ratio (target >= 0.98) "
-                  "| plain MFU | service MFU |", "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+                  "| plain MFU | service MFU | plain with a host sync per step: tokens/s |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
         for label in dict.fromkeys(t[0] for t in report.throughput):
             got = {who: (tok, mfu) for lab, who, tok, mfu in report.throughput if lab == label}
             plain, served = got.get("plain", (None, None)), got.get("service", (None, None))
+            synced = got.get("synced", (None, None))
             ratio = served[0] / plain[0] if plain[0] and served[0] else None
             lines.append(f"| {label} | {_num(plain[0])} | {_num(served[0])} | {_ratio(ratio)} "
-                         f"| {_pct(plain[1])} | {_pct(served[1])} |")  # fmt: skip
+                         f"| {_pct(plain[1])} | {_pct(served[1])} | {_num(synced[0])} |")  # fmt: skip
         lines.append("")
     if report.timelines:
         phases = ["old_group_stopped", "placed", "processes_up", "group_formed",
@@ -593,6 +618,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench-gpu.md")
     parser.add_argument("--time-limit", type=float, default=480.0, help="seconds, all steps")
     parser.add_argument("--skip-service", action="store_true", help="plain torchrun only")
+    parser.add_argument(
+        "--sync-reference", action="store_true",
+        help="also run the plain script with a host sync per step (as the service's step "
+        "agreement makes): what that sync alone costs",
+    )  # fmt: skip
     parser.add_argument(
         "--test-on-cpu", type=int, metavar="GPUS", default=0,
         help=f"test-only: pretend GPUS GPUs ({TEST_GPU_ON_CPU}: ranks on CPU, gloo, fp32) "
@@ -658,6 +688,11 @@ def main() -> int:
                 step_s = plain_torchrun(strategy, shape, gpus, deadline)
                 label = f"{strategy} {'fp32 on CPU' if gpu_on_cpu() else 'bf16'}"
                 report.throughput.append((label, "plain", *rates(step_s, shape, gpus, devices[0])))
+            if not args.sync_reference:
+                continue
+            with step(report, f"plain torchrun, a host sync per step: {strategy} bf16"):
+                step_s = plain_torchrun(strategy, shape, gpus, deadline, sync_every_step=True)
+                report.throughput.append((label, "synced", *rates(step_s, shape, gpus, devices[0])))
         if args.skip_service:
             report.failures.append("service: not run (--skip-service)")
         elif not any(f.startswith("environment") for f in report.failures):

@@ -47,6 +47,11 @@ def clip_over_stages(stage: torch.nn.Module, max_norm: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["ddp", "fsdp", "pipeline"], required=True)
+    parser.add_argument(
+        "--sync-every-step", action="store_true",
+        help="read the loss on the host before each update, as the service's step does "
+        "(its step agreement): the reference that shows what that sync costs",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=16)
@@ -124,7 +129,9 @@ def main() -> None:
         if args.strategy == "pipeline":
             clip_over_stages(model, 1.0)
         else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if args.sync_every_step:
+                norm.item()  # one host sync per step, before the update
         optimizer.step()
         times.append(time.time())
     if device.type == "cuda":

@@ -16,7 +16,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 #: `ELASTRAIN_*` variables the workers themselves read (node settings, no secrets).
-WORKER_VARIABLES = frozenset({"ELASTRAIN_PEAK_FLOPS", "ELASTRAIN_PACKAGE_CACHE"})
+WORKER_VARIABLES = frozenset(
+    {"ELASTRAIN_PEAK_FLOPS", "ELASTRAIN_PACKAGE_CACHE", "ELASTRAIN_PROFILE_STEPS"}
+)
 #: libpq reads these (a password, a password file, a service file): never for workers.
 _LIBPQ_PREFIX = "PG"
 

@@ -29,6 +29,7 @@ from workers.checkpointing import make_checkpointer, save_checkpoint, settles_st
 from workers.lr_schedule import lr_at
 from workers.memory import ReplicaMemory
 from workers.memory.snapshots import PeerRefresher
+from workers.profiling import StepProfiler
 from workers.reports import Reports
 from workers.resume import describe_restore, restore
 from workers.rng import seed_everything
@@ -124,11 +125,13 @@ def _train(
     # A newer attempt of the job exists (this one's node was declared lost but its
     # processes live on): stop before doing or writing anything more (checkpoints/fence.py).
     fence = FenceWatcher(ctx.checkpoint_root.parent, ctx.attempt, owner=ctx.database)
+    profiler = StepProfiler.from_env(ctx.checkpoint_root.parent, ctx.attempt, ctx.rank)
     with stops_when_superseded(ctx), settles_staging(checkpointer):
         for step in range(start_step, max_steps):
             if ctx.abort is not None and ctx.abort.is_set():
                 raise AttemptAborted(f"attempt {ctx.attempt} released at step {step}")
             fence.check()
+            profiler.before(step + 1)
             t0 = time.perf_counter()
             meter.start_step()
             ids = sampler.microbatches(step, layout.dp_rank, layout.dp, micro_batch)
@@ -173,6 +176,7 @@ def _train(
             if done < max_steps:
                 peers.after_step(memory.copies, strategy, done, step_time,
                                  final=control in _STOPS)  # fmt: skip
+            profiler.after(done)
             if control in _STOPS:
                 break
 

@@ -181,6 +181,9 @@ class ShardedCheckpointer:
 
     def _stage(self, state: dict[str, Any]) -> Future[Any]:
         """Start the staging copy of `state` in the stager's thread."""
+        if self._stager is not None and not _still_usable(self._stager):
+            self._stager.close()
+            self._stager = None
         if self._stager is None:
             accelerator = torch.accelerator.is_available()
             self._stager = DefaultStager(
@@ -368,3 +371,13 @@ def corrupt_shard_reason(error: BaseException) -> str | None:
         reasons.append(failure.reason)
     # The rank that found the problem says what it is; the others only that it was found.
     return min(reasons, key=lambda r: r.startswith("another rank"))
+
+
+def _still_usable(stager: DefaultStager) -> bool:
+    """Whether `stager` can stage again. torch 2.11 empties its copy table after every
+    stage made with non-blocking device copies (its `_stage` closes the StateDictStager,
+    dropping the pinned buffers too), and the next stage then fails on any state
+    (KeyError(<class 'type'>): seen on the GPU check's image, every async save after a
+    job's first); 2.13 keeps the table. Internals not found: assumed usable."""
+    table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+    return not isinstance(table, dict) or dict in table

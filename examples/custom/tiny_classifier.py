@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.api import Workload
+import elastrain
 
 
 class TwoMoons(torch.utils.data.Dataset):
@@ -32,8 +32,10 @@ class TwoMoons(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
-def make_workload(hidden: int = 64, n: int = 4096, seed: int = 0) -> Workload:
+def make_workload(hidden: int = 64, n: int = 4096, seed: int = 0) -> elastrain.Workload:
     model = nn.Sequential(
         nn.Linear(2, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2)
     )
-    return Workload(model=model, dataset=TwoMoons(n, seed), loss_fn=nn.functional.cross_entropy)
+    return elastrain.Workload(
+        model=model, dataset=TwoMoons(n, seed), loss_fn=nn.functional.cross_entropy
+    )

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.profiling import StepProfiler, steps_of
+from elastrain.workers.profiling import StepProfiler, steps_of
 
 
 @pytest.mark.parametrize(
@@ -40,3 +40,4 @@ def test_unset_writes_nothing(tmp_path: Path) -> None:
     profiler.before(1)
     profiler.after(1)
     assert not (tmp_path / "p.txt").exists()
+

@@ -22,19 +22,20 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from contracts.messages import Control
-from contracts.spec import JobSpec, MixedPrecision
-from workers.agreement import StepAgreement
-from workers.api import TrainContext, Workload
-from workers.strategies.base import (
+from elastrain.contracts.messages import Control
+from elastrain.contracts.spec import JobSpec, MixedPrecision
+from elastrain.workers.agreement import StepAgreement
+from elastrain.workers.api import TrainContext, Workload
+from elastrain.workers.strategies.base import (
     Layout,
     MicroBatch,
     StepResult,
     Strategy,
     microbatch_loss,
     no_staging_wait,
+    to_device,
 )
-from workers.strategies.grad_norm import clip_grads_
+from elastrain.workers.strategies.grad_norm import clip_grads_
 
 
 def grad_clip_of(spec: JobSpec, override: float | EllipsisType | None) -> float | None:
@@ -105,7 +106,7 @@ class DataParallelStrategy(Strategy):
         wait_staged: Callable[[], float] = no_staging_wait,
     ) -> StepResult:
         # What every rank must hold alike before any updates its weights: the global loss
-        # and rank 0's control (`workers.agreement`).
+        # and rank 0's control (`elastrain.workers.agreement`).
         agreement = StepAgreement(control)
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -154,8 +155,8 @@ class DataParallelStrategy(Strategy):
         self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One micro-batch's forward: (loss to call backward on, detached summed loss)."""
-        inputs = inputs.to(self.device, non_blocking=True)
-        targets = targets.to(self.device, non_blocking=True)
+        inputs = to_device(inputs, self.device)
+        targets = to_device(targets, self.device)
         # Forward only under autocast: backward under autocast is discouraged.
         with self._autocast(), self.activations.measuring():
             loss, summed = microbatch_loss(self.model, self.loss_fn, inputs, targets, loss_scale)
@@ -174,11 +175,11 @@ class DataParallelStrategy(Strategy):
         try:
             with torch.no_grad(), self._autocast():
                 for inputs, targets in microbatches:
-                    inputs = inputs.to(self.device, non_blocking=True)
+                    inputs = to_device(inputs, self.device)
                     if inputs.shape[0] == 0:  # an empty share still joins FSDP's gathers
                         self.model(inputs.new_zeros((1, *inputs.shape[1:])))
                         continue
-                    targets = targets.to(self.device, non_blocking=True)
+                    targets = to_device(targets, self.device)
                     total += self.loss_fn(self.model(inputs), targets).float() * inputs.shape[0]
         finally:
             self.model.train(was_training)
@@ -237,7 +238,7 @@ def allreduce_carrying_agreement(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP's own all-reduce (gradients averaged over the ranks), except that the first
     bucket of a sync that has a step agreement to carry sums the agreement's two values
-    with the gradients, in one collective (`workers.agreement`). The first bucket is
+    with the gradients, in one collective (`elastrain.workers.agreement`). The first bucket is
     reduced first (the last layers' gradients, DDP's small first bucket), and every rank
     hands over an agreement at the same step, so every rank packs alike."""
     agreement, grads = carrier.agreement, bucket.buffer()

@@ -35,6 +35,7 @@ from workers.strategies.base import (
     no_staging_wait,
 )
 from workers.strategies.grad_norm import clip_grads_
+from workers.workloads import WorkloadError
 
 
 def grad_clip_of(spec: JobSpec, override: float | EllipsisType | None) -> float | None:
@@ -65,7 +66,7 @@ class DataParallelStrategy(Strategy):
         self._reports_loss = self.layout.tp_rank == 0
         precision = spec.strategy.mixed_precision
         if precision is not None and ctx.device.type != "cuda":
-            raise ValueError(
+            raise WorkloadError(
                 f"strategy.mixed_precision={precision.value!r} needs a GPU (device is cpu)"
             )
         dtype = _DTYPES[precision] if precision is not None else None

@@ -33,13 +33,14 @@ from workers.strategies.base import Layout
 from workers.strategies.collectives import all_reduce_scaled
 from workers.strategies.ddp import DataParallelStrategy
 from workers.strategies.mesh import grid_layout, grid_mesh
+from workers.workloads import WorkloadError
 
 
 def parallelize(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split `model` in place over `tp_mesh` by its `tensor_parallel_plan()`."""
     plan_of = getattr(model, "tensor_parallel_plan", None)
     if not callable(plan_of):
-        raise ValueError(
+        raise WorkloadError(
             "strategy.tensor_parallel needs a model with tensor_parallel_plan() (the built-in "
             "gpt has one); this workload's model has none"
         )

@@ -52,6 +52,13 @@ def _is_gloo_peer_gone(exc: BaseException) -> bool:
     return "gloo" in text and any(marker in text for marker in _GLOO_PEER_GONE)
 
 
+#: Failures on a first use that may not come again on a retry: out of memory (another world
+#: size shards the state thinner), and the device's own faults (a GPU that fell off the bus,
+#: an ECC error: the retry runs on another device).
+_NOT_THE_WORKLOADS = (torch.OutOfMemoryError, MemoryError, torch.AcceleratorError)
+_DEVICE_FAULT_WORDS = ("cuda error", "cudnn_status", "cublas_status", "nccl")
+
+
 @contextlib.contextmanager
 def configuration_errors(what: str) -> Iterator[None]:
     """What the workload's own code raises in here is a configuration error (`what` raised
@@ -61,15 +68,20 @@ def configuration_errors(what: str) -> Iterator[None]:
     Used around building the workload and its first use: the dataset's length and first
     sample, and the job's first training step (the first forward, loss and backward on
     real samples). Left as they are: a peer gone from a collective (PEER_LOST: an echo of
-    another failure), and running out of memory (a retry at another world size, where each
-    rank holds less, may fit)."""
+    another failure), running out of memory and the device's faults (a retry may not meet
+    them)."""
     try:
         yield
     except WorkloadError:
         raise
     except Exception as exc:
-        if error_kind(exc) != ErrorKind.RAISED or isinstance(
-            exc, (torch.OutOfMemoryError, MemoryError)
-        ):
+        if error_kind(exc) != ErrorKind.RAISED or _may_pass(exc):
             raise
         raise WorkloadError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _may_pass(exc: BaseException) -> bool:
+    if isinstance(exc, _NOT_THE_WORKLOADS):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in _DEVICE_FAULT_WORDS)

@@ -144,6 +144,8 @@ def _train(
                 if step == 0
                 else contextlib.nullcontext()
             )
+            # Asked outside it: the service's side of the line is not the workload's code.
+            asked = reports.poll_control()
             # Every rank agrees on the step (the global loss, rank 0's control) before any
             # updates its weights, so all act on a control at the same step.
             with first_use:
@@ -151,7 +153,7 @@ def _train(
                     [collate(mb) for mb in ids],
                     loss_scale=loss_scale,
                     lr=lr_at(step, training),  # a function of the step: resumes agree
-                    control=reports.poll_control(),
+                    control=asked,
                     wait_staged=checkpointer.wait_staged,
                 )
             done = ctx.step = memory.step = step + 1

@@ -138,6 +138,9 @@ def test_old_rows_load_with_a_kind(row: dict, kind: ErrorKind) -> None:
         (dist.DistNetworkError("recv failed"), False),
         (torch.OutOfMemoryError("CUDA out of memory"), False),
         (MemoryError(), False),
+        (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), False),
+        (RuntimeError("CUDA error: uncorrectable ECC error encountered"), False),
+        (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"), False),
     ],
 )
 def test_what_the_workload_raises_on_first_use_is_a_configuration_error(

@@ -3,8 +3,8 @@ after its one attempt with the workload's own message, no restart counted, howev
 error shows (the factory raises, the module raises on import, the dataset or the model
 raises on their first use, the model lacks what the strategy needs).
 
-An error in the workload's code after the job has made progress is still retried (that is
-the recovery tests' business): only the first use is known to fail the same on a retry.
+An error in the workload's code after the job has made progress is still retried: only the
+first use is known to fail the same on a retry.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import zipfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.ray
 
 #: A tenant's package: each factory fails in its own way; `fine` trains.
 BROKEN = '''\
+import os
+
 import torch
 from torch import nn
 
@@ -70,6 +73,21 @@ def empty():
 
 def fine():
     return Workload(model=nn.Linear(4, 1), dataset=_data(), loss_fn=nn.functional.mse_loss)
+
+
+def fails_once_later(marker: str):
+    """Its third loss (the second step's) raises, once: after progress, as a flaky read
+    does; the next attempt trains on."""
+    calls = []
+
+    def loss(out, target):
+        calls.append(1)
+        if len(calls) == 3 and not os.path.exists(marker):
+            open(marker, "w").close()
+            raise ValueError("read timed out on s3://bucket/shard-7")
+        return nn.functional.mse_loss(out, target)
+
+    return Workload(model=nn.Linear(4, 1), dataset=_data(), loss_fn=loss)
 '''
 BROKEN_ON_IMPORT = 'raise RuntimeError("config.toml not found next to the model")\n'
 
@@ -148,3 +166,18 @@ def test_the_same_package_trains_when_its_factory_is_sound(
     job = wait_terminal(service, submit(service, _spec("sound", "broken_model:fine", package)))
     assert job["state"] == "SUCCEEDED", job
     assert job["restarts"] == 0
+
+
+def test_an_error_after_the_first_step_is_still_retried(
+    service: TestClient, package: str, tmp_path: Path
+) -> None:
+    """Only the first use is known to fail the same again: later, the workload's error is
+    an ordinary failure, retried with a restart counted."""
+    spec = _spec("later", "broken_model:fails_once_later", package)
+    spec["workload"]["params"] = {"marker": str(tmp_path / "failed-once")}
+    spec["training"]["max_steps"] = 4
+    job = wait_terminal(service, submit(service, spec))
+    assert job["state"] == "SUCCEEDED", job
+    assert job["restarts"] == 1 and job["attempt"] == 2, job
+    events = service.get(f"/v1/jobs/{job['id']}/events").json()
+    assert any("read timed out on s3://bucket/shard-7" in (e["reason"] or "") for e in events)

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from contracts.spec import ActivationCheckpointing
-from workers.workloads import WorkloadError
+from elastrain.contracts.spec import ActivationCheckpointing
+from elastrain.workers.workloads import WorkloadError
 
 
 class ActivationMeter:

@@ -14,8 +14,8 @@ from typing import Annotated
 
 import typer
 
-from api.cli import admin, client, nodes, offline, packages, server
-from api.cli.connection import DEFAULT_URL, Api, connected
+from elastrain.api.cli import admin, client, nodes, offline, packages, server
+from elastrain.api.cli.connection import DEFAULT_URL, Api, connected
 
 #: Commands that speak no REST: `--url` and `--token` after them stay an error.
 OFFLINE_COMMANDS = frozenset({"serve", "prepare-text"})

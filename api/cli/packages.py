@@ -8,8 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
-from api.cli.connection import api
-from api.cli.output import size, table
+from elastrain.api.cli.connection import api
+from elastrain.api.cli.output import size, table
 
 _DIGEST = typer.Argument(help="The package's digest (sha256:...), as `submit -w` printed it.")
 _GRANT_COLUMNS = ["tenant", "uploaded", "granted_by", "size", "created_at"]

@@ -29,7 +29,7 @@ import os
 import torch
 from torch import nn
 
-from workers.api import Workload
+from elastrain.workers.api import Workload
 
 
 def raises(size: int = 4):

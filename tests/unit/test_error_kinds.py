@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from contracts.messages import ErrorKind, WorkerError
-from workers.errors import error_kind
-from workers.rendezvous import host_store
-from workers.workloads import WorkloadError
+from elastrain.contracts.messages import ErrorKind, WorkerError
+from elastrain.workers.errors import error_kind
+from elastrain.workers.rendezvous import host_store
+from elastrain.workers.workloads import WorkloadError
 
 # What gloo raised in torch 2.13 on CPU to the surviving rank when its peer's process
 # exited mid all-reduce, and mid DDP backward (the same text; a plain RuntimeError).
@@ -146,7 +146,7 @@ def test_old_rows_load_with_a_kind(row: dict, kind: ErrorKind) -> None:
 def test_what_the_workload_raises_on_first_use_is_a_configuration_error(
     exc: Exception, configuration: bool
 ) -> None:
-    from workers.errors import configuration_errors
+    from elastrain.workers.errors import configuration_errors
 
     first_step = configuration_errors("workload: the job's first training step")
     with pytest.raises(Exception) as raised, first_step:
@@ -162,7 +162,7 @@ def test_what_the_workload_raises_on_first_use_is_a_configuration_error(
 
 
 def test_a_workload_error_passes_through_unchanged() -> None:
-    from workers.errors import configuration_errors
+    from elastrain.workers.errors import configuration_errors
 
     original = WorkloadError("workload.params.x: unknown")
     with pytest.raises(WorkloadError) as raised, configuration_errors("anything"):

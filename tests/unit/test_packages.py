@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from api.workdir import collect, pack
-from contracts.messages import ErrorKind
-from contracts.packages import (
+from elastrain.api.workdir import collect, pack
+from elastrain.contracts.messages import ErrorKind
+from elastrain.contracts.packages import (
     Manifest,
     PackageLimits,
     PackageRefused,
@@ -28,8 +28,8 @@ from contracts.packages import (
     modules_of,
     safe_relative_path,
 )
-from service.packages import load_manifest, packages_root, store_archive
-from workers import packages as worker_packages
+from elastrain.service.packages import load_manifest, packages_root, store_archive
+from elastrain.workers import packages as worker_packages
 
 
 @pytest.mark.parametrize(
@@ -303,8 +303,8 @@ def test_a_module_that_resolves_outside_the_package_is_refused(
 def test_what_a_package_raises_on_import_is_a_configuration_error(
     tmp_path: Path, storage: Path, cache: Path
 ) -> None:
-    from workers.errors import error_kind
-    from workers.workloads import WorkloadError
+    from elastrain.workers.errors import error_kind
+    from elastrain.workers.workloads import WorkloadError
 
     digest = _upload(tmp_path, storage, "a", {"wd_broken.py": "import wd_not_shipped\n"})
     files = worker_packages.materialize(storage, digest)
@@ -336,7 +336,7 @@ DAY = 86400.0
     ],
 )
 def test_stale_packages(stored: dict[str, float], in_use: set[str], expected: list[str]) -> None:
-    from service.packages import stale_packages
+    from elastrain.service.packages import stale_packages
 
     assert stale_packages(stored, in_use, now=10 * DAY, keep_s=7 * DAY) == expected
 
@@ -344,7 +344,7 @@ def test_stale_packages(stored: dict[str, float], in_use: set[str], expected: li
 def test_sweep_deletes_whole_packages_and_abandoned_uploads(tmp_path: Path, storage: Path) -> None:
     import time
 
-    from service.packages import sweep, touch
+    from elastrain.service.packages import sweep, touch
 
     old = _upload(tmp_path, storage, "old", {"m.py": "A = 1\n"})
     used = _upload(tmp_path, storage, "used", {"m.py": "A = 2\n"})

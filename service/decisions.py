@@ -19,7 +19,7 @@ row by row in tests/unit/test_decisions.py.
 | any active | driver SUCCEEDED | end the attempt -> SUCCEEDED |
 | RESIZING | driver STOPPED after its checkpoint | end the attempt, relaunch at the new size |
 | any active | driver FAILED or LOST | end the attempt (a restart counted) -> RECOVERING and relaunch after a backoff; or -> FAILED when restarts are used up or the same error recurs at the same step |
-| any active | driver FAILED: the workload could not be built | end the attempt -> FAILED at once (a configuration error is not retried) |
+| any active | driver FAILED: the workload cannot run (built, imported or first used: `elastrain.workers.errors.configuration_errors`) | end the attempt -> FAILED at once (a configuration error is not retried) |
 | RECOVERING, RESIZING without an attempt | capacity for min workers | start the next attempt at the size that fits |
 | RECOVERING, RESIZING without an attempt | below min | wait (event, reason); -> FAILED after `below_min_timeout_s` |
 | RUNNING | a bigger size possible for `grow_interval_s`, nobody queued | ask the attempt to checkpoint and stop -> RESIZING |

@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from elastrain.contracts.spec import ActivationCheckpointing
+from elastrain.workers.workloads import WorkloadError
 
 
 class ActivationMeter:
@@ -100,7 +101,7 @@ def apply_activation_checkpointing(
         return 0
     shard_units = getattr(model, "shard_units", None)
     if not callable(shard_units):
-        raise ValueError(
+        raise WorkloadError(
             "training.activation_checkpointing needs a model with shard_units() (the "
             "blocks to recompute); this workload's model has none"
         )

@@ -51,7 +51,15 @@ class SampleDataset(Protocol):
 
 @dataclass(kw_only=True)
 class Workload:
-    """What a workload factory (`module:function`, called with the spec's params) returns."""
+    """What a workload factory (`module:function`, called with the spec's params) returns.
+
+    A workload that cannot run fails its job at once, with its own message and no restart
+    counted (a configuration error: a retry would fail the same): whatever its module
+    raises on import, its factory raises, its dataset raises for its length or first
+    sample, and what the job's first training step raises (the first forward, loss and
+    backward on real samples), but for out of memory, a device fault or a peer gone.
+    After the first step an exception is retried as any failure is (`failure.max_restarts`).
+    """
 
     model: nn.Module
     """The full model, built on CPU. Strategies move it to the device and wrap it.

@@ -6,6 +6,10 @@ the one place that looks at an exception to name its kind.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import torch
 import torch.distributed as dist
 
 from elastrain.contracts.messages import ErrorKind
@@ -46,3 +50,38 @@ def _is_gloo_peer_gone(exc: BaseException) -> bool:
         return False
     text = str(exc).lower()
     return "gloo" in text and any(marker in text for marker in _GLOO_PEER_GONE)
+
+
+#: Failures on a first use that may not come again on a retry: out of memory (another world
+#: size shards the state thinner), and the device's own faults (a GPU that fell off the bus,
+#: an ECC error: the retry runs on another device).
+_NOT_THE_WORKLOADS = (torch.OutOfMemoryError, MemoryError, torch.AcceleratorError)
+_DEVICE_FAULT_WORDS = ("cuda error", "cudnn_status", "cublas_status", "nccl")
+
+
+@contextlib.contextmanager
+def configuration_errors(what: str) -> Iterator[None]:
+    """What the workload's own code raises in here is a configuration error (`what` raised
+    it): code that fails on its first use fails the same way on every retry, so the job
+    fails at once with its message instead of burning its restarts.
+
+    Used around building the workload and its first use: the dataset's length and first
+    sample, and the job's first training step (the first forward, loss and backward on
+    real samples). Left as they are: a peer gone from a collective (PEER_LOST: an echo of
+    another failure), running out of memory and the device's faults (a retry may not meet
+    them)."""
+    try:
+        yield
+    except WorkloadError:
+        raise
+    except Exception as exc:
+        if error_kind(exc) != ErrorKind.RAISED or _may_pass(exc):
+            raise
+        raise WorkloadError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _may_pass(exc: BaseException) -> bool:
+    if isinstance(exc, _NOT_THE_WORKLOADS):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in _DEVICE_FAULT_WORDS)

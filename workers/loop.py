@@ -32,6 +32,7 @@ from elastrain.workers.api import (
     TrainResult,
 )
 from elastrain.workers.checkpointing import make_checkpointer, save_checkpoint, settles_staging
+from elastrain.workers.errors import configuration_errors
 from elastrain.workers.lr_schedule import lr_at
 from elastrain.workers.memory import ReplicaMemory
 from elastrain.workers.memory.snapshots import PeerRefresher
@@ -87,9 +88,10 @@ def _train(
     )
     strategy.setup(workload, ctx, spec)
     layout = strategy.layout
-    sampler = ElasticSampler(len(workload.dataset), global_batch, training.seed)
-    collate = Collator(workload.dataset)
-    evaluator = Evaluator.of(workload.eval_dataset, spec, ctx.device)
+    with configuration_errors("workload: its dataset"):  # its length, its first sample
+        sampler = ElasticSampler(len(workload.dataset), global_batch, training.seed)
+        collate = Collator(workload.dataset)
+        evaluator = Evaluator.of(workload.eval_dataset, spec, ctx.device)
     checkpointer = make_checkpointer(ctx, spec)
     # Peer memory: each rank's shard kept in host memory with a copy on another node.
     peers = PeerRefresher.join(ctx, spec)
@@ -141,15 +143,25 @@ def _train(
             t0 = time.perf_counter()
             meter.start_step()
             ids = sampler.microbatches(step, layout.dp_rank, layout.dp, micro_batch)
+            # The job's very first step is the workload's code's first run on real samples
+            # (forward, loss, backward): what it raises there it raises on every retry.
+            first_use = (
+                configuration_errors("workload: the job's first training step")
+                if step == 0
+                else contextlib.nullcontext()
+            )
+            # Asked outside it: the service's side of the line is not the workload's code.
+            asked = reports.poll_control()
             # Every rank agrees on the step (the global loss, rank 0's control) before any
             # updates its weights, so all act on a control at the same step.
-            result = strategy.step(
-                [collate(mb) for mb in ids],
-                loss_scale=loss_scale,
-                lr=lr_at(step, training),  # a function of the step: resumes agree
-                control=reports.poll_control(),
-                wait_staged=checkpointer.wait_staged,
-            )
+            with first_use:
+                result = strategy.step(
+                    [collate(mb) for mb in ids],
+                    loss_scale=loss_scale,
+                    lr=lr_at(step, training),  # a function of the step: resumes agree
+                    control=asked,
+                    wait_staged=checkpointer.wait_staged,
+                )
             done = ctx.step = memory.step = step + 1
             step_time = time.perf_counter() - t0
             loss, control = result.loss_sum / global_batch, result.control

@@ -35,6 +35,7 @@ from elastrain.contracts.packages import (
     modules_of,
     tree_digest,
 )
+from elastrain.workers.workloads import WorkloadError
 
 _VERIFIED = ".verified"
 _CHUNK = 1 << 20
@@ -124,8 +125,18 @@ def activate(files: Path | None) -> None:
 
 
 def import_from(files: Path, module_name: str) -> None:
-    """Import the entrypoint's module now, and refuse it unless it came from the package."""
-    module = importlib.import_module(module_name)
+    """Import the entrypoint's module now, and refuse it unless it came from the package.
+
+    What the import raises is the package's own doing (its top-level code, a dependency it
+    lacks): a configuration error, the same on every retry. A package that cannot be read
+    is not (`PackageUnavailable`, raised before this: the storage may come back)."""
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise WorkloadError(
+            f"workload.entrypoint: importing module {module_name!r} from the package raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     origin = getattr(module, "__file__", None)
     if not origin or not _under(Path(origin), files.resolve()):
         raise PackageUnavailable(

@@ -2,38 +2,27 @@
 talks to the REST API over HTTP.
 
 The commands live by what they do: `client` (jobs, over REST), `admin` (tokens and
-tenants), `nodes` (the cluster, drain and undrain), `server` (`serve`), `offline` (tools that need no server). Importing this loads
+tenants), `nodes` (the cluster, drain and undrain), `packages` (see and share uploaded
+working directories), `server` (`serve`), `offline` (tools that need no server).
+Importing this loads
 neither the service nor FastAPI; `serve` imports them when it runs.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from typer.core import TyperGroup
 
-from elastrain.api.cli import admin, client, nodes, offline, server
-from elastrain.api.cli.connection import DEFAULT_URL, Api, hoist_connection_options
+from elastrain.api.cli import admin, client, nodes, offline, packages, server
+from elastrain.api.cli.connection import DEFAULT_URL, Api, connected
 
 #: Commands that speak no REST: `--url` and `--token` after them stay an error.
 OFFLINE_COMMANDS = frozenset({"serve", "prepare-text"})
 
-
-class _ConnectionOptionsAnywhere(TyperGroup):
-    """`--url` and `--token` before the command, or after it (`elastrain submit job.yaml
-    --url URL`), as kubectl, gh and `ray job submit --address` take theirs."""
-
-    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        hoisted = hoist_connection_options(args, offline=OFFLINE_COMMANDS)
-        parsed: list[str] = super().parse_args(ctx, hoisted)
-        return parsed
-
-
 app = typer.Typer(
     name="elastrain",
     help="Elastic PyTorch training on Ray: submit, watch and steer jobs.",
-    cls=_ConnectionOptionsAnywhere,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -82,3 +71,27 @@ tenant_app = typer.Typer(help="Tenants and their quotas of running workers (admi
 tenant_app.command("list")(admin.tenant_list)
 tenant_app.command("set")(admin.tenant_set)
 app.add_typer(tenant_app, name="tenant")
+
+packages_app = typer.Typer(
+    help="Packages (working directories uploaded by `submit -w`): see one, share it (admin)."
+)
+packages_app.command("show")(packages.show)
+packages_app.command("share")(packages.share)
+packages_app.command("unshare")(packages.unshare)
+app.add_typer(packages_app, name="packages")
+
+
+def _connect(typer_app: typer.Typer) -> None:
+    """Every REST command, in every group, also takes `--url` and `--token` after its
+    name (`connection.connected`); the offline ones do not."""
+    for info in typer_app.registered_commands:
+        assert info.callback is not None
+        name = info.name or info.callback.__name__.replace("_", "-")
+        if name not in OFFLINE_COMMANDS:
+            info.callback = connected(info.callback)
+    for group in typer_app.registered_groups:
+        assert group.typer_instance is not None
+        _connect(group.typer_instance)
+
+
+_connect(app)

@@ -1,11 +1,13 @@
-"""How the commands reach the REST API: the HTTP client, and where on the command line its
-connection options (`--url`, `--token`) may stand."""
+"""How the commands reach the REST API: the HTTP client, and its connection options
+(`--url`, `--token`), which stand before the command or after it."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import httpx
 import typer
@@ -13,10 +15,6 @@ import typer
 from elastrain.api.cli.output import fail
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-
-#: The options the top-level command parses, which `elastrain COMMAND ... --url URL` may
-#: also give after the command (as kubectl, gh and `ray job submit --address` allow).
-CONNECTION_OPTIONS = ("--url", "--token")
 
 
 class Api:
@@ -35,7 +33,13 @@ class Api:
             fail(f"cannot reach the elastrain API at {self.url} ({exc})", code=2)
         if response.is_error:
             fail(f"error {response.status_code}: {_error_message(response)}")
+        if response.status_code == 204:  # done, nothing to say (e.g. a share withdrawn)
+            return None
         return response.json()
+
+    def using(self, *, url: str | None = None, token: str | None = None) -> Api:
+        """This client with `url` or `token` replaced (None: kept)."""
+        return Api(self.url if url is None else url, self.token if token is None else token)
 
     def exists(self, path: str) -> bool:
         """GET `path`: True on 200, False on 404, a clear failure on anything else."""
@@ -67,41 +71,56 @@ def _error_message(response: httpx.Response) -> str:
 
 
 def api(ctx: typer.Context) -> Api:
-    """The client the top-level command made from `--url` and `--token`."""
+    """The client the top-level command made from `--url` and `--token` (replaced by
+    those given after the command, `accept_connection_options`)."""
     client: Api = ctx.obj
     return client
 
 
-def hoist_connection_options(args: Sequence[str], *, offline: Collection[str]) -> list[str]:
-    """`args` with the connection options given after the command moved before it, where
-    the top-level command parses them: `submit job.yaml --url U` reads as
-    `--url U submit job.yaml`. Moved after any given before, so the one nearer the end
-    wins, as a repeated option does. Left alone: everything after `--`, an option whose
-    value is missing (the command refuses it), and commands in `offline`, which speak no
-    REST (so `serve --url U` is still refused)."""
-    args = list(args)
-    # The top-level options come first; the first word that is not one is the command.
-    at = 0
-    while at < len(args) and args[at].startswith("-"):
-        at += 2 if args[at] in CONNECTION_OPTIONS else 1
-    if at >= len(args) or args[at] in offline:
-        return args
-    command, rest = args[: at + 1], args[at + 1 :]
-    hoisted: list[str] = []
-    kept: list[str] = []
-    i = 0
-    while i < len(rest):
-        arg = rest[i]
-        if arg == "--":
-            kept += rest[i:]
-            break
-        if arg in CONNECTION_OPTIONS and i + 1 < len(rest):
-            hoisted += rest[i : i + 2]
-            i += 2
-            continue
-        if arg.partition("=")[0] in CONNECTION_OPTIONS and "=" in arg:
-            hoisted.append(arg)
-        else:
-            kept.append(arg)
-        i += 1
-    return [*command[:-1], *hoisted, command[-1], *kept]
+#: The connection options every REST command also takes after its name, with no
+#: environment variable of their own: given, they win over the top-level ones (given before
+#: the command, or ELASTRAIN_URL / ELASTRAIN_TOKEN); left out, those apply.
+UrlAfter = Annotated[
+    str | None,
+    typer.Option(
+        "--url",
+        show_default=False,
+        help="The elastrain API (here or before the command; default ELASTRAIN_URL).",
+    ),
+]
+TokenAfter = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        show_default=False,
+        help="API token (here or before the command; default ELASTRAIN_TOKEN).",
+    ),
+]
+
+
+def connected(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` taking `--url` and `--token` after its name as well (`elastrain submit
+    job.yaml --url URL`), as kubectl, gh and `ray job submit --address` take theirs: the
+    same two typed options added to each REST command's signature (typer reads it), and
+    the client in its context replaced by what they name. The command is written once,
+    with a `ctx` parameter, and never sees them."""
+    signature = inspect.signature(command, eval_str=True)
+    if "ctx" not in signature.parameters:
+        raise TypeError(f"{command.__name__}: a REST command takes ctx (its client is there)")
+
+    @functools.wraps(command)
+    def run(*args: Any, url: str | None = None, token: str | None = None, **kwargs: Any) -> None:
+        if url is not None or token is not None:
+            ctx: typer.Context = kwargs["ctx"]
+            ctx.obj = api(ctx).using(url=url, token=token)
+        command(*args, **kwargs)
+
+    extra = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=kind)
+        for name, kind in (("url", UrlAfter), ("token", TokenAfter))
+    ]
+    run.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[*signature.parameters.values(), *extra]
+    )
+    run.__annotations__ = {**command.__annotations__, "url": UrlAfter, "token": TokenAfter}
+    return run

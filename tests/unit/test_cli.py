@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import io
 import socket
 import threading
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+import typer
 import uvicorn
 import yaml
-from typer.testing import CliRunner
+from pydantic import SecretStr
+from typer.core import TyperGroup
+from typer.testing import CliRunner, Result
 
 from elastrain.api.cli import app
 from elastrain.api.main import create_app
@@ -27,10 +34,7 @@ def _free_port() -> int:
         return port
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Settings]]:
-    root = tmp_path_factory.mktemp("cli")
-    settings = Settings(database_url=f"sqlite:///{root / 'db.sqlite'}", storage_path=root / "st")
+def _serve(settings: Settings) -> Iterator[str]:
     port = _free_port()
     config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
     srv = uvicorn.Server(config)
@@ -40,9 +44,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Sett
     while not srv.started:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", settings
+    yield f"http://127.0.0.1:{port}"
     srv.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Settings]]:
+    root = tmp_path_factory.mktemp("cli")
+    settings = Settings(database_url=f"sqlite:///{root / 'db.sqlite'}", storage_path=root / "st")
+    for url in _serve(settings):
+        yield url, settings
 
 
 @pytest.fixture
@@ -301,30 +313,114 @@ def test_connection_options_after_the_command(server, tmp_path: Path) -> None:  
     assert served.exit_code == 2 and "No such option" in served.output
 
 
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [
-        (["list"], ["list"]),
-        (["list", "--url", "U"], ["--url", "U", "list"]),
-        (["list", "--url=U", "--state", "RUNNING"], ["--url=U", "list", "--state", "RUNNING"]),
-        (["--url", "A", "submit", "f", "--url", "B", "-w", "d"],
-         ["--url", "A", "--url", "B", "submit", "f", "-w", "d"]),
-        (["--token", "T", "status", "1", "--token", "S"],
-         ["--token", "T", "--token", "S", "status", "1"]),
-        (["token", "create", "--tenant", "t", "--token", "T"],
-         ["--token", "T", "token", "create", "--tenant", "t"]),
-        (["logs", "1", "--", "--url", "U"], ["logs", "1", "--", "--url", "U"]),
-        (["list", "--url"], ["list", "--url"]),  # no value: the command says so
-        (["serve", "--url", "U"], ["serve", "--url", "U"]),  # no REST: refused as before
-        (["--help"], ["--help"]),
-        ([], []),
-    ],
-)  # fmt: skip
-def test_where_connection_options_are_moved(args: list[str], expected: list[str]) -> None:
-    from elastrain.api.cli import OFFLINE_COMMANDS
-    from elastrain.api.cli.connection import hoist_connection_options
+DIGEST = "sha256:" + "ab" * 32
+#: Every REST command with arguments it accepts (what the server answers does not matter
+#: here, only whom it asks and with which token). `{spec}`: a job spec file.
+REST_COMMANDS: dict[str, list[str]] = {
+    "submit": ["{spec}"], "list": [], "status": ["1"], "events": ["1"], "timeline": ["1"],
+    "metrics": ["1"], "checkpoints": ["1"], "cancel": ["1"], "checkpoint": ["1"],
+    "logs": ["1"], "plan": ["{spec}"], "whoami": [], "cluster": [],
+    "drain": ["abcdef123456"], "undrain": ["abcdef123456"],
+    "token create": ["--tenant", "t"], "token list": [], "token revoke": ["999"],
+    "tenant list": [], "tenant set": ["t", "--max-workers", "2"],
+    "packages show": [DIGEST], "packages share": [DIGEST, "--tenant", "t"],
+    "packages unshare": [DIGEST, "--tenant", "t"],
+}  # fmt: skip
 
-    assert hoist_connection_options(args, offline=OFFLINE_COMMANDS) == expected
+
+def _command_names(command: Any, prefix: str = "") -> set[str]:
+    if not isinstance(command, TyperGroup):
+        return {prefix}
+    return set().union(
+        *(_command_names(sub, f"{prefix} {name}".strip()) for name, sub in command.commands.items())
+    )
+
+
+def test_every_rest_command_is_in_the_table() -> None:
+    from elastrain.api.cli import OFFLINE_COMMANDS
+
+    assert _command_names(typer.main.get_command(app)) - OFFLINE_COMMANDS == set(REST_COMMANDS)
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second server that needs ADMIN's token."""
+    root = tmp_path_factory.mktemp("cli-secured")
+    settings = Settings(
+        database_url=f"sqlite:///{root / 'db.sqlite'}",
+        storage_path=root / "st",
+        api_token=SecretStr(ADMIN),
+    )
+    yield from _serve(settings)
+
+
+ADMIN = "cli-admin-token-0123456789abcdef"
+
+
+@pytest.mark.parametrize("command", sorted(REST_COMMANDS))
+def test_connection_options_before_or_after_every_command(
+    command: str, secured: str, tmp_path: Path
+) -> None:
+    """Every REST command takes `--url` and `--token` before its name or after it; given
+    in both places (or in the environment too) the one after the command wins."""
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(yaml.safe_dump(spec_dict(name="anywhere")))
+    args = [
+        *command.split(),
+        *(a.replace("{spec}", str(spec_file)) for a in REST_COMMANDS[command]),
+    ]
+    dead = f"http://127.0.0.1:{_free_port()}"
+    runner = CliRunner()
+
+    def asks(result: Result) -> str:
+        """Whom the command asked: the dead server, or the secured one (and whether its
+        token was refused)."""
+        if f"cannot reach the elastrain API at {dead}" in result.stderr:
+            return "dead"
+        assert result.exception is None or isinstance(result.exception, SystemExit), result
+        return "refused" if "error 401" in result.stderr else "secured"
+
+    # --url: before, after, both (after wins), and over the environment.
+    assert asks(runner.invoke(app, ["--url", dead, "--token", ADMIN, *args])) == "dead"
+    assert asks(runner.invoke(app, [*args, "--url", dead])) == "dead"
+    assert asks(runner.invoke(app, [*args, "--url", secured, "--token", ADMIN],
+                              env={"ELASTRAIN_URL": dead})) == "secured"  # fmt: skip
+    assert asks(runner.invoke(app, ["--url", dead, *args, "--url", secured,
+                                    "--token", ADMIN])) == "secured"  # fmt: skip
+    assert asks(runner.invoke(app, ["--url", secured, *args, "--url", dead])) == "dead"
+    # --token likewise: the secured server refuses a wrong one.
+    url = ["--url", secured]
+    assert asks(runner.invoke(app, [*url, "--token", ADMIN, *args])) == "secured"
+    assert asks(runner.invoke(app, [*url, *args, "--token", ADMIN])) == "secured"
+    assert asks(runner.invoke(app, [*url, "--token", "wrong", *args, "--token", ADMIN])) == (
+        "secured"
+    )
+    assert asks(runner.invoke(app, [*url, "--token", ADMIN, *args, "--token", "wrong"])) == (
+        "refused"
+    )
+    assert asks(runner.invoke(app, [*args, "--token", ADMIN], env={
+        "ELASTRAIN_URL": secured, "ELASTRAIN_TOKEN": "wrong"})) == "secured"  # fmt: skip
+    assert asks(runner.invoke(app, [*args], env={"ELASTRAIN_URL": secured})) == "refused"
+
+
+def test_connection_options_after_the_command_are_in_its_help() -> None:
+    shown = CliRunner().invoke(app, ["submit", "--help"], env={"COLUMNS": "200"})
+    assert "--url" in shown.stdout and "--token" in shown.stdout
+    assert "--url" not in CliRunner().invoke(app, ["serve", "--help"]).stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["logs", "1", "--", "--url", "U"], "Got unexpected extra argument"),  # -- ends options
+        (["list", "--url"], "requires an argument"),  # no value: the command says so
+        (["serve", "--url", "U"], "No such option"),  # no REST: refused as before
+        (["prepare-text", "a", "b", "--token", "T"], "No such option"),
+    ],
+)
+def test_connection_options_that_stay_errors(args: list[str], words: str) -> None:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and words in result.output, result.output
 
 
 def test_drain_cluster_undrain_from_the_cli(server) -> None:  # type: ignore[no-untyped-def]
@@ -362,3 +458,69 @@ def test_drain_cluster_undrain_from_the_cli(server) -> None:  # type: ignore[no-
     assert again.exit_code == 1 and "not drained" in again.output
     unknown = runner.invoke(app, ["drain", "f" * 56, "--url", url])
     assert unknown.exit_code == 1 and "error 404" in unknown.output
+
+
+def _zip(files: dict[str, str]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, text in files.items():
+            zf.writestr(name, text)
+    return buf.getvalue()
+
+
+def test_packages_show_share_and_unshare(secured: str) -> None:
+    """An admin shares team-a's package with team-b and takes the share back; team-b sees
+    it only in between; team-a's own access stays; non-admins cannot share."""
+    runner = CliRunner()
+    admin = ["--url", secured, "--token", ADMIN]
+    tokens = {}
+    for tenant in ("cli-a", "cli-b"):
+        made = runner.invoke(app, [*admin, "token", "create", "--tenant", tenant])
+        assert made.exit_code == 0, made.output
+        tokens[tenant] = made.stdout.strip()
+    upload = httpx.post(
+        f"{secured}/v1/packages",
+        content=_zip({"shared_model.py": "def build(): ...\n"}),
+        headers={"Content-Type": "application/zip", "Authorization": f"Bearer {tokens['cli-a']}"},
+    )
+    assert upload.status_code == 201, upload.text
+    digest = upload.json()["digest"]
+
+    def show(tenant: str) -> Result:
+        return runner.invoke(app, ["packages", "show", digest, "--url", secured,
+                                   "--token", tokens[tenant]])  # fmt: skip
+
+    assert show("cli-a").exit_code == 0 and "shared_model.py" in show("cli-a").stdout
+    assert "who may use it" not in show("cli-a").stdout  # grants: admins only
+    hidden = show("cli-b")
+    assert hidden.exit_code == 1 and f"error 404: no package {digest}" in hidden.stderr
+
+    refused = runner.invoke(app, ["packages", "share", digest, "--tenant", "cli-b",
+                                  "--url", secured, "--token", tokens["cli-a"]])  # fmt: skip
+    assert refused.exit_code == 1 and "error 403" in refused.stderr
+
+    shared = runner.invoke(app, [*admin, "packages", "share", digest, "--tenant", "cli-b"])
+    assert shared.exit_code == 0, shared.output
+    assert f"{digest}\tshared with cli-b" in shared.stderr
+    grants = {line.split()[0]: line.split()[1:3] for line in shared.stdout.splitlines()[1:]}
+    assert grants == {"cli-a": ["yes", "cli-a"], "cli-b": ["no", "default"]}
+    assert show("cli-b").exit_code == 0
+    shown = runner.invoke(app, [*admin, "packages", "show", digest])
+    assert "who may use it:" in shown.stdout and "cli-b" in shown.stdout
+
+    bad = runner.invoke(app, [*admin, "packages", "share", digest, "--tenant", "bad name"])
+    assert bad.exit_code == 1 and "error 422" in bad.stderr and "tenant" in bad.stderr
+
+    withdrawn = runner.invoke(app, [*admin, "packages", "unshare", digest, "--tenant", "cli-b"])
+    assert withdrawn.exit_code == 0, withdrawn.output
+    assert "no longer shared with cli-b" in withdrawn.stderr
+    assert "cli-b" not in withdrawn.stdout and "cli-a" in withdrawn.stdout
+    assert show("cli-b").exit_code == 1
+    assert show("cli-a").exit_code == 0  # the uploader's own access stays
+
+    everyone = runner.invoke(app, [*admin, "packages", "share", digest, "--tenant", "*"])
+    assert everyone.exit_code == 0 and show("cli-b").exit_code == 0
+    assert (
+        runner.invoke(app, [*admin, "packages", "unshare", digest, "--tenant", "*"]).exit_code == 0
+    )
+    assert show("cli-b").exit_code == 1

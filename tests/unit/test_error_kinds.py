@@ -123,3 +123,48 @@ def test_the_kind_survives_the_database() -> None:
 )
 def test_old_rows_load_with_a_kind(row: dict, kind: ErrorKind) -> None:
     assert WorkerError.from_dict(row).kind == kind
+
+
+@pytest.mark.parametrize(
+    ("exc", "configuration"),
+    [
+        # The workload's own errors on first use: the same on every retry.
+        (ValueError("bad sample"), True),
+        (KeyError("label"), True),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x4 and 8x1)"), True),
+        (IndexError("index 70 is out of bounds"), True),
+        # Not the workload's doing, or maybe not the same on a retry: left as they are.
+        (RuntimeError(GLOO_RESET), False),
+        (dist.DistNetworkError("recv failed"), False),
+        (torch.OutOfMemoryError("CUDA out of memory"), False),
+        (MemoryError(), False),
+        (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), False),
+        (RuntimeError("CUDA error: uncorrectable ECC error encountered"), False),
+        (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"), False),
+    ],
+)
+def test_what_the_workload_raises_on_first_use_is_a_configuration_error(
+    exc: Exception, configuration: bool
+) -> None:
+    from elastrain.workers.errors import configuration_errors
+
+    first_step = configuration_errors("workload: the job's first training step")
+    with pytest.raises(Exception) as raised, first_step:
+        raise exc
+    if configuration:
+        assert isinstance(raised.value, WorkloadError) and raised.value.__cause__ is exc
+        assert error_kind(raised.value) == ErrorKind.CONFIGURATION
+        assert str(raised.value).startswith(
+            f"workload: the job's first training step raised {type(exc).__name__}: "
+        )
+    else:
+        assert raised.value is exc
+
+
+def test_a_workload_error_passes_through_unchanged() -> None:
+    from elastrain.workers.errors import configuration_errors
+
+    original = WorkloadError("workload.params.x: unknown")
+    with pytest.raises(WorkloadError) as raised, configuration_errors("anything"):
+        raise original
+    assert raised.value is original

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from elastrain.api.workdir import collect, pack
+from elastrain.contracts.messages import ErrorKind
 from elastrain.contracts.packages import (
     Manifest,
     PackageLimits,
@@ -297,6 +298,21 @@ def test_a_module_that_resolves_outside_the_package_is_refused(
     worker_packages.activate(files)
     with pytest.raises(worker_packages.PackageUnavailable, match="not from the job's package"):
         worker_packages.import_from(files, "json")
+
+
+def test_what_a_package_raises_on_import_is_a_configuration_error(
+    tmp_path: Path, storage: Path, cache: Path
+) -> None:
+    from elastrain.workers.errors import error_kind
+    from elastrain.workers.workloads import WorkloadError
+
+    digest = _upload(tmp_path, storage, "a", {"wd_broken.py": "import wd_not_shipped\n"})
+    files = worker_packages.materialize(storage, digest)
+    worker_packages.activate(files)
+    with pytest.raises(WorkloadError, match=r"raised ModuleNotFoundError: .*wd_not_shipped") as e:
+        worker_packages.import_from(files, "wd_broken")
+    assert error_kind(e.value) == ErrorKind.CONFIGURATION  # the job fails, not retried
+    worker_packages.activate(None)
 
 
 # -- retention -------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from elastrain.workers.strategies.pipeline import (
     pipeline_chunks,
     pipeline_layout,
 )
+from elastrain.workers.workloads import WorkloadError
 from tests.unit.dist_utils import run_distributed
 
 VOCAB, DIM, SEQ, N_LAYER = 16, 8, 4, 4
@@ -435,18 +436,21 @@ def test_spec_defaults_and_errors() -> None:
     opts = PipelineOptions.from_spec(spec)
     assert (opts.stages, opts.microbatches, opts.schedule) == (2, 4, "1f1b")
     assert opts.learning_rate == spec.training.learning_rate
-    gpu = JobSpec(
-        name="p",
-        workload=workload,
-        strategy={"kind": "pipeline", "mixed_precision": "bf16"},
-        scaling={"use_gpu": True, "gpus_per_worker": 1},
-    )
-    with pytest.raises(ValueError, match="mixed_precision"):
-        PipelineOptions.from_spec(gpu)
+    gpu = {
+        "name": "p",
+        "workload": workload,
+        "strategy": {"kind": "pipeline", "mixed_precision": "bf16"},
+        "scaling": {"use_gpu": True, "gpus_per_worker": 1},
+    }
+    with pytest.raises(ValueError, match=r"strategy\.mixed_precision: not supported"):
+        JobSpec.model_validate(gpu)  # refused at submit
+    # One stored before that rule is a configuration error on the workers (not retried).
+    with pytest.raises(WorkloadError, match="mixed_precision"):
+        PipelineOptions.from_spec(JobSpec.from_stored(gpu))
 
 
 def test_model_without_pipeline_stage_is_rejected() -> None:
     strategy = PipelineStrategy()
     workload = Workload(model=nn.Linear(2, 2), dataset=[], loss_fn=F.mse_loss)
-    with pytest.raises(ValueError, match="pipeline_stage"):
+    with pytest.raises(WorkloadError, match="pipeline_stage"):  # a configuration error
         strategy.setup(workload, _ctx(0, 2, "/tmp"), make_spec("gpipe", 2))

@@ -40,4 +40,3 @@ def test_unset_writes_nothing(tmp_path: Path) -> None:
     profiler.before(1)
     profiler.after(1)
     assert not (tmp_path / "p.txt").exists()
-

@@ -252,3 +252,27 @@ def test_checkpoint_loads_exactly_at_another_size(
     got = merged(runs[loaded[0]], loaded[1])
     assert set(got) == set(want)
     assert_same(got, want)
+
+
+def _uneven_rows(rank: int, world_size: int) -> tuple[float, float]:
+    """The gpt split 3 ways with a vocabulary (65) and a position count (16) that 3 does
+    not divide: its logits against the unsplit model's, on the same weights and tokens."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastrain.workers.strategies.tensor_parallel import parallelize
+    from elastrain.workers.workloads.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=65, seq_len=16, n_layer=1, n_embd=24, n_head=3)
+    tokens = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(1))
+    reference = model(tokens).sum().item()
+    parallelize(model, init_device_mesh("cpu", (world_size,)))
+    logits = model(tokens)
+    logits.sum().backward()  # the backward runs too
+    return reference, logits.sum().item()
+
+
+def test_rows_that_do_not_divide_split_unevenly_so_submit_need_not_refuse_them() -> None:
+    """Why `JobSpec._no_tensor_parallel` asks only that the degree divide n_head."""
+    for reference, split in run_distributed(_uneven_rows, 3):
+        assert split == pytest.approx(reference, rel=1e-5)

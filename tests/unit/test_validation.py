@@ -390,3 +390,79 @@ def test_a_pipeline_split_the_model_cannot_have_is_refused_at_submit(api: TestCl
         ),
     )
     assert "strategy.pipeline_stages" in msg and "at most 2" in msg, msg
+
+
+def _gpt(**params: Any) -> dict[str, Any]:
+    return {"name": "gpt", "params": {"n_layer": 4, "n_embd": 48, "n_head": 6, **params}}
+
+
+SYNTHETIC = {"name": "synthetic", "params": {"n_layer": 3}}
+
+
+#: (strategy, scaling, training, workload, the field a 422 names; None: accepted). What the
+#: runtime needs of a split (read from workers/strategies and the built-in models): whole
+#: blocks per pipeline stage, whole heads per tensor-parallel rank, whole model replicas
+#: per world size; it does NOT need the vocabulary or positions to divide (DTensor shards
+#: rows unevenly), the global batch to divide over the replicas (shares differ by one,
+#: empty ones join with zeros), nor the micro-batch count to fill the pipeline.
+SPLITS = [
+    # Pipeline: a stage takes whole blocks.
+    ({"kind": "pipeline", "pipeline_stages": 4}, {"max_workers": 4}, {}, _gpt(n_layer=3),
+     "strategy.pipeline_stages"),
+    ({"kind": "pipeline", "pipeline_stages": 4}, {"max_workers": 4}, {}, SYNTHETIC,
+     "strategy.pipeline_stages"),
+    ({"kind": "pipeline", "pipeline_stages": 3}, {"max_workers": 3}, {}, _gpt(n_layer=3), None),
+    # Tensor parallel: each rank runs whole heads (and so a whole share of n_embd and MLP).
+    ({"kind": "tp", "tensor_parallel": 4}, {"max_workers": 4}, {}, _gpt(), "strategy.tensor_parallel"),
+    ({"kind": "fsdp", "tensor_parallel": 4}, {"max_workers": 4}, {}, _gpt(),
+     "strategy.tensor_parallel"),
+    ({"kind": "pipeline", "pipeline_stages": 2, "tensor_parallel": 4}, {"max_workers": 8}, {},
+     _gpt(), "strategy.tensor_parallel"),
+    ({"kind": "tp", "tensor_parallel": 2}, {"max_workers": 2}, {}, SYNTHETIC,
+     "strategy.tensor_parallel"),
+    ({"kind": "tp", "tensor_parallel": 3}, {"max_workers": 3}, {}, _gpt(), None),
+    ({"kind": "pipeline", "pipeline_stages": 2, "tensor_parallel": 3}, {"max_workers": 6}, {},
+     _gpt(), None),
+    # Whole replicas: some world size in min..max must be a multiple of stages x degree.
+    ({"kind": "tp", "tensor_parallel": 3}, {"min_workers": 4, "max_workers": 5}, {}, _gpt(),
+     "scaling"),
+    ({"kind": "pipeline", "pipeline_stages": 2, "tensor_parallel": 3}, {"max_workers": 5}, {},
+     _gpt(), "strategy.pipeline_stages x strategy.tensor_parallel"),
+    ({"kind": "tp", "tensor_parallel": 3}, {"min_workers": 1, "max_workers": 7}, {}, _gpt(),
+     None),
+    # Batches: micro-batches cut the global batch; replicas need not divide it.
+    ({"kind": "ddp"}, {"max_workers": 4}, {"global_batch_size": 12, "micro_batch_size": 8},
+     _gpt(), "training.global_batch_size"),
+    ({"kind": "ddp"}, {"max_workers": 4}, {"global_batch_size": 2, "micro_batch_size": 2},
+     _gpt(), None),
+    ({"kind": "pipeline", "pipeline_stages": 2, "microbatches": 64}, {"max_workers": 4},
+     {"global_batch_size": 6, "micro_batch_size": 3}, _gpt(), None),
+    # Precision: the pipeline's stages do not autocast yet.
+    ({"kind": "pipeline", "mixed_precision": "bf16"},
+     {"use_gpu": True, "gpus_per_worker": 1}, {}, _gpt(), "strategy.mixed_precision"),
+    ({"kind": "fsdp", "mixed_precision": "bf16"},
+     {"use_gpu": True, "gpus_per_worker": 1}, {}, _gpt(), None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("strategy", "scaling", "training", "workload", "field"), SPLITS)
+def test_every_split_the_model_cannot_have_is_a_422_naming_the_field(
+    api: TestClient,
+    strategy: dict[str, Any],
+    scaling: dict[str, Any],
+    training: dict[str, Any],
+    workload: dict[str, Any],
+    field: str | None,
+) -> None:
+    body = spec_dict(
+        strategy=strategy,
+        scaling={"cpus_per_worker": 0.1, **scaling},
+        training=training,
+        workload=workload,
+    )
+    if field is None:
+        made = api.post("/v1/jobs", json=body)
+        assert made.status_code == 201, made.text
+        return
+    msg = rejected(api, body)
+    assert msg.startswith(f"{field}") or f" {field}" in msg or f"{field} " in msg, msg

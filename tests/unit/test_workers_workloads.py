@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -135,6 +137,16 @@ def test_a_factory_that_raises_while_building_is_a_configuration_error() -> None
     spec = WorkloadSpec(entrypoint=f"{__name__}:refusing_factory", params={"size": 7})
     with pytest.raises(WorkloadError, match=r"refusing_factory raised KeyError .*size 7"):
         load_workload(spec)
+
+
+def test_a_module_that_raises_on_import_is_a_configuration_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "needs_a_config.py").write_text('raise RuntimeError("no config.toml")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(WorkloadError, match=r"importing module 'needs_a_config' raised "
+                       r"RuntimeError: no config.toml"):  # fmt: skip
+        load_workload(WorkloadSpec(entrypoint="needs_a_config:build"))
 
 
 def test_custom_entrypoint() -> None:

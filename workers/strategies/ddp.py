@@ -36,6 +36,7 @@ from elastrain.workers.strategies.base import (
     to_device,
 )
 from elastrain.workers.strategies.grad_norm import clip_grads_
+from elastrain.workers.workloads import WorkloadError
 
 
 def grad_clip_of(spec: JobSpec, override: float | EllipsisType | None) -> float | None:
@@ -66,7 +67,7 @@ class DataParallelStrategy(Strategy):
         self._reports_loss = self.layout.tp_rank == 0
         precision = spec.strategy.mixed_precision
         if precision is not None and ctx.device.type != "cuda":
-            raise ValueError(
+            raise WorkloadError(
                 f"strategy.mixed_precision={precision.value!r} needs a GPU (device is cpu)"
             )
         dtype = _DTYPES[precision] if precision is not None else None

@@ -79,6 +79,7 @@ from elastrain.workers.strategies.collectives import all_reduce_scaled, broadcas
 from elastrain.workers.strategies.ddp import grad_clip_of
 from elastrain.workers.strategies.grad_norm import clip_grads_
 from elastrain.workers.strategies.mesh import grid_layout, grid_mesh
+from elastrain.workers.workloads import WorkloadError
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class PipelineOptions:
         strategy = spec.strategy
         if strategy.mixed_precision is not None:
             # Not wired into the stages yet; failing beats silently training in fp32.
-            raise ValueError("strategy.mixed_precision is not supported with pipeline yet")
+            raise WorkloadError("strategy.mixed_precision is not supported with pipeline yet")
         return cls(
             stages=strategy.stages,
             microbatches=strategy.n_microbatches,
@@ -157,7 +158,7 @@ class PipelineStrategy(Strategy):
         )
         self.device = ctx.device
         if not hasattr(workload.model, "pipeline_stage"):
-            raise ValueError(
+            raise WorkloadError(
                 "strategy.kind 'pipeline' needs a model with "
                 "pipeline_stage(stage_index, num_stages); this workload's model has none"
             )

@@ -33,13 +33,14 @@ from elastrain.workers.strategies.base import Layout
 from elastrain.workers.strategies.collectives import all_reduce_scaled
 from elastrain.workers.strategies.ddp import DataParallelStrategy
 from elastrain.workers.strategies.mesh import grid_layout, grid_mesh
+from elastrain.workers.workloads import WorkloadError
 
 
 def parallelize(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split `model` in place over `tp_mesh` by its `tensor_parallel_plan()`."""
     plan_of = getattr(model, "tensor_parallel_plan", None)
     if not callable(plan_of):
-        raise ValueError(
+        raise WorkloadError(
             "strategy.tensor_parallel needs a model with tensor_parallel_plan() (the built-in "
             "gpt has one); this workload's model has none"
         )

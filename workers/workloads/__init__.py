@@ -93,6 +93,12 @@ def resolve_entrypoint(entrypoint: str) -> WorkloadFactory:
             f"workload.entrypoint: cannot import module {module_name!r} ({exc}); is it "
             "installed on the workers?"
         ) from exc
+    except Exception as exc:
+        # The module's own top-level code failed: it will fail the same on every retry.
+        raise WorkloadError(
+            f"workload.entrypoint: importing module {module_name!r} raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         raise WorkloadError(f"workload.entrypoint: module {module_name!r} has no callable {attr!r}")

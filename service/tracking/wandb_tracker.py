@@ -88,13 +88,13 @@ class WandbTracker:
     def finish(self, state: JobState, at: datetime | None) -> None:
         run = self._live()
         run.summary["elastrain/state"] = state.value
-        run.finish(exit_code=0 if state == JobState.SUCCEEDED else 1, quiet=True)
+        run.finish(exit_code=0 if state == JobState.SUCCEEDED else 1)
         self.run = None
 
     def close(self) -> None:
         if self.run is not None:
             run, self.run = self.run, None
-            run.finish(quiet=True)
+            run.finish()
 
     def _live(self) -> Any:
         if self.run is None:

@@ -54,6 +54,8 @@ class WandbTracker:
                 config=run.params if run_id is None else None,
                 tags=[f"job-{run.job_id}"],
                 resume="allow",
+                # Read at every init: wandb reads its environment once per process.
+                dir=os.environ.get("WANDB_DIR"),
                 # One process forwards many jobs: each init is a run of its own, and the
                 # service's console, code and machine stats are none of the run's business.
                 reinit="create_new",

@@ -4,6 +4,7 @@ tracker costs the job (nothing but an event)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -286,3 +287,27 @@ def test_numeric_values_keeps_finite_numbers_only() -> None:
     values = {"loss": 1.5, "world_size": 2, "ok": True, "memory": {"a": 1}, "x": None}
     assert numeric_values(values) == {"loss": 1.5, "world_size": 2.0}
     assert numeric_values({"loss": float("nan")}) == {}
+
+
+def test_only_the_lease_holder_forwards(
+    session_factory: sessionmaker[Session], run: FakeRun, down: list[bool], clock: Clock
+) -> None:
+    """Two control planes on one database: the one without the scheduler's lease forwards
+    nothing (else every point would reach the tracker twice)."""
+    submit(session_factory)
+    leading = [False]
+    thread = fw.ForwarderThread(
+        forwarder(session_factory, run, down, clock), 0.01, leading=lambda: leading[0]
+    ).start()
+    try:
+        time.sleep(0.3)
+        assert run.opened_with == []
+        leading[0] = True
+        deadline = time.monotonic() + 10
+        while not run.opened_with and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert run.opened_with == [None]
+    finally:
+        thread.stop()
+    assert run.closed == 1  # stopping lets go of the open run, without finishing it
+    assert run.finished == []

@@ -176,8 +176,13 @@ class Forwarder:
             self._drop(cursor.key)
             self._failed(cursor, run_id, exc, ended=batch.state.is_terminal)
             return 0
-        if not (batch.points or batch.changes or ending or run_id != cursor.run_id):
-            return 0
+        moved = (batch.last_step, batch.last_event, run_id) != (
+            cursor.metric_step,
+            cursor.event_id,
+            cursor.run_id,
+        )
+        if not (moved or ending):
+            return 0  # nothing new: no write
         self._advance(cursor, run_id, batch, done=ending)
         return 1
 

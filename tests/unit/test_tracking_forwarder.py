@@ -311,3 +311,23 @@ def test_only_the_lease_holder_forwards(
         thread.stop()
     assert run.closed == 1  # stopping lets go of the open run, without finishing it
     assert run.finished == []
+
+
+def test_rows_with_nothing_to_forward_still_move_the_cursor(
+    session_factory: sessionmaker[Session], run: FakeRun, down: list[bool], clock: Clock
+) -> None:
+    """Events that are not transitions (and points with no numbers) are read past, not
+    read again every pass: else a batch of them would block the job's run for good."""
+    job_id = submit(session_factory)
+    f = forwarder(session_factory, run, down, clock, batch=2)
+    f.run_pass()
+    with session_scope(session_factory) as s:
+        job = jobs.get_job(s, job_id)
+        for i in range(5):
+            jobs.record_event(s, job, kind=EventKind.BELOW_MIN, reason=f"waiting {i}")
+    end(session_factory, job_id, JobState.CANCELLED)
+    for _ in range(4):
+        f.run_pass()
+    assert [c.to_state for c in run.changes] == ["PENDING", "CANCELLED"]
+    assert [s for s, _ in run.finished] == [JobState.CANCELLED]
+    assert cursor(session_factory, job_id).done

@@ -1,8 +1,8 @@
 """Experiment trackers (MLflow, W&B): the control plane forwards what it has stored of a
 tracked job (metric points, the spec as params, state changes) to the trackers its spec
-names (`contracts.spec.TrackingSpec`), so the workers need no tracker credentials.
+names (`elastrain.contracts.spec.TrackingSpec`), so the workers need no tracker credentials.
 
-`service.tracking.forwarder` reads after commit and never writes a job's state; each
+`elastrain.service.tracking.forwarder` reads after commit and never writes a job's state; each
 tracker's client package is an optional extra, imported only when a job uses it.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from contracts.spec import TRACKER_EXTRAS, JobSpec, MlflowTracking, WandbTracking
-from service.tracking.base import Tracker
+from elastrain.contracts.spec import TRACKER_EXTRAS, JobSpec, MlflowTracking, WandbTracking
+from elastrain.service.tracking.base import Tracker
 
 
 def missing_clients(spec: JobSpec) -> dict[str, str]:
@@ -30,11 +30,11 @@ def make_tracker(name: str, spec: JobSpec) -> Tracker:
     """A tracker for one job's run (its client imported now, not at service start)."""
     config = getattr(spec.tracking, name)
     if isinstance(config, MlflowTracking):
-        from service.tracking.mlflow_tracker import MlflowTracker
+        from elastrain.service.tracking.mlflow_tracker import MlflowTracker
 
         return MlflowTracker(config)
     if isinstance(config, WandbTracking):
-        from service.tracking.wandb_tracker import WandbTracker
+        from elastrain.service.tracking.wandb_tracker import WandbTracker
 
         return WandbTracker(config)
     raise ValueError(f"tracking.{name}: not set in the job's spec")

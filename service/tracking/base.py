@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
-from service.states import JobState
+from elastrain.service.states import JobState
 
 
 class TrackerError(Exception):

@@ -1,7 +1,7 @@
 """The forwarder: follows every tracked job's stored metric points and state changes and
 hands them to its trackers, after they were committed, on a thread of its own.
 
-It is a reader of what `service.reports` and `service.jobs` committed, never a second
+It is a reader of what `elastrain.service.reports` and `elastrain.service.jobs` committed, never a second
 way in: each pass reads, per open cursor (`tracker_runs`), the job's state, then the
 metric rows past the cursor's step and the events past its event id; forwards them with
 no transaction open (a slow or unreachable tracker holds no row and no scheduler pass);
@@ -29,14 +29,14 @@ from typing import Any
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from contracts.messages import EventKind
-from contracts.spec import JobSpec
-from service import jobs
-from service.db import session_scope
-from service.models import Event, Job, Metric, TrackerRun, utcnow
-from service.states import JobState
-from service.tracking import make_tracker
-from service.tracking.base import (
+from elastrain.contracts.messages import EventKind
+from elastrain.contracts.spec import JobSpec
+from elastrain.service import jobs
+from elastrain.service.db import session_scope
+from elastrain.service.models import Event, Job, Metric, TrackerRun, utcnow
+from elastrain.service.states import JobState
+from elastrain.service.tracking import make_tracker
+from elastrain.service.tracking.base import (
     Change,
     Point,
     RunInfo,

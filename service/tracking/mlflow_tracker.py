@@ -12,9 +12,9 @@ from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from contracts.spec import MlflowTracking
-from service.states import JobState
-from service.tracking.base import Change, Point, RunInfo, TrackerError
+from elastrain.contracts.spec import MlflowTracking
+from elastrain.service.states import JobState
+from elastrain.service.tracking.base import Change, Point, RunInfo, TrackerError
 
 #: What `log_batch` takes at once (MLflow's own limits: 1000 metrics, 100 params).
 _METRICS_PER_BATCH = 1000

@@ -13,9 +13,9 @@ from typing import Any
 
 import wandb
 
-from contracts.spec import WandbMode, WandbTracking
-from service.states import JobState
-from service.tracking.base import Change, Point, RunInfo, TrackerError
+from elastrain.contracts.spec import WandbMode, WandbTracking
+from elastrain.service.states import JobState
+from elastrain.service.tracking.base import Change, Point, RunInfo, TrackerError
 
 
 def _has_api_key() -> bool:

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from mlflow.tracking import MlflowClient
 from sqlalchemy import select
 
-from service.db import session_scope
-from service.models import TrackerRun
+from elastrain.service.db import session_scope
+from elastrain.service.models import TrackerRun
 from tests.integration.ray_service import losses, ray_service, submit, tiny_gpt_spec
 from tests.integration.ray_service import wait_terminal as wait_job
 from tests.integration.wandb_offline import read_run

@@ -12,12 +12,12 @@ import pytest
 from mlflow.tracking import MlflowClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from contracts.spec import JobSpec
-from service import jobs
-from service.db import session_scope
-from service.models import TrackerRun
-from service.states import JobState
-from service.tracking.forwarder import Forwarder
+from elastrain.contracts.spec import JobSpec
+from elastrain.service import jobs
+from elastrain.service.db import session_scope
+from elastrain.service.models import TrackerRun
+from elastrain.service.states import JobState
+from elastrain.service.tracking.forwarder import Forwarder
 from tests.factories import spec_dict
 from tests.integration.wandb_offline import read_run
 from tests.unit.test_tracking_forwarder import report, start

@@ -14,15 +14,15 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from contracts.messages import EventKind, StepMetrics
-from contracts.spec import JobSpec
-from service import jobs, reports
-from service.db import session_scope
-from service.models import Event, TrackerRun, utcnow
-from service.states import JobState
-from service.tracking import forwarder as fw
-from service.tracking.base import Change, Point, RunInfo, flatten_params, numeric_values
-from service.tracking.forwarder import Forwarder
+from elastrain.contracts.messages import EventKind, StepMetrics
+from elastrain.contracts.spec import JobSpec
+from elastrain.service import jobs, reports
+from elastrain.service.db import session_scope
+from elastrain.service.models import Event, TrackerRun, utcnow
+from elastrain.service.states import JobState
+from elastrain.service.tracking import forwarder as fw
+from elastrain.service.tracking.base import Change, Point, RunInfo, flatten_params, numeric_values
+from elastrain.service.tracking.forwarder import Forwarder
 from tests.factories import spec_dict
 
 TRACKED = {"mlflow": {"tracking_uri": "file:///tmp/nowhere", "experiment": "e"}}

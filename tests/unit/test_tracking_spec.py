@@ -13,10 +13,10 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from api.main import create_app
-from service.db import session_scope
-from service.models import TrackerRun
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.service.db import session_scope
+from elastrain.service.models import TrackerRun
+from elastrain.service.settings import Settings
 from tests.factories import spec_dict
 
 MLFLOW = {"tracking_uri": "file:///tmp/mlruns", "experiment": "exp"}

@@ -38,6 +38,7 @@ class EventKind(str, Enum):
     TIMELINE = "timeline"  # where the seconds of a start, recovery or resize went
     PACKAGE = "package"  # the uploaded package an attempt's workers verified and import
     PLAN = "plan"  # which strategy an `auto` job runs at the world size it launches at
+    TRACKING = "tracking"  # forwarding to an experiment tracker failed (or recovered)
 
 
 class DriverStatus(str, Enum):

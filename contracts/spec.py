@@ -422,6 +422,64 @@ class FailureSpec(_Strict):
     max_restarts: int = Field(default=5, ge=0, le=1000)
 
 
+#: Where an MLflow tracking server or store lives: a scheme MLflow understands, no
+#: whitespace or control characters. The control plane connects there, not the workers.
+_TRACKING_URI_RE = r"^(file|http|https|sqlite|postgresql|mysql|databricks)(\+[a-z0-9]+)?:[^\s]*$"
+#: W&B project names: what wandb itself accepts in a project slug.
+_WANDB_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
+
+
+class WandbMode(str, Enum):
+    offline = "offline"  # run files under WANDB_DIR on the control plane (`wandb sync` later)
+    online = "online"  # straight to the W&B server (the control plane holds WANDB_API_KEY)
+
+
+class MlflowTracking(_Strict):
+    tracking_uri: Annotated[
+        str, StringConstraints(min_length=1, max_length=500, pattern=_TRACKING_URI_RE)
+    ] = Field(
+        description="MLflow tracking URI the control plane forwards to: 'file:///path' "
+        "(a file store on the control plane's machine), 'http(s)://server', 'databricks', ..."
+    )
+    experiment: ShortStr = Field(
+        default="elastrain", description="experiment name (created when missing)"
+    )
+
+
+class WandbTracking(_Strict):
+    project: Annotated[
+        str, StringConstraints(min_length=1, max_length=128, pattern=_WANDB_NAME_RE)
+    ] = Field(description="W&B project")
+    entity: (
+        Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=_WANDB_NAME_RE)]
+        | None
+    ) = Field(default=None, description="W&B entity (team or user); null: the key's default")
+    mode: WandbMode = Field(
+        default=WandbMode.online,
+        description="online | offline (run files under the control plane's WANDB_DIR)",
+    )
+
+
+#: The tracker names of `TrackingSpec`, each with the extra that installs its client.
+TRACKER_EXTRAS: dict[str, tuple[str, str]] = {
+    "mlflow": ("mlflow", "elastrain[mlflow]"),
+    "wandb": ("wandb", "elastrain[wandb]"),
+}
+
+
+class TrackingSpec(_Strict):
+    """Experiment trackers the control plane forwards the job's metrics, params (the spec,
+    flattened) and lifecycle to. The workers never talk to a tracker, so they need no
+    tracker credentials; a tracker that fails never fails the job."""
+
+    mlflow: MlflowTracking | None = None
+    wandb: WandbTracking | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name in TRACKER_EXTRAS if getattr(self, name) is not None]
+
+
 class JobSpec(_Strict):
     name: ShortStr
     workload: WorkloadSpec
@@ -432,6 +490,11 @@ class JobSpec(_Strict):
     failure: FailureSpec = Field(default_factory=FailureSpec)
     priority: int = Field(default=0, ge=-1000, le=1000, description="higher runs first")
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec,
+        description="experiment trackers to forward metrics, params and lifecycle to: "
+        "{mlflow: {tracking_uri, experiment}} and/or {wandb: {project, mode}}",
+    )
 
     @model_validator(mode="after")
     def _cross_field(self, info: ValidationInfo) -> JobSpec:

@@ -25,7 +25,7 @@ from elastrain.contracts.messages import (
     WorkerError,
 )
 from elastrain.contracts.spec import JobSpec
-from elastrain.service.models import Attempt, Event, Job, JobLabel, as_utc, utcnow
+from elastrain.service.models import Attempt, Event, Job, JobLabel, TrackerRun, as_utc, utcnow
 from elastrain.service.states import IllegalTransition, JobState, can_transition
 
 
@@ -52,6 +52,7 @@ _JOBS = cast(Table, Job.__table__)
 _INSERT_JOB = insert(_JOBS).returning(*_JOBS.c)
 _INSERT_LABELS = insert(cast(Table, JobLabel.__table__))
 _INSERT_EVENT = insert(cast(Table, Event.__table__))
+_INSERT_TRACKERS = insert(cast(Table, TrackerRun.__table__))
 _SELECT_JOB = select(_JOBS).where(_JOBS.c.id == bindparam("job_id"))
 
 
@@ -72,12 +73,12 @@ def job_row_values(spec: JobSpec, *, owner: str) -> dict[str, Any]:
 
 
 def insert_job(session: Session, *, spec: JobSpec, owner: str = "default") -> Row[Any]:
-    """Store a submitted job: its row, its labels and its "submitted" event, in the
-    session's transaction (the caller commits); returns the job's row, every column of it,
-    so that it answers the submit without reading the row back.
+    """Store a submitted job: its row, its labels, its trackers' cursors and its "submitted"
+    event, in the session's transaction (the caller commits); returns the job's row, every
+    column of it, so that it answers the submit without reading the row back.
 
-    Three Core statements, the same on every database: the job's INSERT ... RETURNING, one
-    INSERT of all its labels, one of its event. Not the ORM's unit of work: that costs the
+    A few Core statements, the same on every database: the job's INSERT ... RETURNING, one
+    INSERT of all its labels, one of its trackers' cursors, one of its event. Not the ORM's unit of work: that costs the
     API measurably more CPU per submit (docs/bench-api.md)."""
     job = session.execute(_INSERT_JOB, job_row_values(spec, owner=owner)).one()
     if spec.labels:
@@ -85,6 +86,15 @@ def insert_job(session: Session, *, spec: JobSpec, owner: str = "default") -> Ro
             _INSERT_LABELS,
             [{"job_id": job.id, "key": k, "value": v} for k, v in spec.labels.items()],
         )
+    if spec.tracking.names:  # followed by the forwarder (elastrain.service.tracking) from now on
+        session.execute(
+            _INSERT_TRACKERS,
+            [
+                {"job_id": job.id, "tracker": name, "metric_step": -1, "event_id": 0,
+                 "done": False, "failures": 0}
+                for name in spec.tracking.names
+            ],
+        )  # fmt: skip
     session.execute(
         _INSERT_EVENT,
         _event_values(

@@ -105,6 +105,12 @@ class LeaseKeeper:
         self._expires_at = started + self.ttl_s
         return True
 
+    def held_now(self) -> bool:
+        """Whether the hold taken by the last `hold()` has not run out, without touching the
+        database: for other threads of this scheduler's process (the tracking forwarder),
+        which must not renew it themselves."""
+        return self.clock() < self._expires_at
+
     def release(self) -> None:
         self._renew_at = self._expires_at = -math.inf
         release(self.factory, holder=self.holder)

@@ -327,3 +327,28 @@ class PackageGrant(Base):
     # Whose token made the row: the uploading tenant, or the admin who shared.
     granted_by: Mapped[str] = mapped_column(String(100), default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class TrackerRun(Base):
+    """How far a job's metrics and events have been forwarded to one experiment tracker
+    (`elastrain.service.tracking`): made with the job when its spec names the tracker, so the
+    forwarder finds the jobs to follow with one indexed query, and a restarted control plane
+    goes on where the last one stopped, in the same tracker run."""
+
+    __tablename__ = "tracker_runs"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    tracker: Mapped[str] = mapped_column(String(16), primary_key=True)
+    # The tracker's id of the job's run, once made.
+    run_id: Mapped[str | None] = mapped_column(String(200), default=None)
+    # The highest step forwarded, and the highest event id (events are forwarded in id order).
+    metric_step: Mapped[int] = mapped_column(Integer, default=-1)
+    event_id: Mapped[int] = mapped_column(BigInteger, default=0)
+    # The job ended and the tracker was told (or the forwarder gave up): nothing more to do.
+    done: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Forwarding failures in a row, the last one's message, and when to try again.
+    failures: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(Text, default=None)
+    retry_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+
+    __table_args__ = (Index("ix_tracker_runs_open", "done"),)

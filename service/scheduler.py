@@ -56,6 +56,7 @@ from elastrain.service.isolation import plan_isolating, undecidable_reason
 from elastrain.service.launcher import Launcher
 from elastrain.service.logs import job_context
 from elastrain.service.settings import Settings
+from elastrain.service.tracking.forwarder import Forwarder, ForwarderThread
 
 log = logging.getLogger("elastrain.scheduler")
 
@@ -392,9 +393,17 @@ class SchedulerThread:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastrain-scheduler", daemon=True)
+        # Experiment trackers are fed on a thread of their own: a slow tracker never holds
+        # up a pass. It forwards only while this scheduler holds the lease.
+        self.tracking = ForwarderThread(
+            Forwarder(scheduler.sessions),
+            scheduler.settings.tracking_interval_s,
+            leading=scheduler.lease.held_now,
+        )
 
     def start(self) -> SchedulerThread:
         self._thread.start()
+        self.tracking.start()
         return self
 
     def _run(self) -> None:
@@ -408,6 +417,7 @@ class SchedulerThread:
 
     def stop(self) -> None:
         self._stop.set()
+        self.tracking.stop()
         self._thread.join(timeout=30)
         self.scheduler.lease.release()
 

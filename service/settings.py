@@ -58,6 +58,12 @@ class Settings(BaseSettings):
     # Scheduler tuning. The loop is level-triggered: each pass is cheap, so a short
     # interval buys fast reaction to node loss without extra machinery.
     scheduler_interval_s: float = Field(default=0.5, gt=0)
+    tracking_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How often the control plane forwards new metric points and state "
+        "changes of tracked jobs (spec `tracking`) to their experiment trackers.",
+    )
     grow_interval_s: float = Field(
         default=10.0, ge=0, description="How long spare capacity must last before a job grows."
     )

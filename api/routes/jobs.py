@@ -45,6 +45,7 @@ from elastrain.service.packages import load_manifest, touch
 from elastrain.service.reports import list_checkpoints, list_metrics
 from elastrain.service.settings import Settings
 from elastrain.service.states import ACTIVE, JobState
+from elastrain.service.tracking import missing_clients
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -165,6 +166,24 @@ def check_data_paths(spec: JobSpec, storage_root: pathlib.Path, owner: str) -> N
         )
 
 
+def check_trackers(spec: JobSpec) -> None:
+    """Each tracker the spec names has its client installed on the control plane, which
+    is what forwards to it (the workers never do)."""
+    missing = missing_clients(spec)
+    if missing:
+        raise RequestValidationError(
+            [
+                {
+                    "loc": ("body", "tracking", name),
+                    "msg": f"tracking.{name}: install {extra} on the control plane (the "
+                    f"service forwards to {name}; its client package is missing)",
+                    "type": "value_error",
+                }
+                for name, extra in missing.items()
+            ]
+        )
+
+
 def check_auto_fits(spec: JobSpec, session: Session, settings: Settings) -> None:
     """An `auto` job must fit at some world size in min..max (tensor-parallel degrees need
     sizes they divide), when the workers' memory is known. The 422 carries the plan's
@@ -212,6 +231,7 @@ def submit_job(
     check_workload_code(spec, settings, session, who)
     check_data_paths(spec, settings.storage_path, who.tenant)
     check_auto_fits(spec, session, settings)
+    check_trackers(spec)
     job = insert_job(session, spec=spec, owner=who.tenant)
     session.commit()
     return _job(job, status.HTTP_201_CREATED, {"Location": f"/v1/jobs/{job.id}"})

@@ -51,6 +51,17 @@ def test_api_loads_neither_torch_nor_ray() -> None:
     assert _first_offender(steps, {"torch", "ray", "workers"}) == {}
 
 
+def test_tracker_clients_load_only_when_a_job_uses_them() -> None:
+    # mlflow and wandb are optional extras, and heavy: the service starts without them.
+    steps = [
+        "elastrain.api.main",
+        "create_app",
+        "elastrain.service.scheduler",
+        "elastrain.service.tracking.forwarder",
+    ]
+    assert _first_offender(steps, {"mlflow", "wandb"}) == {}
+
+
 def _service_modules() -> list[str]:
     import elastrain.service
 

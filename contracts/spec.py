@@ -556,9 +556,10 @@ class JobSpec(_Strict):
         custom workload, which says so when it is built)."""
         if self.workload.name == "synthetic":
             return "the synthetic workload has no held-out split"
-        if self.workload.name == "hf_causal_lm" and not HfCausalLmParams.model_validate(
-            self.workload.params
-        ).has_held_out:
+        if (
+            self.workload.name == "hf_causal_lm"
+            and not HfCausalLmParams.model_validate(self.workload.params).has_held_out
+        ):
             return (
                 "the hf_causal_lm has no held-out split: set workload.params.eval_fraction, "
                 "or eval_path with a data_path"

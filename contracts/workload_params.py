@@ -78,9 +78,7 @@ def token_data_problem(p: Any) -> str | None:
             "(at most 65536); use token_dtype uint32"
         )
     if p.eval_path is not None and p.eval_fraction is not None:
-        return (
-            "workload.params.eval_fraction: give eval_path or eval_fraction, not both"
-        )
+        return "workload.params.eval_fraction: give eval_path or eval_fraction, not both"
     return None
 
 

@@ -169,7 +169,9 @@ def build_model(params: HfCausalLmParams) -> PreTrainedModel:
         try:
             model = AutoModelForCausalLM.from_pretrained(params.model, local_files_only=True)
         except (OSError, ValueError) as exc:
-            raise WorkloadError(f"workload.params.model: cannot load {params.model} ({exc})") from exc
+            raise WorkloadError(
+                f"workload.params.model: cannot load {params.model} ({exc})"
+            ) from exc
     model.float()  # the folder's weights may be half precision; parameters train in fp32
     model.train()
     return model

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 
 from api import errors
 from api.deps import TokenCache
-from api.routes import api_docs, cluster, health, jobs, metrics, packages, plan, tenants
+from api.routes import api_docs, cluster, export, health, jobs, metrics, packages, plan, tenants
 from api.security import RequestGuard
 from service.db import make_engine, make_session_factory, migrate
 from service.settings import Settings
@@ -82,6 +82,7 @@ def create_app(settings: Settings | None = None, *, start_scheduler: bool = Fals
     app.include_router(health.router)
     app.include_router(api_docs.router)
     app.include_router(jobs.router)
+    app.include_router(export.router)
     app.include_router(cluster.router)
     app.include_router(tenants.router)
     app.include_router(metrics.router)

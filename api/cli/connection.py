@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import typer
@@ -36,6 +36,22 @@ class Api:
         if response.is_error:
             fail(f"error {response.status_code}: {_error_message(response)}")
         return response.json()
+
+    def download(self, path: str, sink: IO[bytes], **kwargs: Any) -> httpx.Headers:
+        """GET `path` into `sink`, streamed, with no read timeout (the server may take a
+        while to make what it sends); a clear failure on an error status."""
+        try:
+            with self.http.stream(
+                "GET", path, timeout=httpx.Timeout(30.0, read=None), **kwargs
+            ) as r:
+                if r.is_error:
+                    r.read()
+                    fail(f"error {r.status_code}: {_error_message(r)}")
+                for chunk in r.iter_bytes():
+                    sink.write(chunk)
+                return r.headers
+        except httpx.TransportError as exc:
+            fail(f"cannot reach the elastrain API at {self.url} ({exc})", code=2)
 
     def exists(self, path: str) -> bool:
         """GET `path`: True on 200, False on 404, a clear failure on anything else."""

@@ -111,8 +111,8 @@ def _hf_model(params: Mapping[str, Any], model_folder: Path | None) -> Any:
 
     config_dict = params.get("config")
     if isinstance(config_dict, dict):
-        config = dict(config_dict)
-        config = AutoConfig.for_model(config.pop("model_type"), **config)
+        fields = dict(config_dict)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     elif model_folder is not None:
         config = AutoConfig.from_pretrained(model_folder, local_files_only=True)
     else:

@@ -179,7 +179,9 @@ def build_model(params: HfCausalLmParams) -> PreTrainedModel:
 
 def model_vocab_size(model: PreTrainedModel) -> int:
     """Rows of the input embedding: the ids the model can take."""
-    return int(model.get_input_embeddings().weight.shape[0])
+    weight = model.get_input_embeddings().weight
+    assert isinstance(weight, torch.Tensor)
+    return int(weight.shape[0])
 
 
 def build(**raw: Any) -> Workload:

@@ -184,11 +184,26 @@ def model_vocab_size(model: PreTrainedModel) -> int:
     return int(weight.shape[0])
 
 
-def build(**raw: Any) -> Workload:
+def build(
+    *,
+    model: str | None = None,
+    config: dict[str, Any] | None = None,
+    seq_len: int = 64,
+    stride: int | None = None,
+    data_path: str | None = None,
+    token_dtype: str | None = None,
+    vocab_size: int | None = None,
+    eval_path: str | None = None,
+    eval_fraction: float | None = None,
+) -> Workload:
     """The built-in `hf_causal_lm` workload (params: `contracts.workload_params.
-    HfCausalLmParams`)."""
+    HfCausalLmParams`): the gpt's data, a Hugging Face model."""
     try:
-        params = HfCausalLmParams.model_validate(raw)
+        params = HfCausalLmParams.model_validate({
+            "model": model, "config": config, "seq_len": seq_len, "stride": stride,
+            "data_path": data_path, "token_dtype": token_dtype, "vocab_size": vocab_size,
+            "eval_path": eval_path, "eval_fraction": eval_fraction,
+        })  # fmt: skip
     except ValidationError as exc:  # a spec stored before params were checked at submit
         raise WorkloadError(f"workload.params: {exc}") from exc
     data = token_windows(params)
@@ -201,13 +216,13 @@ def build(**raw: Any) -> Workload:
             f"{data.vocab_size} (workload.params.vocab_size, or the text's characters): "
             "every token id must have an embedding row"
         )
-    model = HfCausalLM(lm)
-    n_params = sum(p.numel() for p in model.parameters())
-    layers = len(model.shard_units())
+    wrapped = HfCausalLM(lm)
+    n_params = sum(p.numel() for p in wrapped.parameters())
+    layers = len(wrapped.shard_units())
     hidden = int(getattr(lm.config, "hidden_size", 0) or 0)
     seq = params.seq_len
     return Workload(
-        model=model,
+        model=wrapped,
         dataset=data.train,
         eval_dataset=data.held_out,
         loss_fn=lm_loss,

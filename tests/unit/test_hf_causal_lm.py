@@ -34,7 +34,10 @@ GPT = {"n_layer": 2, "n_embd": 32, "n_head": 4, "seq_len": 16}
 
 
 def spec(
-    strategy: dict[str, Any], workload: dict[str, Any] | None = None, max_workers: int = 2
+    strategy: dict[str, Any],
+    workload: dict[str, Any] | None = None,
+    max_workers: int = 2,
+    **training: Any,
 ) -> JobSpec:
     return JobSpec(
         name="hf",
@@ -43,7 +46,7 @@ def spec(
         scaling={"min_workers": 1, "max_workers": max_workers},
         training={
             "global_batch_size": 4, "micro_batch_size": 2, "max_steps": STEPS,
-            "learning_rate": 1e-2, "seed": 5,
+            "learning_rate": 1e-2, "seed": 5, **training,
         },
         checkpoint={"every_steps": 100},
     )  # fmt: skip
@@ -55,7 +58,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out: dict[str, Any] = {"root": root}
     ws2 = [
         ("ddp", str(root / "ddp"), spec({"kind": "ddp"}), []),
-        ("fsdp", str(root / "fsdp"), spec({"kind": "fsdp"}), []),
+        # The decoder layers are FSDP units and, recomputed in the backward, the same
+        # activation-checkpointing units: the losses do not change.
+        ("fsdp", str(root / "fsdp"), spec({"kind": "fsdp"}, activation_checkpointing="full"), []),
         ("tp", str(root / "tp"), spec({"kind": "tp", "tensor_parallel": 2}), []),
     ]
     ws1 = [
@@ -133,6 +138,11 @@ def test_params_need_exactly_one_model_source() -> None:
 def test_tensor_parallel_degree_must_divide_the_heads() -> None:
     with pytest.raises(ValueError, match=r"num_key_value_heads \(2\)"):
         spec({"kind": "tp", "tensor_parallel": 4}, max_workers=4)
+
+
+def test_no_pipeline_split() -> None:
+    with pytest.raises(ValueError, match="hf_causal_lm workload has no pipeline split"):
+        spec({"kind": "pipeline", "pipeline_stages": 2, "microbatches": 2})
 
 
 def test_builds_from_a_local_folder(tmp_path: Path) -> None:

@@ -465,10 +465,13 @@ class JobSpec(_Strict):
             raise ValueError(f"strategy.pipeline_stages: {why}")
         if self.strategy.tensor_parallel_degree > 1 and (why := self._no_tensor_parallel()):
             raise ValueError(f"strategy.tensor_parallel: {why}")
-        if self.strategy.kind == StrategyKind.auto and self.workload.name is None:
+        if self.strategy.kind == StrategyKind.auto and self.workload.name in (
+            None,
+            "hf_causal_lm",  # its size is known once transformers has built it
+        ):
             raise ValueError(
                 "strategy.kind: 'auto' plans from the model's size, known before it runs only "
-                "for the built-in workloads; choose ddp, fsdp or pipeline"
+                "for the gpt and synthetic workloads; choose ddp, fsdp or pipeline"
             )
         if (
             self.training.eval_every is not None

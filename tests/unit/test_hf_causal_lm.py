@@ -145,6 +145,11 @@ def test_no_pipeline_split() -> None:
         spec({"kind": "pipeline", "pipeline_stages": 2, "microbatches": 2})
 
 
+def test_auto_is_refused_its_size_is_unknown_at_submit() -> None:
+    with pytest.raises(ValueError, match=r"strategy\.kind: 'auto' plans from the model's size"):
+        spec({"kind": "auto"})
+
+
 def test_builds_from_a_local_folder(tmp_path: Path) -> None:
     first = build(config=LLAMA, seq_len=16).model
     first.lm.save_pretrained(tmp_path / "m")

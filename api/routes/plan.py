@@ -27,7 +27,7 @@ def make_plan(body: PlanRequest, _: CurrentPrincipal, session: SessionDep) -> Pl
     if shape is None:
         raise invalid(
             ("body", "spec", "workload"),
-            "spec.workload: plans are made for the gpt and synthetic workloads; a custom "
+            "spec.workload: plans are made for the built-in gpt and synthetic workloads; a custom "
             "(or hf_causal_lm) model's size is unknown before it is built",
         )
     memory, source = body.device_memory_bytes, "device_memory_bytes"

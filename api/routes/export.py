@@ -3,9 +3,10 @@ streamed as a tar (`config.json`, `model.safetensors`, `generation_config.json`)
 `elastrain export JOB --format hf --out DIR` unpacks it.
 
 The server converts: it is where the shared storage is, and it checks the caller may see
-the job (another tenant's job is a 404, as everywhere). The checkpoint's weights are read
-whole into this process (`checkpoints.export`), so the API server needs the memory of one
-copy of the model's weights, twice (the checkpoint's and the HF model's) while it runs.
+the job (another tenant's job is a 404, as everywhere). The conversion runs in a child
+process (`checkpoints.export.export_in_child`: the API never loads torch), which reads the
+checkpoint's weights whole: the server's machine needs the `hf` extra, and memory for two
+copies of the model's weights (the checkpoint's and the HF model's) while it runs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.background import BackgroundTask
 from api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from api.errors import Conflict, invalid
 from api.routes.jobs import MAX_INT32, JobId, _owned_job
+from checkpoints.export import EXPORTABLE, ExportError, export_in_child, pick_checkpoint
 from contracts.datasets import DataPathError, resolve_data_path
 from contracts.spec import JobSpec
 from contracts.storage import JobStorage
@@ -57,11 +59,6 @@ def export_job(
     spec = JobSpec.from_stored(job.spec)
     owner = job.owner
     session.close()  # the conversion needs no DB connection
-    try:  # the hf extra: only this route needs it on the server
-        from checkpoints.export import EXPORTABLE, ExportError, export_checkpoint, pick_checkpoint
-        from checkpoints.integrity import CorruptCheckpoint
-    except ImportError as exc:  # pragma: no cover - an install without the extra
-        raise Conflict(f"export needs the hf extra on the server ({exc})") from exc
     workload = spec.workload.name
     if workload not in EXPORTABLE:
         raise invalid(
@@ -82,12 +79,12 @@ def export_job(
         raise Conflict(f"job {job_id}: {exc}") from exc
     work = Path(tempfile.mkdtemp(prefix="elastrain-export-"))
     try:
-        export_checkpoint(info, workload, params, work / "model", model_folder=folder)
+        export_in_child(info.path, workload, params, work / "model", model_folder=folder)
         archive = work / "model.tar"
         with tarfile.open(archive, "w") as tar:
             for path in sorted((work / "model").iterdir()):
                 tar.add(path, arcname=path.name)
-    except (ExportError, CorruptCheckpoint) as exc:
+    except ExportError as exc:
         shutil.rmtree(work, ignore_errors=True)
         raise Conflict(f"job {job_id}, step {info.step}: {exc}") from exc
     except BaseException:

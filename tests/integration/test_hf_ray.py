@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 from api import cli
 from api.cli.connection import Api
-from checkpoints.export import load_model_weights, pick_checkpoint
+from checkpoints.dcp.export import load_model_weights
+from checkpoints.export import pick_checkpoint
 from contracts.storage import JobStorage
 from tests.integration.ray_service import (
     losses,

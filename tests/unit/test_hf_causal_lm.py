@@ -16,7 +16,8 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from checkpoints.catalog import list_committed
-from checkpoints.export import ExportError, export_checkpoint, load_model_weights, pick_checkpoint
+from checkpoints.dcp.export import export_checkpoint, load_model_weights
+from checkpoints.export import ExportError, pick_checkpoint
 from contracts.spec import JobSpec
 from contracts.workload_params import params_problems
 from tests.unit.dist_utils import run_distributed

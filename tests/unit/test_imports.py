@@ -113,6 +113,7 @@ _EDGES_ALLOWED = {
     # Built-in workloads named as entrypoints in the job spec: data the workers import
     # themselves (`workers.workloads.load_workload`), never imported where they are named.
     ("contracts/spec.py", "workers.workloads.gpt"),
+    ("contracts/spec.py", "workers.workloads.hf_causal_lm"),
     ("contracts/spec.py", "workers.workloads.synthetic"),
     ("contracts/bounds.py", "workers.workloads"),
 }

@@ -42,6 +42,7 @@ def load_model_weights(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from checkpoints.dcp.checkpointer import corrupt_shard_reason
     from checkpoints.dcp.reader import VerifyingReader
 
     reader = VerifyingReader(info.path, expected=info.manifest.files, process_group=None)
@@ -56,7 +57,14 @@ def load_model_weights(info: CheckpointInfo) -> dict[str, torch.Tensor]:
         raise ExportError(f"checkpoint of step {info.step} holds no model weights")
     with warnings.catch_warnings():  # one process on purpose, no process group
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
+        try:
+            dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
+        except BaseException as exc:  # DCP wraps the reader's CorruptCheckpoint in its
+            # CheckpointException, a BaseException
+            reason = corrupt_shard_reason(exc)
+            if reason is None:
+                raise
+            raise CorruptCheckpoint(info.path, reason) from exc
     return weights
 
 

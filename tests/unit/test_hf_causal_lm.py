@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from checkpoints.catalog import list_committed
 from checkpoints.dcp.export import export_checkpoint, load_model_weights
-from checkpoints.export import ExportError, pick_checkpoint
+from checkpoints.export import ExportError, export_in_child, pick_checkpoint
 from contracts.spec import JobSpec
 from contracts.workload_params import params_problems
 from tests.unit.dist_utils import run_distributed
@@ -216,3 +216,22 @@ def test_export_picks_a_step_and_names_the_ones_there_are(runs: dict[str, Any]) 
     with pytest.raises(ExportError, match="no committed checkpoint"):
         pick_checkpoint(runs["root"] / "nothing", None)
     assert list_committed(root)
+
+
+def test_the_child_process_exports_and_refuses_a_damaged_checkpoint(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """What the API runs: `python -m checkpoints.dcp.export` in a child process."""
+    import shutil
+
+    info = pick_checkpoint(runs["root"] / "tp", None)
+    export_in_child(info.path, "hf_causal_lm", {"config": LLAMA}, tmp_path / "ok")
+    assert (tmp_path / "ok" / "model.safetensors").is_file()
+    damaged = tmp_path / "damaged" / info.path.name
+    shutil.copytree(info.path, damaged)
+    shard = next(damaged.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ExportError, match="digest"):
+        export_in_child(damaged, "hf_causal_lm", {"config": LLAMA}, tmp_path / "bad")

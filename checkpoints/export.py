@@ -1,8 +1,8 @@
 """Exporting a committed checkpoint as a Hugging Face model folder: which checkpoint, and
 the conversion run in a child process. Pure Python (the API imports it).
 
-The conversion itself (`checkpoints.dcp.export`) needs torch and `transformers`, which the
-control plane never loads: the API runs it as `python -m checkpoints.dcp.export` in a
+The conversion itself (`elastrain.checkpoints.dcp.export`) needs torch and `transformers`, which the
+control plane never loads: the API runs it as `python -m elastrain.checkpoints.dcp.export` in a
 child process, which also hands the memory of the model's weights back to the system
 when it ends.
 """
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from checkpoints.catalog import CheckpointInfo, list_committed
+from elastrain.checkpoints.catalog import CheckpointInfo, list_committed
 
 #: Formats an export writes.
 FORMATS = ("hf",)
@@ -54,11 +54,11 @@ def export_in_child(
     model_folder: Path | None = None,
     timeout_s: float = 3600.0,
 ) -> None:
-    """Run `checkpoints.dcp.export` on `checkpoint` in a child process, writing `out`.
+    """Run `elastrain.checkpoints.dcp.export` on `checkpoint` in a child process, writing `out`.
     Raises ExportError with the child's reason when it refuses, RuntimeError when it
     fails otherwise."""
     args = [
-        sys.executable, "-m", "checkpoints.dcp.export", str(checkpoint), workload,
+        sys.executable, "-m", "elastrain.checkpoints.dcp.export", str(checkpoint), workload,
         json.dumps(dict(params)), str(out),
     ]  # fmt: skip
     if model_folder is not None:

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from contracts.bounds import (
+from elastrain.contracts.bounds import (
     MAX_PARAMS_BYTES,
     MAX_PARAMS_DEPTH,
     STORED,
@@ -31,8 +31,8 @@ from contracts.bounds import (
     is_stored,
     no_control_characters,
 )
-from contracts.packages import DIGEST_RE
-from contracts.workload_params import (
+from elastrain.contracts.packages import DIGEST_RE
+from elastrain.contracts.workload_params import (
     BUILTIN_PARAMS,
     GptParams,
     HfCausalLmParams,
@@ -43,9 +43,9 @@ from contracts.workload_params import (
 #: `workers/workloads/`. Strings only, so the API validates without importing torch; the
 #: workers resolve the entrypoint.
 BUILTIN_WORKLOADS: dict[str, str] = {
-    "gpt": "workers.workloads.gpt:build",
-    "hf_causal_lm": "workers.workloads.hf_causal_lm:build",
-    "synthetic": "workers.workloads.synthetic:build",
+    "gpt": "elastrain.workers.workloads.gpt:build",
+    "hf_causal_lm": "elastrain.workers.workloads.hf_causal_lm:build",
+    "synthetic": "elastrain.workers.workloads.synthetic:build",
 }
 
 #: pip requirements: a distribution name, optional extras, optional version specifiers.
@@ -159,7 +159,7 @@ class WorkloadSpec(_Strict):
         """Whether the job's ranks run code of its own (an uploaded package or a custom
         entrypoint). Modules, threads, patched functions or memory it leaves in a process
         could reach the next job that process serves, so such a process serves that job
-        alone and is stopped when the job ends (`workers.runtime.pool`). Built-in
+        alone and is stopped when the job ends (`elastrain.workers.runtime.pool`). Built-in
         workloads leave nothing but the job's state, dropped before another job runs there."""
         return self.package is not None or self.entrypoint is not None
 
@@ -511,7 +511,7 @@ class JobSpec(_Strict):
     def _no_pipeline_split(self) -> str | None:
         """Why a built-in workload's model cannot be cut into the pipeline's stages (None:
         it can, or it is a custom workload, which says so when it is built). Each stage
-        takes whole blocks (`workers.workloads.stage_block_range`)."""
+        takes whole blocks (`elastrain.workers.workloads.stage_block_range`)."""
         if self.workload.name not in BUILTIN_PARAMS:
             return None
         if self.workload.name == "hf_causal_lm":

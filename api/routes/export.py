@@ -4,7 +4,7 @@ streamed as a tar (`config.json`, `model.safetensors`, `generation_config.json`)
 
 The server converts: it is where the shared storage is, and it checks the caller may see
 the job (another tenant's job is a 404, as everywhere). The conversion runs in a child
-process (`checkpoints.export.export_in_child`: the API never loads torch), which reads the
+process (`elastrain.checkpoints.export.export_in_child`: the API never loads torch), which reads the
 checkpoint's weights whole: the server's machine needs the `hf` extra, and memory for two
 copies of the model's weights (the checkpoint's and the HF model's) while it runs.
 """
@@ -21,13 +21,13 @@ from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
-from api.deps import CurrentPrincipal, SessionDep, SettingsDep
-from api.errors import Conflict, invalid
-from api.routes.jobs import MAX_INT32, JobId, _owned_job
-from checkpoints.export import EXPORTABLE, ExportError, export_in_child, pick_checkpoint
-from contracts.datasets import DataPathError, resolve_data_path
-from contracts.spec import JobSpec
-from contracts.storage import JobStorage
+from elastrain.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from elastrain.api.errors import Conflict, invalid
+from elastrain.api.routes.jobs import MAX_INT32, JobId, _owned_job
+from elastrain.checkpoints.export import EXPORTABLE, ExportError, export_in_child, pick_checkpoint
+from elastrain.contracts.datasets import DataPathError, resolve_data_path
+from elastrain.contracts.spec import JobSpec
+from elastrain.contracts.storage import JobStorage
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 

@@ -5,7 +5,7 @@
 The model's weights are read from the DCP checkpoint as whole tensors in this one
 process (DCP reshards on load: a checkpoint saved by FSDP, tensor parallel or DDP at any
 world size reads the same), verified against the manifest's digests as they are read
-(`checkpoints.dcp.reader.VerifyingReader`), without the optimizer state. Then:
+(`elastrain.checkpoints.dcp.reader.VerifyingReader`), without the optimizer state. Then:
 
 - `hf_causal_lm` jobs: the workload's own HF model, its parameter names without the
   wrapper's `lm.` prefix, saved with `save_pretrained` (which drops tied copies);
@@ -14,7 +14,7 @@ world size reads the same), verified against the manifest's digests as they are 
   `[q | k | v]`, and every Linear is transposed into GPT-2's `Conv1D` layout.
 
 Needs torch and `transformers` (the `hf` extra). The API runs it in a child process
-(`checkpoints.export.export_in_child`): `python -m checkpoints.dcp.export CHECKPOINT
+(`elastrain.checkpoints.export.export_in_child`): `python -m elastrain.checkpoints.dcp.export CHECKPOINT
 WORKLOAD PARAMS_JSON OUT [MODEL_FOLDER]`.
 """
 
@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from checkpoints.catalog import CheckpointInfo
-from checkpoints.export import EXPORTABLE, REFUSED, ExportError
-from checkpoints.integrity import CorruptCheckpoint
-from checkpoints.manifest import ManifestError, read_manifest
+from elastrain.checkpoints.catalog import CheckpointInfo
+from elastrain.checkpoints.export import EXPORTABLE, REFUSED, ExportError
+from elastrain.checkpoints.integrity import CorruptCheckpoint
+from elastrain.checkpoints.manifest import ManifestError, read_manifest
 
-#: The hf_causal_lm wrapper's prefix (`workers.workloads.hf_causal_lm.PREFIX`).
+#: The hf_causal_lm wrapper's prefix (`elastrain.workers.workloads.hf_causal_lm.PREFIX`).
 _HF_PREFIX = "lm."
 
 
@@ -42,8 +42,8 @@ def load_model_weights(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from checkpoints.dcp.checkpointer import corrupt_shard_reason
-    from checkpoints.dcp.reader import VerifyingReader
+    from elastrain.checkpoints.dcp.checkpointer import corrupt_shard_reason
+    from elastrain.checkpoints.dcp.reader import VerifyingReader
 
     reader = VerifyingReader(info.path, expected=info.manifest.files, process_group=None)
     metadata = reader.read_metadata()
@@ -183,7 +183,7 @@ def gpt_to_gpt2(weights: Mapping[str, torch.Tensor], *, n_head: int) -> dict[str
 
 
 def main(argv: list[str]) -> int:
-    """`python -m checkpoints.dcp.export CHECKPOINT WORKLOAD PARAMS_JSON OUT [MODEL]`:
+    """`python -m elastrain.checkpoints.dcp.export CHECKPOINT WORKLOAD PARAMS_JSON OUT [MODEL]`:
     exit status `REFUSED` with the reason on stderr when the export cannot be made."""
     import json
     import sys

@@ -16,11 +16,11 @@ from fastapi.testclient import TestClient
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from api import cli
-from api.cli.connection import Api
-from checkpoints.dcp.export import load_model_weights
-from checkpoints.export import pick_checkpoint
-from contracts.storage import JobStorage
+from elastrain.api import cli
+from elastrain.api.cli.connection import Api
+from elastrain.checkpoints.dcp.export import load_model_weights
+from elastrain.checkpoints.export import pick_checkpoint
+from elastrain.contracts.storage import JobStorage
 from tests.integration.ray_service import (
     losses,
     ray_service,
@@ -28,7 +28,7 @@ from tests.integration.ray_service import (
     tiny_gpt_spec,
     wait_terminal,
 )
-from workers.workloads.hf_causal_lm import build
+from elastrain.workers.workloads.hf_causal_lm import build
 
 pytestmark = pytest.mark.ray
 

@@ -15,15 +15,15 @@ import pytest
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from checkpoints.catalog import list_committed
-from checkpoints.dcp.export import export_checkpoint, load_model_weights
-from checkpoints.export import ExportError, export_in_child, pick_checkpoint
-from contracts.spec import JobSpec
-from contracts.workload_params import params_problems
+from elastrain.checkpoints.catalog import list_committed
+from elastrain.checkpoints.dcp.export import export_checkpoint, load_model_weights
+from elastrain.checkpoints.export import ExportError, export_in_child, pick_checkpoint
+from elastrain.contracts.spec import JobSpec
+from elastrain.contracts.workload_params import params_problems
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_workers_train import losses, run_jobs
-from workers.workloads import WorkloadError
-from workers.workloads.hf_causal_lm import HfCausalLM, build, tp_style
+from elastrain.workers.workloads import WorkloadError
+from elastrain.workers.workloads.hf_causal_lm import HfCausalLM, build, tp_style
 
 STEPS = 4
 LLAMA: dict[str, Any] = {
@@ -194,7 +194,7 @@ def test_export_loads_in_transformers_with_the_checkpoints_logits(
 def test_gpt_exports_as_gpt2(runs: dict[str, Any], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
-    from workers.workloads.gpt import build as build_gpt
+    from elastrain.workers.workloads.gpt import build as build_gpt
 
     info = pick_checkpoint(runs["root"] / "gpt", None)
     export_checkpoint(info, "gpt", GPT, tmp_path)
@@ -221,7 +221,7 @@ def test_export_picks_a_step_and_names_the_ones_there_are(runs: dict[str, Any]) 
 def test_the_child_process_exports_and_refuses_a_damaged_checkpoint(
     runs: dict[str, Any], tmp_path: Path
 ) -> None:
-    """What the API runs: `python -m checkpoints.dcp.export` in a child process."""
+    """What the API runs: `python -m elastrain.checkpoints.dcp.export` in a child process."""
     import shutil
 
     info = pick_checkpoint(runs["root"] / "tp", None)

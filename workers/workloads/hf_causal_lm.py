@@ -11,7 +11,7 @@ windows, so HF's own label shifting is not used), `shard_units()` (the decoder l
 units and activation-checkpointing units) and `tensor_parallel_plan()` (the model's own TP
 plan, `base_model_tp_plan` in its config, mapped onto torch's DTensor parallel styles). Its
 parameters are the HF model's under `lm.`: `lm.model.layers.0.self_attn.q_proj.weight`;
-the export (`checkpoints.export`) strips the prefix back off.
+the export (`elastrain.checkpoints.export`) strips the prefix back off.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from contracts.workload_params import HfCausalLmParams
-from workers.api import Workload
-from workers.workloads import WorkloadError
-from workers.workloads.gpt import lm_loss, token_windows
+from elastrain.contracts.workload_params import HfCausalLmParams
+from elastrain.workers.api import Workload
+from elastrain.workers.workloads import WorkloadError
+from elastrain.workers.workloads.gpt import lm_loss, token_windows
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -196,7 +196,7 @@ def build(
     eval_path: str | None = None,
     eval_fraction: float | None = None,
 ) -> Workload:
-    """The built-in `hf_causal_lm` workload (params: `contracts.workload_params.
+    """The built-in `hf_causal_lm` workload (params: `elastrain.contracts.workload_params.
     HfCausalLmParams`): the gpt's data, a Hugging Face model."""
     try:
         params = HfCausalLmParams.model_validate({

@@ -19,7 +19,17 @@ from fastapi import FastAPI
 
 from elastrain.api import errors
 from elastrain.api.deps import TokenCache
-from elastrain.api.routes import api_docs, cluster, export, health, jobs, metrics, packages, plan, tenants
+from elastrain.api.routes import (
+    api_docs,
+    cluster,
+    export,
+    health,
+    jobs,
+    metrics,
+    packages,
+    plan,
+    tenants,
+)
 from elastrain.api.security import RequestGuard
 from elastrain.service.db import make_engine, make_session_factory, migrate
 from elastrain.service.settings import Settings

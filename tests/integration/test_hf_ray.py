@@ -21,6 +21,7 @@ from elastrain.api.cli.connection import Api
 from elastrain.checkpoints.dcp.export import load_model_weights
 from elastrain.checkpoints.export import pick_checkpoint
 from elastrain.contracts.storage import JobStorage
+from elastrain.workers.workloads.hf_causal_lm import build
 from tests.integration.ray_service import (
     losses,
     ray_service,
@@ -28,7 +29,6 @@ from tests.integration.ray_service import (
     tiny_gpt_spec,
     wait_terminal,
 )
-from elastrain.workers.workloads.hf_causal_lm import build
 
 pytestmark = pytest.mark.ray
 

@@ -20,10 +20,10 @@ from elastrain.checkpoints.dcp.export import export_checkpoint, load_model_weigh
 from elastrain.checkpoints.export import ExportError, export_in_child, pick_checkpoint
 from elastrain.contracts.spec import JobSpec
 from elastrain.contracts.workload_params import params_problems
-from tests.unit.dist_utils import run_distributed
-from tests.unit.test_workers_train import losses, run_jobs
 from elastrain.workers.workloads import WorkloadError
 from elastrain.workers.workloads.hf_causal_lm import HfCausalLM, build, tp_style
+from tests.unit.dist_utils import run_distributed
+from tests.unit.test_workers_train import losses, run_jobs
 
 STEPS = 4
 LLAMA: dict[str, Any] = {

@@ -50,7 +50,9 @@ CORPUS = "tinyshakespeare.txt"
 @lru_cache(maxsize=1)
 def load_corpus() -> tuple[torch.Tensor, tuple[str, ...]]:
     """The corpus as a 1-D int64 tensor of character ids, and the vocabulary (id -> char)."""
-    text = resources.files("elastrain.workers.workloads").joinpath("data", CORPUS).read_text("utf-8")
+    text = (
+        resources.files("elastrain.workers.workloads").joinpath("data", CORPUS).read_text("utf-8")
+    )
     vocab = char_vocab(text)
     return encode_chars(text, vocab), vocab
 

@@ -19,7 +19,17 @@ from fastapi import FastAPI
 
 from elastrain.api import errors
 from elastrain.api.deps import TokenCache
-from elastrain.api.routes import api_docs, cluster, health, jobs, metrics, packages, plan, tenants
+from elastrain.api.routes import (
+    api_docs,
+    cluster,
+    export,
+    health,
+    jobs,
+    metrics,
+    packages,
+    plan,
+    tenants,
+)
 from elastrain.api.security import RequestGuard
 from elastrain.service.db import make_engine, make_session_factory, migrate
 from elastrain.service.settings import Settings
@@ -82,6 +92,7 @@ def create_app(settings: Settings | None = None, *, start_scheduler: bool = Fals
     app.include_router(health.router)
     app.include_router(api_docs.router)
     app.include_router(jobs.router)
+    app.include_router(export.router)
     app.include_router(cluster.router)
     app.include_router(tenants.router)
     app.include_router(metrics.router)

@@ -127,7 +127,7 @@ def entrypoint_refusal(entrypoint: str, allowed_prefixes: Iterable[str]) -> str 
     if module.split(".")[0] in OWN_PACKAGES:
         return (
             f"module {module!r} is elastrain's own; a built-in workload is given by name "
-            "(workload.name: gpt or synthetic), where its params are checked"
+            "(workload.name: gpt, hf_causal_lm or synthetic), where its params are checked"
         )
     if (private := private_part(entrypoint)) is not None:
         return f"{private!r} is private (it starts with '_'); only public factories can run"

@@ -28,14 +28,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-from elastrain.contracts.workload_params import TOKEN_WIDTH, GptParams
+from elastrain.contracts.workload_params import TOKEN_WIDTH, GptParams, HfCausalLmParams
 
 #: Tenants' own areas: `<storage>/data/<tenant>/`.
 TENANT_DATA_DIR = "data"
 #: Data an operator publishes for every tenant, read-only for jobs: `<storage>/shared/`.
 SHARED_DATA_DIR = "shared"
-#: The params of the gpt that name files.
-PATH_PARAMS = ("data_path", "eval_path")
+#: The params of the gpt (and hf_causal_lm) that name files or folders.
+PATH_PARAMS = ("data_path", "eval_path", "model")
+#: The built-in workloads that read files from the tenant's data area.
+DATA_WORKLOADS = frozenset({"gpt", "hf_causal_lm"})
 
 _WHERE = (
     "data paths are relative to your tenant's data area (<storage>/data/<tenant>/), or "
@@ -117,12 +119,16 @@ def split_sizes(tokens: int, held_out_fraction: float) -> tuple[int, int]:
     return tokens - held, held
 
 
-def data_path_problems(params: GptParams, storage_root: Path, owner: str) -> list[str]:
-    """What is wrong with the params' data files for `owner`'s job, one line per problem,
-    each starting with `workload.params.<key>:` ([] when they can work, or when no
-    data_path is given)."""
+def data_path_problems(
+    params: GptParams | HfCausalLmParams, storage_root: Path, owner: str
+) -> list[str]:
+    """What is wrong with the params' data files (and an hf_causal_lm's model folder) for
+    `owner`'s job, one line per problem, each starting with `workload.params.<key>:` ([]
+    when they can work, or when no data_path is given)."""
     window = params.seq_len + 1
     problems: list[str] = []
+    if isinstance(params, HfCausalLmParams) and params.model is not None:
+        problems.extend(model_folder_problems(params.model, storage_root, owner))
     for key in ("data_path", "eval_path"):
         path = getattr(params, key)
         if path is None:
@@ -170,3 +176,21 @@ def data_path_problems(params: GptParams, storage_root: Path, owner: str) -> lis
                 f"{window}; hold out more (eval_fraction) or give an eval_path"
             )
     return problems
+
+
+def model_folder_problems(path: str, storage_root: Path, owner: str) -> list[str]:
+    """What is wrong with an hf_causal_lm's `model` folder: it must be a folder in the
+    owner's (or the shared) data area holding a `config.json`."""
+    where = "workload.params.model"
+    try:
+        real = resolve_data_path(path, storage_root, owner)
+    except DataPathError as exc:
+        return [f"{where}: {exc}"]
+    if not real.is_dir():
+        return [
+            f"{where}: {path!r} is not a folder in your data area; copy the model's folder "
+            f"(config.json, model.safetensors) there first ({_WHERE})"
+        ]
+    if not (real / "config.json").is_file():
+        return [f"{where}: {path!r} has no config.json (a Hugging Face model folder has)"]
+    return []

@@ -46,13 +46,12 @@ from elastrain.contracts.spec import (
     StrategyKind,
     strategy_label,
 )
-from elastrain.contracts.workload_params import GptParams, SyntheticParams
+from elastrain.contracts.workload_params import BUNDLED_VOCAB, GptParams, SyntheticParams
 
 #: The share of a device's memory a plan may use.
 HEADROOM = 0.9
 #: Vocabulary assumed for a text `data_path` (its characters are unknown until read).
 TEXT_VOCAB_BOUND = 256
-BUNDLED_VOCAB = 65
 ORDER = (StrategyKind.ddp, StrategyKind.fsdp, StrategyKind.pipeline)
 #: Tensor-parallel degrees a plan considers: within one node's devices.
 TP_DEGREES = (2, 4, 8)

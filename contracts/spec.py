@@ -32,13 +32,19 @@ from elastrain.contracts.bounds import (
     no_control_characters,
 )
 from elastrain.contracts.packages import DIGEST_RE
-from elastrain.contracts.workload_params import BUILTIN_PARAMS, GptParams, params_problems
+from elastrain.contracts.workload_params import (
+    BUILTIN_PARAMS,
+    GptParams,
+    HfCausalLmParams,
+    params_problems,
+)
 
 #: Built-in workloads shipped with the package: name -> the factory's entrypoint in
 #: `workers/workloads/`. Strings only, so the API validates without importing torch; the
 #: workers resolve the entrypoint.
 BUILTIN_WORKLOADS: dict[str, str] = {
     "gpt": "elastrain.workers.workloads.gpt:build",
+    "hf_causal_lm": "elastrain.workers.workloads.hf_causal_lm:build",
     "synthetic": "elastrain.workers.workloads.synthetic:build",
 }
 
@@ -522,10 +528,13 @@ class JobSpec(_Strict):
             raise ValueError(f"strategy.pipeline_stages: {why}")
         if self.strategy.tensor_parallel_degree > 1 and (why := self._no_tensor_parallel()):
             raise ValueError(f"strategy.tensor_parallel: {why}")
-        if self.strategy.kind == StrategyKind.auto and self.workload.name is None:
+        if self.strategy.kind == StrategyKind.auto and self.workload.name in (
+            None,
+            "hf_causal_lm",  # its size is known once transformers has built it
+        ):
             raise ValueError(
                 "strategy.kind: 'auto' plans from the model's size, known before it runs only "
-                "for the built-in workloads; choose ddp, fsdp or pipeline"
+                "for the gpt and synthetic workloads; choose ddp, fsdp or pipeline"
             )
         if (
             self.training.eval_every is not None
@@ -578,6 +587,11 @@ class JobSpec(_Strict):
         takes whole blocks (`elastrain.workers.workloads.stage_block_range`)."""
         if self.workload.name not in BUILTIN_PARAMS:
             return None
+        if self.workload.name == "hf_causal_lm":
+            return (
+                "the hf_causal_lm workload has no pipeline split; use ddp, fsdp or tp "
+                "(strategy.tensor_parallel)"
+            )
         blocks = BUILTIN_PARAMS[self.workload.name].model_validate(self.workload.params)
         n_layer = int(getattr(blocks, "n_layer", 0))
         stages = self.strategy.stages
@@ -608,6 +622,15 @@ class JobSpec(_Strict):
                     f"{tp} must divide workload.params.n_head ({n_head}): each rank runs "
                     "whole attention heads"
                 )
+        if self.workload.name == "hf_causal_lm":
+            config = HfCausalLmParams.model_validate(self.workload.params).config or {}
+            for key in ("num_attention_heads", "num_key_value_heads"):
+                heads = config.get(key)
+                if isinstance(heads, int) and heads % tp:
+                    return (
+                        f"{tp} must divide workload.params.config.{key} ({heads}): each "
+                        "rank runs whole attention heads"
+                    )
         return None
 
     def _no_held_out_split(self) -> str | None:
@@ -615,6 +638,14 @@ class JobSpec(_Strict):
         custom workload, which says so when it is built)."""
         if self.workload.name == "synthetic":
             return "the synthetic workload has no held-out split"
+        if (
+            self.workload.name == "hf_causal_lm"
+            and not HfCausalLmParams.model_validate(self.workload.params).has_held_out
+        ):
+            return (
+                "the hf_causal_lm has no held-out split: set workload.params.eval_fraction, "
+                "or eval_path with a data_path"
+            )
         if (
             self.workload.name == "gpt"
             and not GptParams.model_validate(self.workload.params).has_held_out

@@ -9,7 +9,7 @@ and burns restarts. The workers build the workloads with these same fields
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
@@ -25,9 +25,64 @@ DataPath = Annotated[str, Field(min_length=1, max_length=1024)]
 TOKEN_WIDTH = {"uint16": 2, "uint32": 4}
 #: Held out of `data_path` when no `eval_path` is given (nanoGPT's split).
 DEFAULT_EVAL_FRACTION = 0.1
+#: The bundled tiny Shakespeare's vocabulary: its distinct characters.
+BUNDLED_VOCAB = 65
 
 
-class GptParams(_Params):
+class _TokenData:
+    """The data fields' meaning, shared by the built-ins that read token streams (the gpt,
+    hf_causal_lm): `data_path`, `token_dtype`, `vocab_size`, `eval_path`, `eval_fraction`."""
+
+    if TYPE_CHECKING:  # fields of the pydantic models this is mixed into
+        data_path: str | None
+        eval_path: str | None
+        eval_fraction: float | None
+
+    @property
+    def held_out_fraction(self) -> float:
+        """The share of the token stream (its end) held out for evaluation: eval_fraction,
+        by default 0.1 of a data_path without eval_path and none of the bundled corpus."""
+        if self.eval_path is not None:
+            return 0.0
+        if self.eval_fraction is not None:
+            return self.eval_fraction
+        return DEFAULT_EVAL_FRACTION if self.data_path is not None else 0.0
+
+    @property
+    def has_held_out(self) -> bool:
+        return self.eval_path is not None or self.held_out_fraction > 0
+
+
+def token_data_problem(p: Any) -> str | None:
+    """What is inconsistent in the data fields of a gpt or hf_causal_lm's params, or None."""
+    needs_data = [k for k in ("token_dtype", "vocab_size", "eval_path")
+                  if getattr(p, k) is not None]  # fmt: skip
+    if p.data_path is None and needs_data:
+        return (
+            f"workload.params.{needs_data[0]}: only with workload.params.data_path (the "
+            "bundled corpus has its own vocabulary)"
+        )
+    if p.token_dtype is not None and p.vocab_size is None:
+        return (
+            "workload.params.vocab_size: required with token_dtype (the number of "
+            "distinct token ids; every id in the file must be below it)"
+        )
+    if p.token_dtype is None and p.vocab_size is not None:
+        return (
+            "workload.params.vocab_size: only with token_dtype (a text file's vocabulary "
+            "is its characters)"
+        )
+    if p.token_dtype == "uint16" and (p.vocab_size or 0) > 2**16:
+        return (
+            f"workload.params.vocab_size ({p.vocab_size}) does not fit uint16 ids "
+            "(at most 65536); use token_dtype uint32"
+        )
+    if p.eval_path is not None and p.eval_fraction is not None:
+        return "workload.params.eval_fraction: give eval_path or eval_fraction, not both"
+    return None
+
+
+class GptParams(_TokenData, _Params):
     """A GPT decoder on the bundled tiny Shakespeare corpus (characters), or on the user's
     data under the storage root: UTF-8 text (characters) or a flat file of token ids."""
 
@@ -53,47 +108,60 @@ class GptParams(_Params):
                 f"workload.params.n_embd ({self.n_embd}) must be divisible by "
                 f"workload.params.n_head ({self.n_head})"
             )
-        needs_data = [k for k in ("token_dtype", "vocab_size", "eval_path")
-                      if getattr(self, k) is not None]  # fmt: skip
-        if self.data_path is None and needs_data:
+        if (problem := token_data_problem(self)) is not None:
+            raise ValueError(problem)
+        return self
+
+
+class HfCausalLmParams(_TokenData, _Params):
+    """A Hugging Face causal LM (`transformers`), built from a config or a local folder,
+    trained on the same token streams as the gpt. Nothing is downloaded."""
+
+    model: DataPath | None = None
+    """A folder in the tenant's data area holding `config.json` (and maybe weights,
+    `model.safetensors`): loaded with `from_pretrained(folder, local_files_only=True)`."""
+    config: dict[str, Any] | None = None
+    """A config to build an untrained model from: `AutoConfig.for_model(**config)`, so it
+    names `model_type` (e.g. llama) and that model's fields (hidden_size, ...)."""
+    seq_len: Annotated[Count, Field(le=65536)] = 64
+    stride: Annotated[Count, Field(le=65536)] | None = None
+    data_path: DataPath | None = None
+    token_dtype: Literal["uint16", "uint32"] | None = None
+    vocab_size: Annotated[StrictInt, Field(ge=1, le=2**32)] | None = None
+    eval_path: DataPath | None = None
+    eval_fraction: Annotated[float, Field(ge=0, lt=1)] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> HfCausalLmParams:
+        if (self.model is None) == (self.config is None):
             raise ValueError(
-                f"workload.params.{needs_data[0]}: only with workload.params.data_path (the "
-                "bundled corpus has its own vocabulary)"
+                "workload.params.model: give exactly one of model (a local folder with "
+                "config.json) or config (e.g. {model_type: llama, hidden_size: 64, ...})"
             )
-        if self.token_dtype is not None and self.vocab_size is None:
-            raise ValueError(
-                "workload.params.vocab_size: required with token_dtype (the number of "
-                "distinct token ids; every id in the file must be below it)"
-            )
-        if self.token_dtype is None and self.vocab_size is not None:
-            raise ValueError(
-                "workload.params.vocab_size: only with token_dtype (a text file's vocabulary "
-                "is its characters)"
-            )
-        if self.token_dtype == "uint16" and (self.vocab_size or 0) > 2**16:
-            raise ValueError(
-                f"workload.params.vocab_size ({self.vocab_size}) does not fit uint16 ids "
-                "(at most 65536); use token_dtype uint32"
-            )
-        if self.eval_path is not None and self.eval_fraction is not None:
-            raise ValueError(
-                "workload.params.eval_fraction: give eval_path or eval_fraction, not both"
-            )
+        if self.config is not None:
+            if not isinstance(self.config.get("model_type"), str):
+                raise ValueError(
+                    "workload.params.config.model_type: required, a transformers model type "
+                    "such as 'llama'"
+                )
+            model_vocab = self.config.get("vocab_size")
+            data_vocab = self.data_vocab_size
+            if isinstance(model_vocab, int) and data_vocab is not None and data_vocab > model_vocab:
+                raise ValueError(
+                    f"workload.params.config.vocab_size ({model_vocab}) is smaller than the "
+                    f"data's vocabulary ({data_vocab}): every token id must have an "
+                    "embedding row; raise config.vocab_size"
+                )
+        if (problem := token_data_problem(self)) is not None:
+            raise ValueError(problem)
         return self
 
     @property
-    def held_out_fraction(self) -> float:
-        """The share of the token stream (its end) held out for evaluation: eval_fraction,
-        by default 0.1 of a data_path without eval_path and none of the bundled corpus."""
-        if self.eval_path is not None:
-            return 0.0
-        if self.eval_fraction is not None:
-            return self.eval_fraction
-        return DEFAULT_EVAL_FRACTION if self.data_path is not None else 0.0
-
-    @property
-    def has_held_out(self) -> bool:
-        return self.eval_path is not None or self.held_out_fraction > 0
+    def data_vocab_size(self) -> int | None:
+        """The data's vocabulary when known without reading it (a text file's is not)."""
+        if self.data_path is None:
+            return BUNDLED_VOCAB
+        return self.vocab_size
 
 
 class SyntheticParams(_Params):
@@ -107,7 +175,11 @@ class SyntheticParams(_Params):
     data_seed: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = 1234
 
 
-BUILTIN_PARAMS: dict[str, type[_Params]] = {"gpt": GptParams, "synthetic": SyntheticParams}
+BUILTIN_PARAMS: dict[str, type[_Params]] = {
+    "gpt": GptParams,
+    "hf_causal_lm": HfCausalLmParams,
+    "synthetic": SyntheticParams,
+}
 
 
 def params_problems(workload: str, params: dict[str, Any]) -> list[str]:

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from elastrain.checkpoints.fence import advance_fence
 from elastrain.checkpoints.owner import claim_job_folder
 from elastrain.checkpoints.retention import delete_checkpoints, retention_plan
-from elastrain.contracts.datasets import DataPathError, storage_relative_data_paths
+from elastrain.contracts.datasets import DATA_WORKLOADS, DataPathError, storage_relative_data_paths
 from elastrain.contracts.messages import Control, EventKind
 from elastrain.contracts.runtime import AttemptKey, LaunchRequest, attempt_name
 from elastrain.contracts.spec import JobSpec
@@ -196,10 +196,10 @@ class SpecRefused(Exception):
 
 
 def launch_spec(spec: JobSpec, storage_path: Path, owner: str) -> JobSpec:
-    """The spec the workers get: a built-in gpt's data paths resolved in the owner's data
+    """The spec the workers get: a built-in gpt's (or hf_causal_lm's) data paths resolved in the owner's data
     area and handed over relative to the storage root, checked again at every launch (the
     files may have become links since the submit)."""
-    if spec.workload.name != "gpt":
+    if spec.workload.name not in DATA_WORKLOADS:
         return spec
     try:
         params = storage_relative_data_paths(spec.workload.params, storage_path, owner)

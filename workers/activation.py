@@ -78,10 +78,15 @@ class ActivationMeter:
         if isinstance(local, torch.Tensor):
             t = local
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        try:
+            key, size = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:
+            # A storage Python cannot address (seen with transformers' llama under the
+            # loop): count the tensor's own bytes, once per tensor.
+            key, size = id(t), t.numel() * t.element_size()
         if key not in self._seen:
             self._seen.add(key)
-            self._bytes += storage.nbytes()
+            self._bytes += size
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

@@ -211,6 +211,33 @@ def checkpoints(ctx: typer.Context, job_id: int) -> None:
     table(rows, ["step", "attempt", "world_size", "bytes", "committed_at", "path"])
 
 
+def export(
+    ctx: typer.Context,
+    job_id: int,
+    out: Annotated[Path, typer.Option("--out", help="The folder to write the model to.")],
+    fmt: Annotated[str, typer.Option("--format", help="hf: a Hugging Face model folder.")] = "hf",
+    step: Annotated[
+        int | None, typer.Option(help="The checkpoint's step (default: the newest).")
+    ] = None,
+) -> None:
+    """Write a committed checkpoint's model as a Hugging Face folder (config.json,
+    model.safetensors): hf_causal_lm jobs, and gpt jobs as GPT-2."""
+    import tarfile
+    import tempfile
+
+    params: dict[str, Any] = {"format": fmt}
+    if step is not None:
+        params["step"] = step
+    with tempfile.TemporaryFile() as archive:
+        headers = api(ctx).download(f"/v1/jobs/{job_id}/export", archive, params=params)
+        archive.seek(0)
+        out.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=archive) as tar:
+            names = tar.getnames()
+            tar.extractall(out, filter="data")  # plain files only, inside `out`
+    typer.echo(f"step {headers.get('x-elastrain-step', '?')}: {', '.join(sorted(names))} in {out}")
+
+
 def cancel(ctx: typer.Context, job_id: int) -> None:
     """Cancel a job (at once when pending; a running one stops at its next step)."""
     job = api(ctx).call("POST", f"/v1/jobs/{job_id}/cancel")

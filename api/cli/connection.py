@@ -7,7 +7,7 @@ import functools
 import inspect
 import json
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import IO, Annotated, Any
 
 import httpx
 import typer
@@ -40,6 +40,22 @@ class Api:
     def using(self, *, url: str | None = None, token: str | None = None) -> Api:
         """This client with `url` or `token` replaced (None: kept)."""
         return Api(self.url if url is None else url, self.token if token is None else token)
+
+    def download(self, path: str, sink: IO[bytes], **kwargs: Any) -> httpx.Headers:
+        """GET `path` into `sink`, streamed, with no read timeout (the server may take a
+        while to make what it sends); a clear failure on an error status."""
+        try:
+            with self.http.stream(
+                "GET", path, timeout=httpx.Timeout(30.0, read=None), **kwargs
+            ) as r:
+                if r.is_error:
+                    r.read()
+                    fail(f"error {r.status_code}: {_error_message(r)}")
+                for chunk in r.iter_bytes():
+                    sink.write(chunk)
+                return r.headers
+        except httpx.TransportError as exc:
+            fail(f"cannot reach the elastrain API at {self.url} ({exc})", code=2)
 
     def exists(self, path: str) -> bool:
         """GET `path`: True on 200, False on 404, a clear failure on anything else."""

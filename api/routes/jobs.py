@@ -28,7 +28,7 @@ from elastrain.contracts.packages import OWN_PACKAGES, modules_of
 from elastrain.contracts.plan import AUTO_CHOICES, plan, shape_of
 from elastrain.contracts.spec import JobSpec, StrategyKind
 from elastrain.contracts.storage import JobStorage
-from elastrain.contracts.workload_params import GptParams
+from elastrain.contracts.workload_params import GptParams, HfCausalLmParams
 from elastrain.service import cluster, executor, metric_store, package_access
 from elastrain.service.auth import Principal
 from elastrain.service.jobs import (
@@ -151,11 +151,15 @@ def check_workload_code(
 
 
 def check_data_paths(spec: JobSpec, storage_root: pathlib.Path, owner: str) -> None:
-    """A built-in gpt's data files exist in the owner's data area (or the shared one) and
-    can make windows."""
-    if spec.workload.name != "gpt":
+    """A built-in gpt's (or hf_causal_lm's) data files exist in the owner's data area (or
+    the shared one) and can make windows; an hf_causal_lm's model folder has a config."""
+    params: GptParams | HfCausalLmParams
+    if spec.workload.name == "gpt":
+        params = GptParams.model_validate(spec.workload.params)
+    elif spec.workload.name == "hf_causal_lm":
+        params = HfCausalLmParams.model_validate(spec.workload.params)
+    else:
         return
-    params = GptParams.model_validate(spec.workload.params)
     problems = data_path_problems(params, storage_root, owner)
     if problems:  # each starts "workload.params.<key>:"
         raise RequestValidationError(

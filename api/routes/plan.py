@@ -27,8 +27,8 @@ def make_plan(body: PlanRequest, _: CurrentPrincipal, session: SessionDep) -> Pl
     if shape is None:
         raise invalid(
             ("body", "spec", "workload"),
-            "spec.workload: plans are made for the built-in workloads; a custom model's size "
-            "is unknown before it runs",
+            "spec.workload: plans are made for the built-in gpt and synthetic workloads; a custom "
+            "(or hf_causal_lm) model's size is unknown before it is built",
         )
     memory, source = body.device_memory_bytes, "device_memory_bytes"
     if memory is None and not spec.scaling.use_gpu:

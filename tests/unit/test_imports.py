@@ -133,6 +133,7 @@ _EDGES_ALLOWED = {
     # Built-in workloads named as entrypoints in the job spec: data the workers import
     # themselves (`elastrain.workers.workloads.load_workload`), never imported where they are named.
     ("contracts/spec.py", "elastrain.workers.workloads.gpt"),
+    ("contracts/spec.py", "elastrain.workers.workloads.hf_causal_lm"),
     ("contracts/spec.py", "elastrain.workers.workloads.synthetic"),
     ("contracts/bounds.py", "elastrain.workers.workloads"),
 }

@@ -11,7 +11,7 @@ import inspect
 from pathlib import Path
 
 from elastrain.contracts.bounds import OWN_PACKAGES, in_standard_library, private_part
-from elastrain.contracts.datasets import DataPathError, resolve_under
+from elastrain.contracts.datasets import DATA_WORKLOADS, PATH_PARAMS, DataPathError, resolve_under
 from elastrain.contracts.spec import BUILTIN_WORKLOADS, WorkloadSpec
 from elastrain.workers.api import Workload, WorkloadFactory
 
@@ -33,8 +33,8 @@ def load_workload(spec: WorkloadSpec, *, storage_root: Path | None = None) -> Wo
         # The API refuses these at submit; a job stored before that rule must not run one.
         raise WorkloadError(f"workload.entrypoint: {why}")
     params = dict(spec.params)
-    if spec.name == "gpt" and storage_root is not None:
-        for key in ("data_path", "eval_path"):
+    if spec.name in DATA_WORKLOADS and storage_root is not None:
+        for key in PATH_PARAMS:
             if isinstance(params.get(key), str):
                 try:
                     params[key] = str(resolve_under(params[key], storage_root))

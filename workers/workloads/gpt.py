@@ -25,10 +25,11 @@ from pydantic import ValidationError
 from torch import nn
 
 from elastrain.contracts.datasets import split_sizes
-from elastrain.contracts.workload_params import GptParams
+from elastrain.contracts.workload_params import GptParams, HfCausalLmParams
 from elastrain.workers.api import Workload
 from elastrain.workers.workloads import WorkloadError, stage_block_range
 from elastrain.workers.workloads.token_data import (
+    TokenData,
     TokenWindows,
     char_vocab,
     encode_chars,
@@ -54,6 +55,25 @@ def load_corpus() -> tuple[torch.Tensor, tuple[str, ...]]:
     )
     vocab = char_vocab(text)
     return encode_chars(text, vocab), vocab
+
+
+def token_windows(params: GptParams | HfCausalLmParams) -> TokenData:
+    """The training (and held-out) windows the params' data fields name: the bundled
+    corpus without `data_path`, else the user's file (`token_data.load_token_data`)."""
+    if params.data_path is None:
+        tokens, vocab = load_corpus()
+        train_end, held = split_sizes(len(tokens), params.held_out_fraction)
+        train = TokenWindows(tokens, params.seq_len, params.stride, end=train_end)
+        held_out = (
+            TokenWindows(tokens, params.seq_len, params.stride, start=train_end) if held else None
+        )
+        return TokenData(train=train, held_out=held_out, vocab_size=len(vocab))
+    return load_token_data(
+        data_path=params.data_path, token_dtype=params.token_dtype,
+        vocab_size=params.vocab_size, eval_path=params.eval_path,
+        held_out_fraction=params.held_out_fraction, seq_len=params.seq_len,
+        stride=params.stride,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -269,20 +289,8 @@ def build(
         })  # fmt: skip
     except ValidationError as exc:  # a spec stored before params were checked at submit
         raise WorkloadError(f"workload.params: {exc}") from exc
-    held_out: TokenWindows | None = None
-    if data_path is None:
-        tokens, vocab = load_corpus()
-        train_end, held = split_sizes(len(tokens), params.held_out_fraction)
-        dataset, n_vocab = TokenWindows(tokens, seq_len, stride, end=train_end), len(vocab)
-        if held:
-            held_out = TokenWindows(tokens, seq_len, stride, start=train_end)
-    else:
-        data = load_token_data(
-            data_path=data_path, token_dtype=token_dtype, vocab_size=vocab_size,
-            eval_path=eval_path, held_out_fraction=params.held_out_fraction, seq_len=seq_len,
-            stride=stride,
-        )  # fmt: skip
-        dataset, held_out, n_vocab = data.train, data.held_out, data.vocab_size
+    data = token_windows(params)
+    dataset, held_out, n_vocab = data.train, data.held_out, data.vocab_size
     model = GPT(
         vocab_size=n_vocab,
         seq_len=seq_len,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import random
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -222,7 +223,9 @@ def test_the_cli_uploads_a_working_dir_once(tmp_path: Path, client: TestClient) 
         cli.Api = original  # type: ignore[misc]
     assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
     assert calls == ["POST /v1/packages", "POST /v1/jobs", "POST /v1/jobs"]  # uploaded once
-    digest = first.stderr.split()[1]
+    # The digest as the CLI printed it (found, not cut by position: a logging handler an
+    # earlier test left on a closed stream may write before it in the same capture).
+    digest = re.search(r"package (sha256:[0-9a-f]{64})", first.stderr).group(1)  # type: ignore[union-attr]
     files = client.get(f"/v1/packages/{digest}").json()["files"]
     assert [f["path"] for f in files] == [".elastrainignore", "my_model.py"]
     job_id = int(first.stdout.split()[0])

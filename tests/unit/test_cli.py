@@ -325,6 +325,7 @@ REST_COMMANDS: dict[str, list[str]] = {
     "tenant list": [], "tenant set": ["t", "--max-workers", "2"],
     "packages show": [DIGEST], "packages share": [DIGEST, "--tenant", "t"],
     "packages unshare": [DIGEST, "--tenant", "t"],
+    "export": ["1", "--out", "{spec}.model"],
 }  # fmt: skip
 
 

@@ -72,7 +72,7 @@ def wait_for_warm_pool(minimum: int, timeout: float = 180) -> None:
     runtime = ray.get_actor("elastrain-runtime", namespace="elastrain-test")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        idle = [w for w in ray.get(runtime.workers.remote()) if not w.busy and w.info]
+        idle = [w for w in ray.get(runtime.workers.remote()) if not w.busy]
         if len(idle) >= minimum:
             return
         time.sleep(0.5)
@@ -127,7 +127,9 @@ def main() -> None:
     (tmp / "pkg").mkdir()
     (tmp / "pkg" / "byo_train.py").write_text(SCRIPT)
     times: dict[str, list[float]] = {"command": [], "builtin": [], "torchrun": []}
-    with ray_service(tmp, num_cpus=WORKERS, restart_backoff_s=0.2) as client:
+    with ray_service(
+        tmp, num_cpus=WORKERS, restart_backoff_s=0.2, allowed_hosts=["testserver"]
+    ) as client:
         digest = upload(client, tmp / "pkg")
         command = {"name": "byo", "scaling": SCALING, "failure": {"max_restarts": 0},
                    "workload": {"command": ["python", "byo_train.py"], "package": digest}}  # fmt: skip

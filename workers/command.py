@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from contracts.group import Assignment
 from contracts.messages import Control, Phase, StepMetrics, TimelineMark, WorkerMessage
@@ -310,24 +310,3 @@ class ScriptRun:
     def _signal(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
-
-
-def local_layout(nodes: list[str]) -> list[dict[str, Any]]:
-    """Per rank (ranks numbered node by node): its LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK
-    (the node's index, in order of first rank) and GROUP_WORLD_SIZE."""
-    order: dict[str, int] = {}
-    for node in nodes:
-        order.setdefault(node, len(order))
-    seen: dict[str, int] = {}
-    out = []
-    for node in nodes:
-        out.append(
-            {
-                "local_rank": seen.get(node, 0),
-                "local_world_size": nodes.count(node),
-                "group_rank": order[node],
-                "group_world_size": len(order),
-            }
-        )
-        seen[node] = seen.get(node, 0) + 1
-    return out

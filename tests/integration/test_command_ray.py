@@ -1,7 +1,7 @@
 """Command jobs on a real multi-node Ray cluster: an unmodified torchrun script
 (examples/torchrun/train.py: DDP over gloo, its own checkpoint, nothing of elastrain)
 loses a node, restarts at the smaller world size, resumes from its own checkpoint and
-finishes; a script's `report` points reach the metrics; a failing script fails the job
+finishes, then grows back when a node returns; a script's `report` points reach the metrics; a failing script fails the job
 with its stderr's last line, without restarting forever."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.chaos]
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "torchrun"
-STEPS = 60
+STEPS = 100
 
 REPORTING = """
 import json
@@ -48,7 +48,10 @@ dist.destroy_process_group()
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, Nodes]]:
     tmp = tmp_path_factory.mktemp("command")
-    with multi_node_service(tmp, worker_nodes=3, restart_backoff_s=0.2) as (client, nodes):
+    with multi_node_service(tmp, worker_nodes=3, restart_backoff_s=0.2, grow_interval_s=2) as (
+        client,
+        nodes,
+    ):
         client.app.state.tmp = tmp  # type: ignore[attr-defined]
         yield client, nodes
 
@@ -125,7 +128,7 @@ def test_a_failing_script_fails_the_job_with_its_stderr(cluster: tuple[TestClien
     assert final["attempt"] <= 3  # the same error again and again: given up, not looping
 
 
-def test_an_unmodified_torchrun_script_loses_a_node_and_resumes_from_its_checkpoint(
+def test_an_unmodified_torchrun_script_loses_a_node_resumes_and_grows_back(
     cluster: tuple[TestClient, Nodes],
 ) -> None:
     client, nodes = cluster
@@ -150,19 +153,27 @@ def test_an_unmodified_torchrun_script_loses_a_node_and_resumes_from_its_checkpo
         if e["kind"] == "placement"
     )
     nodes.remove(nodes.node_of(placement["2"]))
+    shrunk = wait_for(client, job_id, lambda j: j["attempt"] == 2 and j["state"] == "RUNNING",
+                      what="restarted at 2", timeout=300)  # fmt: skip
+    assert shrunk["world_size"] == 2
+    nodes.add(1)  # capacity for 3 again: every rank is stopped and started at 3
     final = wait_terminal(client, job_id, timeout=400)
     assert final["state"] == "SUCCEEDED", final
-    assert final["restarts"] == 0  # a lost node is not the job's fault
-    assert final["world_size"] == 2 and final["attempt"] == 2
+    assert final["restarts"] == 0  # neither a lost node nor a resize is the job's fault
+    assert final["world_size"] == 3 and final["attempt"] == 3
     assert saved_step() == STEPS
 
-    first, second = logs(client, job_id, 1), logs(client, job_id, 2)
+    first, second, third = (logs(client, job_id, a) for a in (1, 2, 3))
     assert "world_size 3" in first
     resumed = re.search(r"resumed from step (\d+) at world size 2 \(restart 1\)", second)
     assert resumed is not None, second
     assert int(resumed.group(1)) >= 10
-    steps = [int(s) for s in re.findall(r"^step (\d+) loss", second, re.M)]
-    assert steps == list(range(int(resumed.group(1)) + 1, STEPS + 1))
-    assert "world_size 2" in second
-    events = client.get(f"/v1/jobs/{job_id}/events").json()
-    assert any(e["kind"] == "node_lost" for e in events)
+    grown = re.search(r"resumed from step (\d+) at world size 3 \(restart 2\)", third)
+    assert grown is not None, third
+    # Each attempt trains on from the checkpoint it found, to the end or until stopped.
+    steps = [int(s) for s in re.findall(r"^step (\d+) loss", third, re.M)]
+    assert steps == list(range(int(grown.group(1)) + 1, STEPS + 1))
+    assert int(grown.group(1)) > int(resumed.group(1))
+    story = [e for e in client.get(f"/v1/jobs/{job_id}/events").json()]
+    assert any(e["kind"] == "node_lost" for e in story)
+    assert any("growing 2 -> 3" in (e["reason"] or "") for e in story)

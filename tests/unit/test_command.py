@@ -18,8 +18,9 @@ import pytest
 from contracts.group import Assignment
 from contracts.messages import Control, Phase, StepMetrics, TimelineMark, WorkerMessage
 from contracts.spec import JobSpec
-from workers.command import ScriptRun, command_argv, command_env, local_layout, parse_report
+from workers.command import ScriptRun, command_argv, command_env, parse_report
 from workers.errors import script_error_kind
+from workers.runtime.layout import local_layout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -239,3 +240,26 @@ def test_a_broken_collective_is_an_echo() -> None:
     )
     assert script_error_kind("ValueError: bad lr").value == "raised"
     assert json.dumps(script_error_kind("").value) == '"raised"'
+
+
+def test_a_stopped_command_attempt_is_stopped_whatever_its_scripts_said() -> None:
+    """On a resize every rank's script is stopped; one stopped first breaks its peers'
+    collectives, and their non-zero exits are echoes of the stop, not a failure. A process
+    that died is still a failure; a built-in job's verdict is unchanged."""
+    from types import SimpleNamespace
+
+    from contracts.group import RunOutcome
+    from contracts.messages import DriverStatus, ErrorKind, WorkerError
+    from workers.runtime.driver import AttemptDriver
+
+    broke = WorkerError(type="ScriptFailed", message="exit code 1: gloo", kind=ErrorKind.RAISED)
+    died = WorkerError(type="RayActorError", message="gone", kind=ErrorKind.PROCESS_DIED)
+    stopped = [RunOutcome(rank=0, stopped_early=True), RunOutcome(rank=1, error=broke)]
+
+    def verdict(command: bool, outcomes: list) -> DriverStatus:  # type: ignore[type-arg]
+        return AttemptDriver._verdict(SimpleNamespace(_command=command), outcomes)[0]  # type: ignore[arg-type]
+
+    assert verdict(True, stopped) == DriverStatus.STOPPED
+    assert verdict(False, stopped) == DriverStatus.FAILED
+    assert verdict(True, [RunOutcome(rank=0, stopped_early=True), died]) == DriverStatus.FAILED
+    assert verdict(True, [RunOutcome(rank=0), RunOutcome(rank=1)]) == DriverStatus.SUCCEEDED

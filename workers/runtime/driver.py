@@ -45,8 +45,7 @@ from contracts.messages import (
 )
 from contracts.runtime import JobRef, LaunchRequest
 from contracts.spec import JobSpec
-from workers.command import local_layout
-from workers.runtime.layout import Slot, rank_order
+from workers.runtime.layout import Slot, local_layout, rank_order
 from workers.runtime.pool import PooledWorker, WorkerPool, choose_worker
 
 log = logging.getLogger("elastrain.driver")

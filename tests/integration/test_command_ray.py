@@ -153,8 +153,15 @@ def test_an_unmodified_torchrun_script_loses_a_node_resumes_and_grows_back(
         if e["kind"] == "placement"
     )
     nodes.remove(nodes.node_of(placement["2"]))
-    shrunk = wait_for(client, job_id, lambda j: j["attempt"] == 2 and j["state"] == "RUNNING",
-                      what="restarted at 2", timeout=300)  # fmt: skip
+    # RUNNING from the moment its scripts started; wait until they train at 2 (the node
+    # that comes back would otherwise stop them before they resumed).
+    shrunk = wait_for(
+        client,
+        job_id,
+        lambda j: j["attempt"] == 2 and "world_size 2" in logs(client, job_id, 2),
+        what="training at 2",
+        timeout=300,
+    )
     assert shrunk["world_size"] == 2
     nodes.add(1)  # capacity for 3 again: every rank is stopped and started at 3
     final = wait_terminal(client, job_id, timeout=400)

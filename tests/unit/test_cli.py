@@ -356,3 +356,17 @@ def test_drain_cluster_undrain_from_the_cli(server) -> None:  # type: ignore[no-
     assert again.exit_code == 1 and "not drained" in again.output
     unknown = runner.invoke(app, ["drain", "f" * 56, "--url", url])
     assert unknown.exit_code == 1 and "error 404" in unknown.output
+
+
+def test_the_example_command_job_submits_as_the_readme_says(cli) -> None:  # type: ignore[no-untyped-def]
+    """`elastrain submit examples/torchrun.yaml --working-dir examples/torchrun` (README,
+    "Bring your own script"): the folder is uploaded and the command shown by status."""
+    repo = Path(__file__).resolve().parents[2]
+    result = cli("submit", str(repo / "examples" / "torchrun.yaml"), "--working-dir",
+                 str(repo / "examples" / "torchrun"))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    job_id = result.stdout.split()[0]
+    status = cli("status", job_id)
+    assert status.exit_code == 0, status.output
+    assert "python train.py --steps 300" in status.stdout
+    assert "package:          sha256:" in status.stdout

@@ -216,9 +216,8 @@ class ScriptRun:
             )
         except BaseException:
             self._log.close()
-            for fd in (read_fd, write_fd):
-                if fd is not None:
-                    os.close(fd)
+            if read_fd is not None:
+                os.close(read_fd)  # the write end is closed below either way
             raise
         finally:
             if write_fd is not None:
@@ -239,7 +238,8 @@ class ScriptRun:
     def _copy_stderr(self, stream: IO[bytes]) -> None:
         with stream:
             while chunk := stream.read1(65536):  # type: ignore[attr-defined]
-                self._log.write(chunk)
+                with contextlib.suppress(ValueError):  # closed: a grandchild held the pipe
+                    self._log.write(chunk)
                 self._tail.append(chunk)
                 self._tail_bytes += len(chunk)
                 while self._tail_bytes - len(self._tail[0]) >= STDERR_TAIL_BYTES:

@@ -94,7 +94,7 @@ SCALING = {"min_workers": WORKERS, "max_workers": WORKERS, "cpus_per_worker": 1}
 
 
 def service_trial(client: Any, spec: dict[str, Any]) -> tuple[float, float]:
-    """Submit -> the first step, and submit -> the group formed (a command job: every
+    """Submit -> the first step, and submit -> the group formed (a command job: rank 0's
     rank's script started), from the attempt's timeline."""
     wait_for_warm_pool(WORKERS)
     t_submit = time.time()
@@ -160,7 +160,7 @@ def main() -> None:
         f"`.venv/bin/python bench/command_bench.py --repeats {args.repeats}`: {WORKERS} ranks, "
         f"DDP over gloo, local Ray on this machine ({os.cpu_count()} cores, load average "
         f'{load:.1f} at the end), warm pool up. Seconds, median (min-max); "group formed" is '
-        "the attempt's timeline mark (a command job: every rank's script started).",
+        "the attempt's timeline mark (a command job: rank 0's script started).",
         "",
         "| start | submit/launch -> first step | submit -> group formed |",
         "| --- | --- | --- |",

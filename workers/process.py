@@ -419,7 +419,7 @@ class WorkerProcess:
             )
             if hooks is not None:
                 hooks.send(TimelineMark(phase=Phase.GROUP_FORMED, at=script.started_at,
-                                        detail="every rank's script started"))  # fmt: skip
+                                        detail="rank 0's script started"))  # fmt: skip
             result = script.wait()
         finally:
             if hooks is not None:

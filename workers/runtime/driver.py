@@ -126,7 +126,7 @@ class AttemptDriver:
                     and self._status == DriverStatus.STARTING
                 ):
                     # A command job's script may never report a step: running from the
-                    # moment every rank's script started (`workers.command`).
+                    # moment rank 0's script started (`workers.command`).
                     self._status = DriverStatus.RUNNING
                 return
             self._append(message)

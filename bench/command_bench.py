@@ -95,7 +95,7 @@ SCALING = {"min_workers": WORKERS, "max_workers": WORKERS, "cpus_per_worker": 1}
 
 def service_trial(client: Any, spec: dict[str, Any]) -> tuple[float, float]:
     """Submit -> the first step, and submit -> the group formed (a command job: rank 0's
-    rank's script started), from the attempt's timeline."""
+    script started), from the attempt's timeline."""
     wait_for_warm_pool(WORKERS)
     t_submit = time.time()
     job_id = submit(client, spec)

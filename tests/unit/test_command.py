@@ -263,3 +263,46 @@ def test_a_stopped_command_attempt_is_stopped_whatever_its_scripts_said() -> Non
     assert verdict(False, stopped) == DriverStatus.FAILED
     assert verdict(True, [RunOutcome(rank=0, stopped_early=True), died]) == DriverStatus.FAILED
     assert verdict(True, [RunOutcome(rank=0), RunOutcome(rank=1)]) == DriverStatus.SUCCEEDED
+
+
+def test_a_script_dies_with_its_worker_process(tmp_path: Path) -> None:
+    """The worker process SIGKILLed (its node lost, Ray killing it): its script goes too,
+    rather than training on as an orphan that writes into the job's folder."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "s.py").write_text(
+        "import os, pathlib, time\npathlib.Path('pid').write_text(str(os.getpid()))\ntime.sleep(600)\n"
+    )
+    worker = textwrap.dedent(f"""
+        import threading, time
+        from pathlib import Path
+        from contracts.messages import Control
+        from tests.unit.test_command import assignment
+        from workers.command import ScriptRun
+        tmp = Path({str(tmp_path)!r})
+        run = ScriptRun(assignment(["python", "s.py"], rank=1), cwd=tmp / "pkg",
+                        job_dir=tmp / "job", log_path=tmp / "rank.log", send=None,
+                        abort=threading.Event(), take_control=lambda: Control.NONE)
+        run.wait()
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    parent = subprocess.Popen([sys.executable, "-c", worker], cwd=REPO, env=env)
+    pid_file = tmp_path / "pkg" / "pid"
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and parent.poll() is None, "the script never started"
+        time.sleep(0.05)
+    script = int(pid_file.read_text())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(script):
+        assert time.monotonic() < deadline, f"script {script} outlived its worker process"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

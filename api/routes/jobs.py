@@ -326,6 +326,11 @@ def checkpoint_now(job_id: JobId, session: SessionDep, who: CurrentPrincipal) ->
             f"job {job_id} is {job.state.value}; a checkpoint can be requested only while "
             f"it is {_ACTIVE_NAMES}"
         )
+    if (job.spec.get("workload") or {}).get("command") is not None:
+        raise Conflict(
+            f"job {job_id} runs its own script (workload.command), which saves its "
+            "checkpoints itself (in ELASTRAIN_JOB_DIR); the service cannot ask it for one"
+        )
     if request_checkpoint(session, job):
         session.commit()
     return _job(job, status.HTTP_202_ACCEPTED)

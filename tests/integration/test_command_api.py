@@ -65,3 +65,16 @@ def test_a_command_job_leaves_strategy_to_its_script(client: TestClient) -> None
     response = client.post("/v1/jobs", json=spec)
     assert response.status_code == 422
     assert "strategy: a command job" in response.json()["message"]
+
+
+def test_checkpoint_now_is_a_conflict_for_a_command_job(client: TestClient, app_sessions) -> None:  # type: ignore[no-untyped-def]
+    from service.models import Job
+    from service.states import JobState
+
+    job_id = client.post("/v1/jobs", json=command_spec(command=["python", "-c", "1"])).json()["id"]
+    with app_sessions() as session:
+        session.get(Job, job_id).state = JobState.RUNNING
+        session.commit()
+    response = client.post(f"/v1/jobs/{job_id}/checkpoint")
+    assert response.status_code == 409, response.text
+    assert "saves its checkpoints itself" in response.text

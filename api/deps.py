@@ -12,10 +12,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from service import auth
-from service.auth import Principal
-from service.logs import set_context
-from service.settings import Settings
+from elastrain.service import auth
+from elastrain.service.auth import Principal
+from elastrain.service.logs import set_context
+from elastrain.service.settings import Settings
 
 # The dependencies are `async def` although they do no I/O of their own: FastAPI runs a
 # plain `def` dependency in the threadpool, and those hops were a measurable share of a

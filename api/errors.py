@@ -17,10 +17,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy.exc import OperationalError
 
-from api.logs import BadCursor
-from contracts.spec import JobSpec
-from service.jobs import JobNotFound
-from service.states import IllegalTransition
+from elastrain.api.logs import BadCursor
+from elastrain.contracts.spec import JobSpec
+from elastrain.service.jobs import JobNotFound
+from elastrain.service.states import IllegalTransition
 
 log = logging.getLogger("elastrain.api")
 

@@ -17,7 +17,7 @@ uvicorn's `http=`; `elastrain serve` does) adds, per connection:
   gets in), or, when every connection is busy with a request, is answered 503 and closed.
 
 Limits come from `ELASTRAIN_*` settings (`ConnectionLimits.from_settings`) unless a
-subclass sets `limits` (tests), so `uvicorn --http api.http_guard:GuardedHttpProtocol`
+subclass sets `limits` (tests), so `uvicorn --http elastrain.api.http_guard:GuardedHttpProtocol`
 and every `--workers` process get the same ones.
 """
 
@@ -46,7 +46,7 @@ class ConnectionLimits:
 
     @classmethod
     def from_settings(cls) -> ConnectionLimits:
-        from service.settings import Settings
+        from elastrain.service.settings import Settings
 
         s = Settings()
         return cls(

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts.storage import attempt_of_log
+from elastrain.contracts.storage import attempt_of_log
 
 #: The most bytes one call returns; a follower gets the rest on its next call.
 MAX_CHUNK = 1 << 20

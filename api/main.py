@@ -1,6 +1,6 @@
 """The FastAPI application factory.
 
-`uvicorn api.main:create_app --factory` or `elastrain serve`. Importing this module is
+`uvicorn elastrain.api.main:create_app --factory` or `elastrain serve`. Importing this module is
 cheap and touches no database: the lifespan builds the engine, migrates, and (optionally)
 starts the scheduler thread.
 """
@@ -17,12 +17,12 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from api import errors
-from api.deps import TokenCache
-from api.routes import api_docs, cluster, health, jobs, metrics, packages, plan, tenants
-from api.security import RequestGuard
-from service.db import make_engine, make_session_factory, migrate
-from service.settings import Settings
+from elastrain.api import errors
+from elastrain.api.deps import TokenCache
+from elastrain.api.routes import api_docs, cluster, health, jobs, metrics, packages, plan, tenants
+from elastrain.api.security import RequestGuard
+from elastrain.service.db import make_engine, make_session_factory, migrate
+from elastrain.service.settings import Settings
 
 log = logging.getLogger("elastrain.api")
 
@@ -32,17 +32,17 @@ MAX_BODY_BYTES = 1 << 20
 
 def _start_scheduler(app: FastAPI, settings: Settings) -> Any:
     # Imported here, not at the top: the scheduler reaches Ray through the launcher, and
-    # `import api.main` must stay free of Ray (tests/unit/test_imports.py).
-    from service.scheduler import start_scheduler_thread
+    # `import elastrain.api.main` must stay free of Ray (tests/unit/test_imports.py).
+    from elastrain.service.scheduler import start_scheduler_thread
 
     return start_scheduler_thread(settings, app.state.session_factory)
 
 
 def _include_dashboard(app: FastAPI) -> None:
     # The dashboard ships in its own module; the API works without it.
-    if importlib.util.find_spec("api.routes.dashboard") is None:
+    if importlib.util.find_spec("elastrain.api.routes.dashboard") is None:
         return
-    module = importlib.import_module("api.routes.dashboard")
+    module = importlib.import_module("elastrain.api.routes.dashboard")
     app.include_router(module.router)
 
 

@@ -20,11 +20,11 @@ from pydantic import (
     computed_field,
 )
 
-from contracts.bounds import no_control_characters
-from contracts.spec import JobSpec
-from service import goodput
-from service.models import utcnow
-from service.states import JobState
+from elastrain.contracts.bounds import no_control_characters
+from elastrain.contracts.spec import JobSpec
+from elastrain.service import goodput
+from elastrain.service.models import utcnow
+from elastrain.service.states import JobState
 
 
 class _FromRow(BaseModel):

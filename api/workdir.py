@@ -5,7 +5,7 @@ What is left out, as `.gitignore` lines (gitwildmatch, via `pathspec`): the usua
 order, so `.elastrainignore` can re-include with `!`). Links are refused rather than
 followed: a link to `/home` would otherwise upload it. The zip is deterministic (sorted,
 fixed timestamps), and the digest is computed here the same way the service computes it
-(`contracts.packages`), so the CLI skips the upload when the service already has it.
+(`elastrain.contracts.packages`), so the CLI skips the upload when the service already has it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pathspec
 
-from contracts.packages import FileEntry, Manifest, PackageLimits, PackageRefused
+from elastrain.contracts.packages import FileEntry, Manifest, PackageLimits, PackageRefused
 
 DEFAULT_EXCLUDES = (
     ".git/",

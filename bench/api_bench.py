@@ -37,10 +37,10 @@ from sqlalchemy import insert  # noqa: E402
 from sqlalchemy.orm import Session  # noqa: E402
 
 from bench.report_blocks import write_block  # noqa: E402
-from contracts.spec import JobSpec  # noqa: E402
-from service.db import make_engine, migrate  # noqa: E402
-from service.jobs import job_row_values  # noqa: E402
-from service.models import Event, Job, JobLabel  # noqa: E402
+from elastrain.contracts.spec import JobSpec  # noqa: E402
+from elastrain.service.db import make_engine, migrate  # noqa: E402
+from elastrain.service.jobs import job_row_values  # noqa: E402
+from elastrain.service.models import Event, Job, JobLabel  # noqa: E402
 
 PG_ADMIN_URL = os.environ.get(
     "ELASTRAIN_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test"
@@ -116,7 +116,7 @@ def _free_port() -> int:
 def server(url: str, storage: str) -> Iterator[tuple[str, int]]:
     port = _free_port()
     env = {**os.environ, "ELASTRAIN_DATABASE_URL": url, "ELASTRAIN_STORAGE_PATH": storage}
-    cmd = [sys.executable, "-m", "api.cli", "serve", "--no-scheduler", "--port", str(port)]
+    cmd = [sys.executable, "-m", "elastrain.api.cli", "serve", "--no-scheduler", "--port", str(port)]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )

@@ -53,7 +53,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from bench.report_blocks import write_block  # noqa: E402
-from checkpoints.dcp import ShardedCheckpointer  # noqa: E402
+from elastrain.checkpoints.dcp import ShardedCheckpointer  # noqa: E402
 from tests.unit.dist_utils import run_distributed  # noqa: E402
 
 MB = 1024 * 1024

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray
 
-from api.workdir import pack
+from elastrain.api.workdir import pack
 from bench.report_blocks import write_block
 from tests.integration.ray_service import ray_service, submit, wait_terminal
 
@@ -44,7 +44,7 @@ SCRIPT = """
 import time, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 try:
-    from workers.user_api import report
+    from elastrain.workers.user_api import report
 except ImportError:
     def report(step, loss=None, **metrics): pass
 

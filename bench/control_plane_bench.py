@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from api_bench import SPEC, cpu_seconds, prefill, server
 from scratch_db import scratch_database
 
-from service.db import make_engine
+from elastrain.service.db import make_engine
 
 
 @dataclass(frozen=True)

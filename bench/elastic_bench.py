@@ -20,7 +20,7 @@ added back. Measured per trial (times end at the wall clock of an optimizer step
 - the timeline of every start (detected, old group stopped, placed, processes up, process
   group formed, state restored, first step), from the job's events.
 
-The Ray Train baseline runs the very same training loop (`workers.loop.train`, same
+The Ray Train baseline runs the very same training loop (`elastrain.workers.loop.train`, same
 checkpoints) under `TorchTrainer` with `ScalingConfig(num_workers=(1, 3))` and
 `FailureConfig(max_failures=-1)`, Ray Train's own elastic restarts, with the resize monitor
 interval at 5 s (default 60 s) and every other setting at its default. The torchrun
@@ -55,8 +55,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from bench.report_blocks import write_block
-from contracts.messages import Phase
-from contracts.spec import JobSpec
+from elastrain.contracts.messages import Phase
+from elastrain.contracts.spec import JobSpec
 from tests.integration.cluster_service import Nodes, multi_node_service
 from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_terminal
 
@@ -242,8 +242,8 @@ def _baseline_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from workers.api import TrainContext
-    from workers.loop import train
+    from elastrain.workers.api import TrainContext
+    from elastrain.workers.loop import train
 
     sys.path.insert(0, config["bench_dir"])  # this runs in a Ray worker process
     from step_log import FileHooks, SilentHooks

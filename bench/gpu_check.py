@@ -56,7 +56,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workers.devices import TEST_GPU_ON_CPU, gpu_on_cpu  # noqa: E402 (no torch import)
+from elastrain.workers.devices import TEST_GPU_ON_CPU, gpu_on_cpu  # noqa: E402 (no torch import)
 
 SITE = ROOT / ".gpu-site"
 PROFILES = ROOT / ".gpu-site" / "profiles.txt"
@@ -226,7 +226,7 @@ class Shape:
     def flops_per_step(self) -> float:
         key = json.dumps(self.params, sort_keys=True)
         if key not in _FLOPS_PER_SAMPLE:  # builds the model: once
-            from workers.workloads.gpt import build
+            from elastrain.workers.workloads.gpt import build
 
             per_sample = build(**self.params).flops_per_sample
             assert per_sample is not None
@@ -238,7 +238,7 @@ _FLOPS_PER_SAMPLE: dict[str, float] = {}
 
 
 def peak(device_name: str) -> float | None:
-    from workers.flops import peak_flops
+    from elastrain.workers.flops import peak_flops
 
     return peak_flops(device_name, "bf16", os.environ.get("ELASTRAIN_PEAK_FLOPS"))[0]
 
@@ -344,7 +344,7 @@ class Service:
     def pool(self) -> list[Any]:
         import ray
 
-        from contracts.runtime import RUNTIME_NAME
+        from elastrain.contracts.runtime import RUNTIME_NAME
 
         runtime = ray.get_actor(RUNTIME_NAME, namespace=self.namespace)
         return list(ray.get(runtime.workers.remote(), timeout=30))
@@ -354,7 +354,7 @@ class Service:
         control plane sees it lost and launches the next on the same processes."""
         import ray
 
-        from contracts.runtime import RUNTIME_NAME, AttemptKey
+        from elastrain.contracts.runtime import RUNTIME_NAME, AttemptKey
 
         runtime = ray.get_actor(RUNTIME_NAME, namespace=self.namespace)
         ray.get(runtime.release.remote(AttemptKey(job_id, attempt)), timeout=30)

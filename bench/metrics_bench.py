@@ -29,14 +29,14 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from scratch_db import scratch_database
 
-from api.main import create_app
-from contracts.spec import JobSpec
-from service import metric_store
-from service.db import make_engine, make_session_factory, migrate, session_scope
-from service.jobs import create_job, get_job, set_job_state
-from service.models import Metric
-from service.settings import Settings
-from service.states import JobState
+from elastrain.api.main import create_app
+from elastrain.contracts.spec import JobSpec
+from elastrain.service import metric_store
+from elastrain.service.db import make_engine, make_session_factory, migrate, session_scope
+from elastrain.service.jobs import create_job, get_job, set_job_state
+from elastrain.service.models import Metric
+from elastrain.service.settings import Settings
+from elastrain.service.states import JobState
 
 SPEC = {"name": "long", "workload": {"name": "gpt"}, "training": {"max_steps": 10_000_000}}
 

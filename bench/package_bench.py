@@ -23,11 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from api.workdir import pack
+from elastrain.api.workdir import pack
 from bench.report_blocks import write_block
-from contracts.packages import PackageLimits
-from service.packages import store_archive
-from workers import packages as worker_packages
+from elastrain.contracts.packages import PackageLimits
+from elastrain.service.packages import store_archive
+from elastrain.workers import packages as worker_packages
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -2,15 +2,15 @@
 buys when a node is lost.
 
 1. Hand-over throughput: the state a new group takes from a survivor's memory, streamed
-   by `workers.memory` (DCP's load planner over an in-memory checkpoint, raw bytes in
-   32 MB buckets, `checkpoints.dcp.in_memory.PeerReader`) vs a plain `torch.distributed`
+   by `elastrain.workers.memory` (DCP's load planner over an in-memory checkpoint, raw bytes in
+   32 MB buckets, `elastrain.checkpoints.dcp.in_memory.PeerReader`) vs a plain `torch.distributed`
    broadcast of the same bytes as one flat tensor, and vs the pickled
    `broadcast_object_list` the hand-over used before. Two gloo processes on this host;
    the state: a gpt-shaped set of fp32 tensors (parameters and AdamW's two moments).
 2. Refresh overhead per step: for fsdp, tp and pipeline (2 ranks on 2 simulated nodes,
    each the other's buddy), the median optimizer step and the median refresh (the shard
    copied to host memory and sent to the buddy, the wards' received), the interval the
-   measured default chooses (`workers.memory.pacing`) and the overhead at that interval;
+   measured default chooses (`elastrain.workers.memory.pacing`) and the overhead at that interval;
    ddp refreshes nothing (every survivor holds a whole replica).
 3. Node lost -> first step at the smaller size, per strategy, on a real
    `ray.cluster_utils.Cluster` (CPU-less head; worker nodes a and b of 2 CPUs, c of 1): a
@@ -79,9 +79,9 @@ def handover_body(rank: int, world_size: int, total_bytes: int, repeats: int) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict_saver
 
-    from checkpoints.dcp.in_memory import MemoryWriter
-    from checkpoints.dcp.peer_reader import PeerReader
-    from workers.memory.handover import GroupTransport
+    from elastrain.checkpoints.dcp.in_memory import MemoryWriter
+    from elastrain.checkpoints.dcp.peer_reader import PeerReader
+    from elastrain.workers.memory.handover import GroupTransport
 
     group = dist.new_group(backend="gloo")
     source = gpt_like_state(total_bytes)
@@ -125,7 +125,7 @@ def handover_body(rank: int, world_size: int, total_bytes: int, repeats: int) ->
 
 
 def bench_spec(strategy: dict[str, Any], params: dict[str, int], steps: int) -> Any:
-    from contracts.spec import JobSpec
+    from elastrain.contracts.spec import JobSpec
 
     return JobSpec(
         name="bench",
@@ -139,13 +139,13 @@ def bench_spec(strategy: dict[str, Any], params: dict[str, int], steps: int) -> 
 
 
 def refresh_body(rank: int, world_size: int, params: dict[str, int], steps: int, root: str) -> Any:
-    from workers.api import TrainContext
-    from workers.memory.pacing import choose_interval, overhead
-    from workers.memory.snapshots import PeerRefresher
-    from workers.rng import seed_everything
-    from workers.sampler import ElasticSampler
-    from workers.strategies import make_strategy
-    from workers.workloads import load_workload
+    from elastrain.workers.api import TrainContext
+    from elastrain.workers.memory.pacing import choose_interval, overhead
+    from elastrain.workers.memory.snapshots import PeerRefresher
+    from elastrain.workers.rng import seed_everything
+    from elastrain.workers.sampler import ElasticSampler
+    from elastrain.workers.strategies import make_strategy
+    from elastrain.workers.workloads import load_workload
 
     out = {}
     for label, strategy_spec in STRATEGIES.items():

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.nn.parallel import DistributedDataParallel
 
-from workers.workloads.gpt import build
+from elastrain.workers.workloads.gpt import build
 
 
 def clip_over_stages(stage: torch.nn.Module, max_norm: float) -> None:

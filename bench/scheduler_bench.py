@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sqlalchemy as sa
 from scratch_db import scratch_database
 
-from contracts.messages import DriverStatus
-from contracts.spec import JobSpec
-from service import jobs
-from service.db import make_engine, make_session_factory, migrate, session_scope
-from service.models import Job
-from service.scheduler import Scheduler
-from service.settings import Settings
+from elastrain.contracts.messages import DriverStatus
+from elastrain.contracts.spec import JobSpec
+from elastrain.service import jobs
+from elastrain.service.db import make_engine, make_session_factory, migrate, session_scope
+from elastrain.service.models import Job
+from elastrain.service.scheduler import Scheduler
+from elastrain.service.settings import Settings
 from tests.fake_launcher import FakeLauncher
 
 SPEC = {

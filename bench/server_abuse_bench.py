@@ -40,9 +40,9 @@ ABUSES = ("none", "64MB-header", "1000-half-open")
 
 SERVER = """
 import sys, uvicorn
-from api.main import create_app
-from api.cli.server import guarded_http
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.api.cli.server import guarded_http
+from elastrain.service.settings import Settings
 settings = Settings()
 options = guarded_http(settings) if sys.argv[1] == "guarded" else {"http": "httptools"}
 uvicorn.run(create_app(settings), host="127.0.0.1", port=int(sys.argv[2]),

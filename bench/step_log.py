@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from contracts.messages import Control, StepMetrics
+from elastrain.contracts.messages import Control, StepMetrics
 
 
 class FileHooks:

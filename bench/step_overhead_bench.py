@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("ELASTRAIN_ALLOWED_HOSTS", "testserver")
 
-from service.settings import Settings
+from elastrain.service.settings import Settings
 from tests.integration.ray_service import ray_service, submit, tiny_gpt_spec, wait_terminal
 
 #: The service as a user runs it: the default scheduler interval (tests use a shorter one).

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from step_log import FileHooks, SilentHooks
 
-from contracts.spec import JobSpec
-from workers.api import TrainContext
-from workers.loop import train
+from elastrain.contracts.spec import JobSpec
+from elastrain.workers.api import TrainContext
+from elastrain.workers.loop import train
 
 
 def main() -> None:

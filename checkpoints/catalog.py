@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from checkpoints.fence import read_fence
-from checkpoints.integrity import CorruptCheckpoint, verify
-from checkpoints.layout import StepDir, iter_step_dirs
-from checkpoints.manifest import Manifest, ManifestError, ManifestMissing, read_manifest
-from contracts.messages import CheckpointCommitted
+from elastrain.checkpoints.fence import read_fence
+from elastrain.checkpoints.integrity import CorruptCheckpoint, verify
+from elastrain.checkpoints.layout import StepDir, iter_step_dirs
+from elastrain.checkpoints.manifest import Manifest, ManifestError, ManifestMissing, read_manifest
+from elastrain.contracts.messages import CheckpointCommitted
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,7 +82,7 @@ class Scan:
 def scan(root: str | os.PathLike[str]) -> Scan:
     """Classify every step folder under root; each list newest first."""
     result = Scan(committed=[], uncommitted=[], unreadable=[])
-    fence = read_fence(Path(root).parent)  # the job's folder (contracts.storage)
+    fence = read_fence(Path(root).parent)  # the job's folder (elastrain.contracts.storage)
     for d in iter_step_dirs(root):
         try:
             manifest = read_manifest(d.path)
@@ -122,7 +122,7 @@ def find_latest_good(
     back than expected).
 
     `digest_here`: which files' digests to check here (by name; default all), when the
-    loader checks the others as it reads them (`checkpoints.dcp.reader`). `refused`: paths
+    loader checks the others as it reads them (`elastrain.checkpoints.dcp.reader`). `refused`: paths
     already found bad that way (path -> reason), passed over with that reason."""
     refused = refused or {}
     found = scan(root)

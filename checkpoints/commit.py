@@ -1,10 +1,10 @@
 """The commit protocol: a checkpoint counts only once its manifest is written, last. Pure
-Python; the DCP save that produces the files is `checkpoints.dcp`.
+Python; the DCP save that produces the files is `elastrain.checkpoints.dcp`.
 
 One step folder per (step, attempt) (`layout`):
 1. every rank writes `rank_{r}.extra.pt` (its RNG states...) atomically;
 2. every rank writes its DCP shard (fsynced), hashing the bytes as they go to the file
-   (`checkpoints.dcp.writer`); the DCP coordinator (group rank 0) gathers every rank's
+   (`elastrain.checkpoints.dcp.writer`); the DCP coordinator (group rank 0) gathers every rank's
    write results and digests, and only then writes `.metadata` (fsynced, renamed into
    place);
 3. group rank 0 checks the fence, takes the streamed digests of the shards (hashing from
@@ -22,13 +22,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from checkpoints.catalog import CheckpointInfo
-from checkpoints.digest import DEFAULT_ALGORITHM
-from checkpoints.fence import Superseded, read_fence
-from checkpoints.integrity import describe_files
-from checkpoints.layout import MANIFEST_NAME
-from checkpoints.manifest import FileEntry, Manifest, write_manifest
-from contracts.messages import CheckpointCommitted
+from elastrain.checkpoints.catalog import CheckpointInfo
+from elastrain.checkpoints.digest import DEFAULT_ALGORITHM
+from elastrain.checkpoints.fence import Superseded, read_fence
+from elastrain.checkpoints.integrity import describe_files
+from elastrain.checkpoints.layout import MANIFEST_NAME
+from elastrain.checkpoints.manifest import FileEntry, Manifest, write_manifest
+from elastrain.contracts.messages import CheckpointCommitted
 
 # What a caller may put in a manifest; anything else is a caller mistake reported at once
 # rather than dropped silently.
@@ -72,13 +72,13 @@ def commit(
 ) -> CheckpointCommitted:
     """Step 3, on group rank 0 once every shard and DCP's `.metadata` are durable in
     `path` (a step folder under the job's checkpoint `root`): digests (by `algorithm`, a
-    `checkpoints.digest` name), then the manifest, last. `streamed`: the shard digests
+    `elastrain.checkpoints.digest` name), then the manifest, last. `streamed`: the shard digests
     taken while writing (hashed from disk otherwise).
     Raises Superseded, writing nothing, when a newer attempt of the job has started, or
     the folder is now another database's job's (`owner`: the saving job's database)."""
     # A superseded attempt (its node partitioned away, its replacement running) must
     # never commit: the fence on storage says who is current (checkpoints/fence.py).
-    fence = read_fence(root.parent)  # the job's folder (contracts.storage)
+    fence = read_fence(root.parent)  # the job's folder (elastrain.contracts.storage)
     if fence.superseded(manifest.attempt, owner):
         raise Superseded(manifest.attempt, fence.current)
     manifest.files = describe_files(path, known=streamed, algorithm=algorithm)

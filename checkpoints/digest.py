@@ -40,7 +40,7 @@ _CONSTRUCTORS: dict[str, Callable[[], Hasher]] = {
 ALGORITHMS = tuple(_CONSTRUCTORS)
 """Every algorithm a manifest may name."""
 
-# The job spec's `checkpoint.digest` values (contracts.spec.CheckpointDigest) -> the name
+# The job spec's `checkpoint.digest` values (elastrain.contracts.spec.CheckpointDigest) -> the name
 # written into manifests: short for the user, exact (width included) on storage.
 _SETTINGS = {"xxh3": XXH3_128, "sha256": SHA256}
 

@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpoints._fs import atomic_write_bytes
+from elastrain.checkpoints._fs import atomic_write_bytes
 
 FENCE_NAME = "fence.json"
 
@@ -42,7 +42,7 @@ class Fence:
     starts: tuple[tuple[int, float], ...] = ()
     """(attempt, when it was launched), in order."""
     owner: str = ""
-    """The database whose job this folder holds (`contracts.runtime.JobRef`; "" in a fence
+    """The database whose job this folder holds (`elastrain.contracts.runtime.JobRef`; "" in a fence
     written before fences had owners). Job ids restart at 1 in every database: an attempt
     of another database's job 1 is superseded here whatever its number."""
 
@@ -103,7 +103,7 @@ def read_fence(job_root: Path) -> Fence:
 def advance_fence(job_root: Path, attempt: int, at: float, *, owner: str = "") -> Fence:
     """Record that `attempt` of `owner`'s job starts now (the control plane, before
     launching it). A folder another database owns is moved aside first
-    (`checkpoints.owner.claim_job_folder`): call that before this.
+    (`elastrain.checkpoints.owner.claim_job_folder`): call that before this.
 
     An unreadable fence is replaced by one that starts at `attempt`: the control plane
     knows which attempt is current, and every older one stays fenced out. What is lost is

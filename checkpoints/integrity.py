@@ -3,10 +3,10 @@
 Verification is cheap-first: names and sizes (a stat per file, catches truncation and
 missing shards) before a digest of every byte (catches bit rot and overwritten data), the
 files read and hashed in parallel threads. Each file is checked with the algorithm its
-manifest entry names (`checkpoints.digest`). At save time the shards' digests are taken
-while they are written (`checkpoints.dcp.writer`); only files without one are read back.
+manifest entry names (`elastrain.checkpoints.digest`). At save time the shards' digests are taken
+while they are written (`elastrain.checkpoints.dcp.writer`); only files without one are read back.
 At load time the shards are checked by the ranks that read them, while they read them
-(`checkpoints.dcp.reader`), so the DCP loader leaves them out here (`digests_of`).
+(`elastrain.checkpoints.dcp.reader`), so the DCP loader leaves them out here (`digests_of`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
-from checkpoints.layout import (
+from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
+from elastrain.checkpoints.layout import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
     is_temporary,
     parse_step_dir_name,
 )
-from checkpoints.manifest import FileEntry, Manifest, ManifestError, read_manifest
+from elastrain.checkpoints.manifest import FileEntry, Manifest, ManifestError, read_manifest
 
 # Large enough that the per-call overhead vanishes, small enough to stay out of the way of
 # training memory. hashlib and xxhash release the GIL for buffers this size, so a
@@ -93,7 +93,7 @@ def describe_files(
 ) -> dict[str, FileEntry]:
     """Size and digest (by `algorithm`) of every checkpoint file, for the manifest.
 
-    `known`: digests taken while the files were written (`checkpoints.dcp.writer`). One is
+    `known`: digests taken while the files were written (`elastrain.checkpoints.dcp.writer`). One is
     used only when the file's size on disk is the number of bytes that were hashed and it
     is by `algorithm`; every other file (and any file `known` does not name) is hashed
     from disk."""
@@ -126,7 +126,7 @@ def verify(
     With `manifest=None` the manifest is read from the folder (missing/unparseable is a
     CorruptCheckpoint too). Every file's name and size is checked; with `check_digests`,
     the digest of every file, or only of those `digests_of` names (the others' are checked
-    by whoever reads them: `checkpoints.dcp.reader`).
+    by whoever reads them: `elastrain.checkpoints.dcp.reader`).
     """
     root = Path(ckpt_dir)
     if manifest is None:

@@ -6,7 +6,7 @@ lives here: step, attempt, world size, strategy and layout, data position, free-
 (seed, global batch...), and the size and digest of every file so corruption is detectable.
 
 Format versions: 1 gave every file `{size, sha256}`; 2 gives `{size, digest, algorithm}`
-(`checkpoints.digest`: XXH3-128 by default, sha256 on request). Both are read; a version-1
+(`elastrain.checkpoints.digest`: XXH3-128 by default, sha256 on request). Both are read; a version-1
 entry is read as `algorithm: sha256`, so checkpoints written before version 2 still verify.
 """
 
@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from checkpoints._fs import atomic_write_bytes
-from checkpoints.digest import SHA256, UnknownDigestAlgorithm, check_algorithm
-from checkpoints.layout import MANIFEST_NAME
+from elastrain.checkpoints._fs import atomic_write_bytes
+from elastrain.checkpoints.digest import SHA256, UnknownDigestAlgorithm, check_algorithm
+from elastrain.checkpoints.layout import MANIFEST_NAME
 
 # 2: per-file digest with its algorithm named (an older reader refuses it by version,
 # clearly, rather than as a file entry it cannot parse).
@@ -33,7 +33,7 @@ class FileEntry(TypedDict):
     digest: str
     """Hex digest of the file's bytes, by `algorithm`."""
     algorithm: str
-    """One of `checkpoints.digest.ALGORITHMS`."""
+    """One of `elastrain.checkpoints.digest.ALGORITHMS`."""
 
 
 def parse_file_entry(name: str, entry: object) -> FileEntry:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from checkpoints.fence import FenceUnreadable, read_fence
+from elastrain.checkpoints.fence import FenceUnreadable, read_fence
 
 
 def claim_job_folder(job_root: Path, owner: str) -> Path | None:

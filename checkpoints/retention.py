@@ -2,7 +2,7 @@
 
 The decision (`plan_retention`, `retention_plan` on a folder) is separate from the act
 (`delete_checkpoints`): the control plane drops the catalogue rows of what a plan names
-between the two (`service.executor`).
+between the two (`elastrain.service.executor`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from checkpoints._fs import fsync_dir, remove_tree
-from checkpoints.catalog import CheckpointInfo, scan
-from checkpoints.layout import MANIFEST_NAME, StepDir
+from elastrain.checkpoints._fs import fsync_dir, remove_tree
+from elastrain.checkpoints.catalog import CheckpointInfo, scan
+from elastrain.checkpoints.layout import MANIFEST_NAME, StepDir
 
 MIN_KEEP_LAST = 2
 

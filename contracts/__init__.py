@@ -1,7 +1,7 @@
 """Contracts that cross process and package boundaries, as plain typed data.
 
-The job spec (`contracts.spec`), the messages between workers, driver and scheduler
-(`contracts.messages`) and the storage layout of a job (`contracts.storage`) live here so
+The job spec (`elastrain.contracts.spec`), the messages between workers, driver and scheduler
+(`elastrain.contracts.messages`) and the storage layout of a job (`elastrain.contracts.storage`) live here so
 that `api`, `service`, `workers` and `checkpoints` share one definition of each. This package
 imports only the standard library and pydantic: never torch, ray or sqlalchemy
 (tests/unit/test_imports.py).

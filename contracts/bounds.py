@@ -24,7 +24,7 @@ MAX_PARAMS_BYTES = 64 * 1024
 #: Integers anywhere in a stored document: what a signed 64-bit column or a JSON reader
 #: that parses into int64/double still holds exactly.
 MAX_INT = 2**63 - 1
-#: The service's own top-level packages (`contracts.packages.OWN_PACKAGES`): never an
+#: The service's own top-level packages (`elastrain.contracts.packages.OWN_PACKAGES`): never an
 #: entrypoint. The built-in workloads are reached by name only (`workload.name`), where
 #: their params and data paths are checked; their module's other functions not at all.
 OWN_PACKAGES = frozenset({"api", "checkpoints", "contracts", "service", "workers"})

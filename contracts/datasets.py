@@ -19,7 +19,7 @@ is a regular file, a binary file holds whole token ids, there are enough tokens 
 training window on each side of the split), so a typo is a 422 naming the field. The
 control plane resolves the paths again when it launches an attempt, and hands the workers
 the path relative to the storage root (`storage_relative_data_paths`), which they confine to
-the root once more (`workers.workloads.load_workload`). Torch-free.
+the root once more (`elastrain.workers.workloads.load_workload`). Torch-free.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from contracts.workload_params import TOKEN_WIDTH, GptParams
+from elastrain.contracts.workload_params import TOKEN_WIDTH, GptParams
 
 #: Tenants' own areas: `<storage>/data/<tenant>/`.
 TENANT_DATA_DIR = "data"

@@ -1,4 +1,4 @@
-"""What the runtime (`workers.runtime`) and a worker process (`workers.process`)
+"""What the runtime (`elastrain.workers.runtime`) and a worker process (`elastrain.workers.process`)
 say to each other: the worker processes outlive attempts, so each attempt hands every
 rank an `Assignment`, and every rank answers with a `RunOutcome` when its part ends."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contracts.messages import WorkerError
-from contracts.runtime import JobRef
-from contracts.spec import JobSpec
+from elastrain.contracts.messages import WorkerError
+from elastrain.contracts.runtime import JobRef
+from elastrain.contracts.spec import JobSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,7 +23,7 @@ class HeldState:
     """True when this one process holds the whole model and optimizer state (DDP), so a
     new group can take it from here instead of from a checkpoint."""
     database: str = ""
-    """The database the job is stored in (`contracts.runtime.JobRef`)."""
+    """The database the job is stored in (`elastrain.contracts.runtime.JobRef`)."""
 
     @property
     def job(self) -> JobRef:
@@ -42,9 +42,9 @@ class WorkerInfo:
     """The node-local index of the GPU this process owns for its lifetime (None: a CPU
     process, which sees no GPU)."""
     device: str = ""
-    """What it trains on, in words (`workers.devices.warm_cuda`)."""
+    """What it trains on, in words (`elastrain.workers.devices.warm_cuda`)."""
     own_code_of: JobRef | None = None
-    """The job whose own code this process ran, if any (`workers.runtime.pool.runs_own_code`):
+    """The job whose own code this process ran, if any (`elastrain.workers.runtime.pool.runs_own_code`):
     a runtime that adopts the process after a restart lends it to that job alone."""
 
 
@@ -62,7 +62,7 @@ class Assignment:
     storage_path: str
     database: str
     """The database the job is stored in: a process keeps state only for this database's
-    jobs (`contracts.runtime.JobRef`)."""
+    jobs (`elastrain.contracts.runtime.JobRef`)."""
     runtime_name: str
     """The runtime actor that rank 0 reports to (`push_many`); controls come the other way,
     pushed to rank 0's process (`control`)."""

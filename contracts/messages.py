@@ -20,7 +20,7 @@ from typing import Any
 
 
 class EventKind(str, Enum):
-    """What an event row records. Transitions are written by `service.jobs.set_job_state`;
+    """What an event row records. Transitions are written by `elastrain.service.jobs.set_job_state`;
     the rest are happenings around them."""
 
     TRANSITION = "transition"
@@ -221,7 +221,7 @@ Number = float | int
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepMetrics:
-    """One optimizer step as rank 0 measured it (`workers.step_metrics`).
+    """One optimizer step as rank 0 measured it (`elastrain.workers.step_metrics`).
 
     Stored flat (`to_values`: the metric table's JSON column, a checkpoint manifest's
     points, the API's rows), where every reader but this class sees plain names. A float
@@ -243,7 +243,7 @@ class StepMetrics:
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
     model_flops_per_s: float | None = None
-    """Model FLOPs per second per rank (`workers.flops`)."""
+    """Model FLOPs per second per rank (`elastrain.workers.flops`)."""
     mfu: float | None = None
     """`model_flops_per_s` over the device's peak."""
     mfu_basis: str | None = None
@@ -314,7 +314,7 @@ class RestoreSource(str, Enum):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SavedTraining:
     """What the training loop keeps in a checkpoint manifest's `extra` beside the tensors
-    (`checkpoints.manifest.Manifest.extra` is free-form: this is its one writer's shape)."""
+    (`elastrain.checkpoints.manifest.Manifest.extra` is free-form: this is its one writer's shape)."""
 
     seed: int | None = None
     global_batch_size: int | None = None

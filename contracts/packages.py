@@ -1,9 +1,9 @@
 """A job's own code: a working directory, packaged, stored by its content, importable on workers.
 
-`elastrain submit --working-dir DIR` zips DIR (`api.workdir`), uploads it once
-(`POST /v1/packages`, `service.packages`) and puts its digest in `workload.package`. Every
+`elastrain submit --working-dir DIR` zips DIR (`elastrain.api.workdir`), uploads it once
+(`POST /v1/packages`, `elastrain.service.packages`) and puts its digest in `workload.package`. Every
 worker of every attempt copies that exact tree from the storage root to a node-local cache,
-checks it against the digest, and imports the entrypoint from it (`workers.packages`).
+checks it against the digest, and imports the entrypoint from it (`elastrain.workers.packages`).
 
 The digest is of the files, not of the zip: the same directory gives the same digest however
 it was zipped (timestamps, compression, order). For each file, sorted by path, one line
@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import PurePosixPath
 
-from contracts.bounds import OWN_PACKAGES as _OWN_PACKAGES
+from elastrain.contracts.bounds import OWN_PACKAGES as _OWN_PACKAGES
 
 DIGEST_PREFIX = "sha256:"
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")

@@ -39,14 +39,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from contracts.spec import (
+from elastrain.contracts.spec import (
     ActivationCheckpointing,
     JobSpec,
     MixedPrecision,
     StrategyKind,
     strategy_label,
 )
-from contracts.workload_params import GptParams, SyntheticParams
+from elastrain.contracts.workload_params import GptParams, SyntheticParams
 
 #: The share of a device's memory a plan may use.
 HEADROOM = 0.9

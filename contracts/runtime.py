@@ -1,4 +1,4 @@
-"""What the control plane and the runtime (`workers.runtime`) say to each other.
+"""What the control plane and the runtime (`elastrain.workers.runtime`) say to each other.
 
 The control plane launches an attempt once (`LaunchRequest`, after its DB transaction
 committed) and then, once per scheduler pass, hands the runtime every attempt the database
@@ -17,8 +17,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
-from contracts.messages import DriverReport
-from contracts.spec import JobSpec
+from elastrain.contracts.messages import DriverReport
+from elastrain.contracts.spec import JobSpec
 
 #: The runtime actor's name in the service's Ray namespace.
 RUNTIME_NAME = "elastrain-runtime"
@@ -30,7 +30,7 @@ class JobRef(NamedTuple):
     restore) that must never be taken for this database's job of the same id."""
 
     database: str
-    """`service.identity`: a random id the database got when its schema was made."""
+    """`elastrain.service.identity`: a random id the database got when its schema was made."""
     job_id: int
 
 
@@ -122,7 +122,7 @@ class Reconciled:
 
 
 #: Where a node's preemption notice is kept in Ray's KV store (namespace, key prefix): the
-#: node's watcher (`workers.runtime.notice`) writes it, the control plane reads its reason.
+#: node's watcher (`elastrain.workers.runtime.notice`) writes it, the control plane reads its reason.
 NOTICE_KV_NAMESPACE = "elastrain"
 NOTICE_KV_PREFIX = "preemption/"
 

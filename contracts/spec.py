@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from contracts.bounds import (
+from elastrain.contracts.bounds import (
     MAX_PARAMS_BYTES,
     MAX_PARAMS_DEPTH,
     STORED,
@@ -31,15 +31,15 @@ from contracts.bounds import (
     is_stored,
     no_control_characters,
 )
-from contracts.packages import DIGEST_RE
-from contracts.workload_params import BUILTIN_PARAMS, GptParams, params_problems
+from elastrain.contracts.packages import DIGEST_RE
+from elastrain.contracts.workload_params import BUILTIN_PARAMS, GptParams, params_problems
 
 #: Built-in workloads shipped with the package: name -> the factory's entrypoint in
 #: `workers/workloads/`. Strings only, so the API validates without importing torch; the
 #: workers resolve the entrypoint.
 BUILTIN_WORKLOADS: dict[str, str] = {
-    "gpt": "workers.workloads.gpt:build",
-    "synthetic": "workers.workloads.synthetic:build",
+    "gpt": "elastrain.workers.workloads.gpt:build",
+    "synthetic": "elastrain.workers.workloads.synthetic:build",
 }
 
 #: pip requirements: a distribution name, optional extras, optional version specifiers.
@@ -138,7 +138,7 @@ class WorkloadSpec(_Strict):
         description="A script to run on every rank as under torchrun, e.g. ['python', "
         "'train.py', '--lr', '3e-4'] (exclusive with name/entrypoint): it gets RANK, "
         "WORLD_SIZE, MASTER_ADDR, ... and ELASTRAIN_JOB_DIR; a file it names comes from "
-        "`package`. Its exit code ends the job; `workers.user_api.report` charts points.",
+        "`package`. Its exit code ends the job; `elastrain.workers.user_api.report` charts points.",
     )
     package: Annotated[str, StringConstraints(pattern=DIGEST_RE.pattern)] | None = Field(
         default=None,
@@ -170,10 +170,10 @@ class WorkloadSpec(_Strict):
         """Whether the job's ranks run code of its own (an uploaded package or a custom
         entrypoint). Modules, threads, patched functions or memory it leaves in a process
         could reach the next job that process serves, so such a process serves that job
-        alone and is stopped when the job ends (`workers.runtime.pool`). Built-in
+        alone and is stopped when the job ends (`elastrain.workers.runtime.pool`). Built-in
         workloads leave nothing but the job's state, dropped before another job runs there.
         A command job's code runs in child processes stopped with their attempt
-        (`workers.command`), never in the worker process itself: not its own code there."""
+        (`elastrain.workers.command`), never in the worker process itself: not its own code there."""
         if self.command is not None:
             return False
         return self.package is not None or self.entrypoint is not None
@@ -573,7 +573,7 @@ class JobSpec(_Strict):
     def _no_pipeline_split(self) -> str | None:
         """Why a built-in workload's model cannot be cut into the pipeline's stages (None:
         it can, or it is a custom workload, which says so when it is built). Each stage
-        takes whole blocks (`workers.workloads.stage_block_range`)."""
+        takes whole blocks (`elastrain.workers.workloads.stage_block_range`)."""
         if self.workload.name not in BUILTIN_PARAMS:
             return None
         blocks = BUILTIN_PARAMS[self.workload.name].model_validate(self.workload.params)

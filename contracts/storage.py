@@ -2,8 +2,8 @@
 
 ```
 <storage>/jobs/<job id>/
-    fence.json                            which attempt may write (checkpoints.fence)
-    checkpoints/step_<step>-a<attempt>/   one folder per checkpoint (checkpoints.layout)
+    fence.json                            which attempt may write (elastrain.checkpoints.fence)
+    checkpoints/step_<step>-a<attempt>/   one folder per checkpoint (elastrain.checkpoints.layout)
     logs/attempt-<NNN>-rank-<R>.log       one file per rank and attempt
     files/                                a command job's own files (ELASTRAIN_JOB_DIR)
 ```

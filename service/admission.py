@@ -32,14 +32,14 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from service.capacity import (
+from elastrain.service.capacity import (
     Allocation,
     ClusterCapacity,
     WorkerShape,
     free_capacity,
     target_world_size,
 )
-from service.decisions import JobView
+from elastrain.service.decisions import JobView
 
 #: Default: a job queued this long gets a reservation (capacity is held for it).
 RESERVE_AFTER_S = 300.0

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.models import ApiToken, Job, Tenant, utcnow
-from service.states import ACTIVE
+from elastrain.service.models import ApiToken, Job, Tenant, utcnow
+from elastrain.service.states import ACTIVE
 
 #: Tokens start with this, so a leaked one is recognisable (secret scanners, logs).
 TOKEN_PREFIX = "elt_"

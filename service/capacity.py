@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, cast
 
-from contracts.spec import JobSpec
+from elastrain.contracts.spec import JobSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

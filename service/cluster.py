@@ -17,8 +17,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from service.capacity import ClusterCapacity, NodeDrain, memory_share
-from service.models import ClusterSnapshot, as_utc, utcnow
+from elastrain.service.capacity import ClusterCapacity, NodeDrain, memory_share
+from elastrain.service.models import ClusterSnapshot, as_utc, utcnow
 
 SNAPSHOT_NAME = "ray"
 #: Several scheduler passes (and the lease's lifetime) without a fresh snapshot.

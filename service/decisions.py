@@ -2,7 +2,7 @@
 
 The scheduler observes (the job's row and current attempt, its driver's report, the alive
 nodes, the capacity free for it, timers), calls `decide` for every job that is not
-finished, and hands the actions to `service.executor`, which writes the DB in one
+finished, and hands the actions to `elastrain.service.executor`, which writes the DB in one
 transaction and then makes the Ray calls. Nothing here does I/O: the table below is tested
 row by row in tests/unit/test_decisions.py.
 
@@ -27,7 +27,7 @@ row by row in tests/unit/test_decisions.py.
 | RUNNING | a node of its ranks is draining, min workers fit elsewhere | ask the attempt to leave at the next step (no checkpoint: the state goes on in memory) -> RESIZING |
 | RUNNING | a node of its ranks is draining, min workers do not fit elsewhere | checkpoint now and train on there (reason says why); at the drain deadline checkpoint and stop -> RESIZING, then wait below min |
 
-Every state change is a `Transition`; `service.states.ALLOWED` is exactly the set of edges
+Every state change is a `Transition`; `elastrain.service.states.ALLOWED` is exactly the set of edges
 these rows produce.
 """
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
-from contracts.messages import (
+from elastrain.contracts.messages import (
     CheckpointCommitted,
     Control,
     DriverReport,
@@ -47,16 +47,16 @@ from contracts.messages import (
     EventKind,
     WorkerError,
 )
-from contracts.plan import choose_for_auto
-from contracts.spec import JobSpec, StrategyKind
-from service.capacity import (
+from elastrain.contracts.plan import choose_for_auto
+from elastrain.contracts.spec import JobSpec, StrategyKind
+from elastrain.service.capacity import (
     Allocation,
     ClusterCapacity,
     NodeDrain,
     WorkerShape,
     target_world_size,
 )
-from service.states import JobState
+from elastrain.service.states import JobState
 
 # ---------------------------------------------------------------------------------------
 # Facts: what the scheduler observed
@@ -75,7 +75,7 @@ class AttemptView:
     report_seq: int = 0
     """The last driver message persisted."""
     name: str = ""
-    """`contracts.runtime.attempt_name`: what the runtime knows the attempt by."""
+    """`elastrain.contracts.runtime.attempt_name`: what the runtime knows the attempt by."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,7 +107,7 @@ class JobView:
     failures: tuple[PastFailure, ...] = ()
     """The job's failed attempts, oldest first (read only when needed)."""
     submitted_at: float = 0.0
-    """Epoch seconds (how long a queued job has waited: `service.admission`)."""
+    """Epoch seconds (how long a queued job has waited: `elastrain.service.admission`)."""
 
     @property
     def live_attempt(self) -> AttemptView | None:
@@ -116,7 +116,7 @@ class JobView:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Policy:
-    """The scheduler's tunables (from `service.settings.Settings`)."""
+    """The scheduler's tunables (from `elastrain.service.settings.Settings`)."""
 
     grow_interval_s: float = 10.0
     below_min_timeout_s: float = 600.0

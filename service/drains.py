@@ -13,8 +13,8 @@ from datetime import datetime, timezone
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.capacity import ClusterCapacity, DrainSource, NodeDrain
-from service.models import NodeDrainRow, as_utc
+from elastrain.service.capacity import ClusterCapacity, DrainSource, NodeDrain
+from elastrain.service.models import NodeDrainRow, as_utc
 
 
 def stored(session: Session) -> list[NodeDrain]:

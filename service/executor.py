@@ -1,4 +1,4 @@
-"""Carry out what `service.decisions.decide` returned: the DB, then Ray, then files.
+"""Carry out what `elastrain.service.decisions.decide` returned: the DB, then Ray, then files.
 
 For one job, every DB write of a decision lands in one short transaction, under the job's
 row lock, and only if the job is still where the decision saw it (same state, same
@@ -20,17 +20,17 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from checkpoints.fence import advance_fence
-from checkpoints.owner import claim_job_folder
-from checkpoints.retention import delete_checkpoints, retention_plan
-from contracts.datasets import DataPathError, storage_relative_data_paths
-from contracts.messages import Control, EventKind
-from contracts.runtime import AttemptKey, LaunchRequest, attempt_name
-from contracts.spec import JobSpec
-from contracts.storage import JobStorage
-from service import identity, jobs, metric_store, observe, reports, telemetry
-from service.db import session_scope
-from service.decisions import (
+from elastrain.checkpoints.fence import advance_fence
+from elastrain.checkpoints.owner import claim_job_folder
+from elastrain.checkpoints.retention import delete_checkpoints, retention_plan
+from elastrain.contracts.datasets import DataPathError, storage_relative_data_paths
+from elastrain.contracts.messages import Control, EventKind
+from elastrain.contracts.runtime import AttemptKey, LaunchRequest, attempt_name
+from elastrain.contracts.spec import JobSpec
+from elastrain.contracts.storage import JobStorage
+from elastrain.service import identity, jobs, metric_store, observe, reports, telemetry
+from elastrain.service.db import session_scope
+from elastrain.service.decisions import (
     Action,
     ApplyRetention,
     AttemptOutcome,
@@ -50,9 +50,9 @@ from service.decisions import (
     decide,
     give_up,
 )
-from service.launcher import Launcher
-from service.models import Job, utcnow
-from service.states import JobState
+from elastrain.service.launcher import Launcher
+from elastrain.service.models import Job, utcnow
+from elastrain.service.states import JobState
 
 log = logging.getLogger("elastrain.executor")
 
@@ -108,7 +108,7 @@ Effect = Launch | Release | Signal | PruneCheckpoints | SetTimer
 def apply_to_db(
     session: Session, job: Job, actions: Sequence[Action], *, storage_path: Path
 ) -> list[Effect]:
-    """Write `actions` to the job's rows (through `service.jobs`, one function per kind)
+    """Write `actions` to the job's rows (through `elastrain.service.jobs`, one function per kind)
     and return the effects to carry out once the transaction has committed."""
     effects: list[Effect] = []
     for action in actions:
@@ -264,7 +264,7 @@ class Executor:
 
     @property
     def database(self) -> str:
-        """This database's identity (`service.identity`), which owns its jobs' folders."""
+        """This database's identity (`elastrain.service.identity`), which owns its jobs' folders."""
         if self._database is None:
             with session_scope(self.sessions) as session:
                 self._database = identity.database_id(session)
@@ -416,7 +416,7 @@ class Executor:
         in a short transaction of their own, then their folders. Rows first: a crash in
         between leaves folders the catalogue no longer lists, which the next retention
         deletes. A fresh scan keeps the last K and the newest committed checkpoint
-        whatever was committed since the decision (`checkpoints.retention`)."""
+        whatever was committed since the decision (`elastrain.checkpoints.retention`)."""
         doomed = retention_plan(effect.root, effect.keep_last)
         if not doomed:
             return

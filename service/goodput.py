@@ -1,7 +1,7 @@
 """Goodput: where a job's wall-clock time went, and the share that made kept progress.
 
-Pure. The inputs are kept on the job row as things happen (`service.jobs.set_job_state`
-adds each state's seconds; `service.reports.record_metrics` adds step seconds), so a job's
+Pure. The inputs are kept on the job row as things happen (`elastrain.service.jobs.set_job_state`
+adds each state's seconds; `elastrain.service.reports.record_metrics` adds step seconds), so a job's
 goodput costs no query. Buckets:
 
 | bucket | what |
@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from typing import Any
 
-from service.states import JobState
+from elastrain.service.states import JobState
 
 
 @dataclass(frozen=True, slots=True)

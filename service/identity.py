@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.models import DatabaseIdentity
+from elastrain.service.models import DatabaseIdentity
 
 
 def database_id(session: Session) -> str:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from service.admission import Admission, Waiting
-from service.decisions import JobView
+from elastrain.service.admission import Admission, Waiting
+from elastrain.service.decisions import JobView
 
 #: How long an error may be in a job's reason.
 MAX_REASON = 1000

@@ -2,11 +2,11 @@
 
 A job's state and the fields that go with it (reason, world size, restarts, last error,
 the wait below min) change only here, each with its event. What its attempts report
-(metrics, checkpoints) is stored by `service.reports`. The scheduler reaches these
-through `service.executor`, which applies the actions of `service.decisions.decide`.
+(metrics, checkpoints) is stored by `elastrain.service.reports`. The scheduler reaches these
+through `elastrain.service.executor`, which applies the actions of `elastrain.service.decisions.decide`.
 
 Functions take a `Session` and keyword-only arguments, and never commit: the caller's
-transaction (`service.db.session_scope`) decides, so a change and its event land together
+transaction (`elastrain.service.db.session_scope`) decides, so a change and its event land together
 or not at all.
 """
 
@@ -20,13 +20,13 @@ from typing import Any, cast
 from sqlalchemy import Row, Table, bindparam, func, insert, select
 from sqlalchemy.orm import Session
 
-from contracts.messages import (
+from elastrain.contracts.messages import (
     EventKind,
     WorkerError,
 )
-from contracts.spec import JobSpec
-from service.models import Attempt, Event, Job, JobLabel, as_utc, utcnow
-from service.states import IllegalTransition, JobState, can_transition
+from elastrain.contracts.spec import JobSpec
+from elastrain.service.models import Attempt, Event, Job, JobLabel, as_utc, utcnow
+from elastrain.service.states import IllegalTransition, JobState, can_transition
 
 
 class JobNotFound(LookupError):
@@ -211,7 +211,7 @@ def set_job_state(
     before = job.world_size
     after = before if world_size is None else world_size
     now = utcnow()
-    # Goodput: the state being left gets its seconds (service.goodput).
+    # Goodput: the state being left gets its seconds (elastrain.service.goodput).
     since = job.state_since or job.created_at
     spent = max(0.0, (now - as_utc(since)).total_seconds())
     seconds_in = dict(job.seconds_in or {})

@@ -1,17 +1,17 @@
 """The interface between the scheduler and whatever runs worker groups: the runtime on Ray
-(`service.runtime_client`) or, in tests, a fake (`tests/fake_launcher.py`).
+(`elastrain.service.runtime_client`) or, in tests, a fake (`tests/fake_launcher.py`).
 
-Everything crossing it is typed plain data (`contracts.runtime`, `contracts.messages`,
-`service.capacity`), so the scheduler is tested without Ray.
+Everything crossing it is typed plain data (`elastrain.contracts.runtime`, `elastrain.contracts.messages`,
+`elastrain.service.capacity`), so the scheduler is tested without Ray.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from contracts.messages import Control, DriverReport
-from contracts.runtime import AttemptKey, LaunchRequest, Reconcile
-from service.capacity import ClusterCapacity
+from elastrain.contracts.messages import Control, DriverReport
+from elastrain.contracts.runtime import AttemptKey, LaunchRequest, Reconcile
+from elastrain.service.capacity import ClusterCapacity
 
 
 class Launcher(Protocol):

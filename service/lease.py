@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.models import SchedulerLease, as_utc, utcnow
+from elastrain.service.models import SchedulerLease, as_utc, utcnow
 
 LEASE_NAME = "scheduler"
 

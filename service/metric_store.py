@@ -1,6 +1,6 @@
 """A job's metric curve at any length: bucket summaries kept as rows arrive, downsampled
 reads from them, and retention that thins old finished jobs to the rows their curve
-needs (`service.metric_summary` holds the pure part). Like `service.jobs`, no commits."""
+needs (`elastrain.service.metric_summary` holds the pure part). Like `elastrain.service.jobs`, no commits."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, cast
 from sqlalchemy import Row, Table, and_, bindparam, delete, func, insert, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from service.metric_summary import (
+from elastrain.service.metric_summary import (
     WIDTHS,
     Summary,
     merge,
@@ -19,8 +19,8 @@ from service.metric_summary import (
     summarize,
     width_for,
 )
-from service.models import Job, Metric, MetricBucket
-from service.states import TERMINAL
+from elastrain.service.models import Job, Metric, MetricBucket
+from elastrain.service.states import TERMINAL
 
 _KEY = ["job_id", "width", "bucket"]
 _FIELDS = ("lo_step", "lo_loss", "hi_step", "hi_loss", "slow_step", "slow_s", "eval_step")
@@ -212,7 +212,7 @@ def insert_bulk(
 ) -> None:
     """Insert (step, values) rows of steps the job has no row for yet, and their summaries,
     in one statement: for loaders (benches, imports, test seeds), not for what attempts
-    report (that is `service.reports.record_metrics`, with its fencing and goodput)."""
+    report (that is `elastrain.service.reports.record_metrics`, with its fencing and goodput)."""
     rows = [
         {"job_id": job_id, "step": step, "attempt": attempt, "at": at, "values": values}
         for step, values in points

@@ -1,5 +1,5 @@
 """Per-bucket summaries of a job's metric rows, so a million-step curve can be drawn from
-a few thousand real points (pure: no database here; `service.reports` stores them).
+a few thousand real points (pure: no database here; `elastrain.service.reports` stores them).
 
 For every width in `WIDTHS` (8, 64, ..., 8**7 steps) a job's steps fall into buckets
 (`step // width`); each bucket remembers which of its steps had the lowest and the highest

@@ -23,7 +23,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from service.states import JobState
+from elastrain.service.states import JobState
 
 # JSONB on PostgreSQL (indexable, compact), plain JSON text elsewhere.
 JSONType = JSON().with_variant(JSONB(), "postgresql")
@@ -100,7 +100,7 @@ class Job(Base):
     # When the job first found fewer than min_workers available (None when it is not waiting).
     below_min_since: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
 
-    # Goodput accounting (`service.goodput`), kept up to date as things happen so that
+    # Goodput accounting (`elastrain.service.goodput`), kept up to date as things happen so that
     # reading a job never scans its events or metrics: seconds spent in each state left
     # so far, when the current state began, and the step seconds reported (all of them,
     # those of steps still kept, and the checkpoint saves that blocked training).
@@ -153,7 +153,7 @@ class Attempt(Base):
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
     outcome: Mapped[str | None] = mapped_column(String(32), default=None)
     # `error` is the failure's one-line summary for people; `failure` the record
-    # (`contracts.messages.WorkerError`), which says whether two failures are the same.
+    # (`elastrain.contracts.messages.WorkerError`), which says whether two failures are the same.
     error: Mapped[str | None] = mapped_column(Text, default=None)
     failure: Mapped[dict[str, Any] | None] = mapped_column(JSONType, default=None)
     # The node of each rank, once the worker group reported it.
@@ -201,7 +201,7 @@ class Metric(Base):
 
 class MetricBucket(Base):
     """A bucket of a job's steps at one width: which steps carry its shape (lowest and
-    highest loss, slowest step, last held-out loss). See `service.metric_summary`."""
+    highest loss, slowest step, last held-out loss). See `elastrain.service.metric_summary`."""
 
     __tablename__ = "metric_buckets"
 
@@ -288,7 +288,7 @@ class ApiToken(Base):
 
 class DatabaseIdentity(Base):
     """Made once with the schema: `database` is this database's random id
-    (`contracts.runtime.JobRef`). A backup restored keeps it (its jobs are the same jobs);
+    (`elastrain.contracts.runtime.JobRef`). A backup restored keeps it (its jobs are the same jobs);
     a fresh database gets a new one."""
 
     __tablename__ = "database_identity"
@@ -313,7 +313,7 @@ class NodeDrainRow(Base):
 
 
 class PackageGrant(Base):
-    """Who may use a stored package (`service.package_access`). The files are stored once
+    """Who may use a stored package (`elastrain.service.package_access`). The files are stored once
     by their content; visibility is per tenant: the tenant that uploaded it (`uploaded`,
     its bytes counted against that tenant's storage quota) or one an admin shared it with
     (`tenant` "*": every tenant)."""

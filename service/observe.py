@@ -1,4 +1,4 @@
-"""Read the DB into the typed facts `service.decisions` decides on (no writes, no Ray)."""
+"""Read the DB into the typed facts `elastrain.service.decisions` decides on (no writes, no Ray)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any
 from sqlalchemy import and_, select
 from sqlalchemy.orm import Session
 
-from contracts.messages import WorkerError
-from contracts.spec import JobSpec
-from service.decisions import AttemptOutcome, AttemptView, JobView, PastFailure
-from service.models import Attempt, Job, as_utc
-from service.states import ACTIVE, JobState
+from elastrain.contracts.messages import WorkerError
+from elastrain.contracts.spec import JobSpec
+from elastrain.service.decisions import AttemptOutcome, AttemptView, JobView, PastFailure
+from elastrain.service.models import Attempt, Job, as_utc
+from elastrain.service.states import ACTIVE, JobState
 
 
 def view_of(session: Session, job: Job) -> JobView:

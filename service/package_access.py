@@ -1,6 +1,6 @@
 """Who may see and use a stored package, and how much each tenant stores. DB only.
 
-The files live once per content digest (`service.packages`); these rows say who may name
+The files live once per content digest (`elastrain.service.packages`); these rows say who may name
 that digest: the tenant that uploaded it, or one an admin shared it with (`EVERYONE` for
 all tenants). A tenant without a row is told the package does not exist, the same answer
 as for a digest nobody uploaded, so it learns nothing of other tenants' code. An upload's
@@ -16,8 +16,8 @@ from collections.abc import Iterable, Sequence
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.orm import Session
 
-from service.auth import Principal
-from service.models import PackageGrant
+from elastrain.service.auth import Principal
+from elastrain.service.models import PackageGrant
 
 #: A share with every tenant.
 EVERYONE = "*"

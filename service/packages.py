@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from checkpoints._fs import atomic_write_bytes, fsync_dir, remove_tree
-from contracts.packages import (
+from elastrain.checkpoints._fs import atomic_write_bytes, fsync_dir, remove_tree
+from elastrain.contracts.packages import (
     DIGEST_PREFIX,
     FILES_DIR,
     MANIFEST,

@@ -1,8 +1,8 @@
 """What running attempts report, stored: metric points, the checkpoint catalogue, and the
 driver's report that carries both (with placement, resumes and worker errors as events).
 
-Everything an attempt reports is fenced by its number (`service.jobs.check_attempt`):
-what an older attempt sends is refused. Like `service.jobs`, functions never commit.
+Everything an attempt reports is fenced by its number (`elastrain.service.jobs.check_attempt`):
+what an older attempt sends is refused. Like `elastrain.service.jobs`, functions never commit.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, cast
 from sqlalchemy import Row, Table, and_, bindparam, delete, insert, select
 from sqlalchemy.orm import Session, load_only
 
-from contracts.messages import (
+from elastrain.contracts.messages import (
     CheckpointCommitted,
     DriverReport,
     EventKind,
@@ -26,17 +26,17 @@ from contracts.messages import (
     WorkerEvent,
     WorkerFailed,
 )
-from service.goodput import step_seconds
-from service.jobs import check_attempt, current_attempt, record_event
-from service.metric_store import (
+from elastrain.service.goodput import step_seconds
+from elastrain.service.jobs import check_attempt, current_attempt, record_event
+from elastrain.service.metric_store import (
     POINT_COLUMNS,
     BucketKey,
     OpenBuckets,
     update_summaries,
     update_summaries_of,
 )
-from service.metric_summary import Summary
-from service.models import Attempt, CheckpointRecord, Job, Metric, utcnow
+from elastrain.service.metric_summary import Summary
+from elastrain.service.models import Attempt, CheckpointRecord, Job, Metric, utcnow
 
 
 def persist_report(session: Session, job: Job, report: DriverReport) -> None:

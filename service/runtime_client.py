@@ -1,5 +1,5 @@
 """The one module of the control plane that talks to Ray: the runtime actor
-(`workers.runtime.actor`, which runs the attempts) is created here, launched into once per
+(`elastrain.workers.runtime.actor`, which runs the attempts) is created here, launched into once per
 attempt and reconciled with once per scheduler pass. Its class is the one name the control
 plane imports from `workers` (tests/unit/test_imports.py): its module loads no torch."""
 
@@ -14,8 +14,8 @@ import ray
 from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from contracts.messages import Control, DriverReport, DriverStatus, ErrorKind, WorkerError
-from contracts.runtime import (
+from elastrain.contracts.messages import Control, DriverReport, DriverStatus, ErrorKind, WorkerError
+from elastrain.contracts.runtime import (
     NOTICE_KV_NAMESPACE,
     NOTICE_KV_PREFIX,
     RUNTIME_NAME,
@@ -24,10 +24,10 @@ from contracts.runtime import (
     PreemptionNotice,
     Reconcile,
 )
-from service.capacity import ClusterCapacity, DrainSource, NodeCapacity, NodeDrain
-from service.settings import Settings
-from service.worker_env import scrubbed_environ
-from workers.runtime.actor import Runtime
+from elastrain.service.capacity import ClusterCapacity, DrainSource, NodeCapacity, NodeDrain
+from elastrain.service.settings import Settings
+from elastrain.service.worker_env import scrubbed_environ
+from elastrain.workers.runtime.actor import Runtime
 
 log = logging.getLogger("elastrain.launcher")
 
@@ -172,7 +172,7 @@ def _lost(why: str) -> DriverReport:
 
 def ray_drains() -> tuple[NodeDrain, ...]:
     """Nodes Ray is draining (its drain API, which the autoscaler, KubeRay's scale-down,
-    `ray drain-node` and `workers.runtime.notice` call), with their deadlines. Read the
+    `ray drain-node` and `elastrain.workers.runtime.notice` call), with their deadlines. Read the
     way Ray Serve and Ray Data read it (`ray._private.state`: Ray has no public API for
     it yet); a Ray without it reports none."""
     try:
@@ -194,7 +194,7 @@ def ray_drains() -> tuple[NodeDrain, ...]:
 
 
 def preemption_notices() -> dict[str, NodeDrain]:
-    """The preemption notices `workers.runtime.notice` left in Ray's KV store, by node."""
+    """The preemption notices `elastrain.workers.runtime.notice` left in Ray's KV store, by node."""
     found: dict[str, NodeDrain] = {}
     try:
         for key in internal_kv._internal_kv_list(NOTICE_KV_PREFIX, namespace=NOTICE_KV_NAMESPACE):

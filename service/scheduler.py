@@ -3,8 +3,8 @@
 Each pass, holding the DB lease: read every unfinished job and its current attempt, hand
 the runtime the live attempts (`Launcher.reconcile`: every live attempt's report comes
 back, all at once, no DB transaction open, and the runtime lets go of whatever else it
-holds), decide about each job with the pure `service.decisions.decide`, and hand the
-actions to `service.executor.Executor`. Nothing is kept in memory that a restarted control plane could
+holds), decide about each job with the pure `elastrain.service.decisions.decide`, and hand the
+actions to `elastrain.service.executor.Executor`. Nothing is kept in memory that a restarted control plane could
 not rebuild from the DB and the drivers' names, except timers (backoff, growth hysteresis),
 which simply start over.
 """
@@ -24,10 +24,10 @@ from datetime import UTC, datetime
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from contracts.messages import DriverReport, DriverStatus
-from contracts.runtime import AttemptKey, LiveAttempt, Reconcile
-from contracts.spec import JobSpec
-from service import (
+from elastrain.contracts.messages import DriverReport, DriverStatus
+from elastrain.contracts.runtime import AttemptKey, LiveAttempt, Reconcile
+from elastrain.contracts.spec import JobSpec
+from elastrain.service import (
     admission,
     auth,
     cluster,
@@ -42,20 +42,20 @@ from service import (
     reports,
     telemetry,
 )
-from service.capacity import (
+from elastrain.service.capacity import (
     Allocation,
     CapacityLedger,
     ClusterCapacity,
     NodeDrain,
     WorkerShape,
 )
-from service.db import session_scope
-from service.decisions import Action, Facts, JobView, PersistReport, Policy
-from service.executor import Executor, Timers
-from service.isolation import plan_isolating, undecidable_reason
-from service.launcher import Launcher
-from service.logs import job_context
-from service.settings import Settings
+from elastrain.service.db import session_scope
+from elastrain.service.decisions import Action, Facts, JobView, PersistReport, Policy
+from elastrain.service.executor import Executor, Timers
+from elastrain.service.isolation import plan_isolating, undecidable_reason
+from elastrain.service.launcher import Launcher
+from elastrain.service.logs import job_context
+from elastrain.service.settings import Settings
 
 log = logging.getLogger("elastrain.scheduler")
 
@@ -359,7 +359,7 @@ class Quotas:
         return max(0, quota - ledger.workers_held(others))
 
     def usage(self, ledger: CapacityLedger) -> dict[str, admission.Usage]:
-        """What each tenant's live jobs hold (its dominant share: `service.admission`)."""
+        """What each tenant's live jobs hold (its dominant share: `elastrain.service.admission`)."""
         return {
             tenant: admission.Usage(cpus=cpus, gpus=gpus)
             for tenant, ids in self.jobs_of.items()
@@ -418,7 +418,7 @@ def start_scheduler_thread(
     """Start the scheduler with the runtime on Ray (imported here: only the scheduler needs
     Ray)."""
     if launcher is None:
-        from service.runtime_client import RuntimeClient
+        from elastrain.service.runtime_client import RuntimeClient
 
         launcher = RuntimeClient(settings)
     scheduler = Scheduler(session_factory=session_factory, launcher=launcher, settings=settings)

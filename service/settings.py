@@ -9,8 +9,8 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sqlalchemy.engine import make_url
 
-from contracts.bounds import OWN_PACKAGES, in_standard_library
-from contracts.packages import PackageLimits
+from elastrain.contracts.bounds import OWN_PACKAGES, in_standard_library
+from elastrain.contracts.packages import PackageLimits
 
 _HOME = Path(".elastrain")
 #: Shorter tokens are guessable; the ones `elastrain token create` makes are 43 characters.
@@ -228,7 +228,7 @@ class Settings(BaseSettings):
     @property
     def secrets(self) -> list[str]:
         """What must never reach a job's processes: the admin token, the database URL and
-        its password (`service.worker_env`)."""
+        its password (`elastrain.service.worker_env`)."""
         found = [self.database_url]
         if self.api_token is not None:
             found.append(self.api_token.get_secret_value())

@@ -1,6 +1,6 @@
 """The job state machine: states, terminal flags and the allowed transitions.
 
-The only writer of a job's state is `service.jobs.set_job_state`, which checks a
+The only writer of a job's state is `elastrain.service.jobs.set_job_state`, which checks a
 transition against `ALLOWED` before it writes anything.
 """
 
@@ -33,7 +33,7 @@ TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 ACTIVE = frozenset({JobState.STARTING, JobState.RUNNING, JobState.RECOVERING, JobState.RESIZING})
 
 _S = JobState
-#: Exactly the moves `service.decisions.decide` makes (tests/unit/test_decisions.py checks
+#: Exactly the moves `elastrain.service.decisions.decide` makes (tests/unit/test_decisions.py checks
 #: both ways), so this table reads as the lifecycle.
 ALLOWED: dict[JobState, frozenset[JobState]] = {
     # PENDING -> FAILED: only a job the scheduler cannot decide about (decisions.give_up).

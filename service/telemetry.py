@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
-from contracts.messages import (
+from elastrain.contracts.messages import (
     CheckpointCommitted,
     DriverReport,
     Phase,
@@ -35,11 +35,11 @@ from contracts.messages import (
     StepMetrics,
     Timeline,
 )
-from service import goodput
-from service.decisions import Action, AttemptOutcome, EndAttempt, PersistReport, Transition
-from service.models import Job, as_utc, utcnow
-from service.models import Metric as MetricRow
-from service.states import ACTIVE, JobState
+from elastrain.service import goodput
+from elastrain.service.decisions import Action, AttemptOutcome, EndAttempt, PersistReport, Transition
+from elastrain.service.models import Job, as_utc, utcnow
+from elastrain.service.models import Metric as MetricRow
+from elastrain.service.states import ACTIVE, JobState
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 

@@ -18,9 +18,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.main import create_app
-from service.db import make_engine, make_session_factory, migrate
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.service.db import make_engine, make_session_factory, migrate
+from elastrain.service.settings import Settings
 
 # Starlette's TestClient sends `Host: testserver`; every app the tests build must answer it
 # (tests of the host check pass their own `allowed_hosts`).

@@ -1,5 +1,5 @@
 """An in-memory launcher for fast tests of the scheduler's control logic (no Ray): the
-runtime's side of `service.launcher.Launcher`, reconciling as `workers.runtime.actor` does.
+runtime's side of `elastrain.service.launcher.Launcher`, reconciling as `elastrain.workers.runtime.actor` does.
 
 A test drives each fake driver by hand (`fake.driver(job, attempt)`): make it run, report
 metrics, commit checkpoints, fail or succeed, and steps the scheduler one pass at a time.
@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts.messages import (
+from elastrain.contracts.messages import (
     CheckpointCommitted,
     Control,
     DriverReport,
@@ -26,9 +26,9 @@ from contracts.messages import (
     WorkerEvent,
     WorkerMessage,
 )
-from contracts.runtime import AttemptKey, LaunchRequest, Reconcile
-from service.capacity import ClusterCapacity, NodeCapacity
-from workers.runtime.reconcile import HeldAttempt, attempts_to_release
+from elastrain.contracts.runtime import AttemptKey, LaunchRequest, Reconcile
+from elastrain.service.capacity import ClusterCapacity, NodeCapacity
+from elastrain.workers.runtime.reconcile import HeldAttempt, attempts_to_release
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from contracts.spec import ActivationCheckpointing
+from elastrain.contracts.spec import ActivationCheckpointing
 
 
 class ActivationMeter:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from contracts.messages import Control
+from elastrain.contracts.messages import Control
 
 CONTROL_CODES = {Control.NONE: 0, Control.CHECKPOINT: 1, Control.STOP: 2, Control.LEAVE: 3}
 _CONTROL_BY_CODE = {code: control for control, code in CONTROL_CODES.items()}

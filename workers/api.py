@@ -1,7 +1,7 @@
 """Contracts between the training loop, the strategies, the workloads and the Ray glue.
 
 Nothing here imports Ray: the loop runs under any torch.distributed launcher (the
-runtime's worker processes, `workers.process`, torchrun, or `torch.multiprocessing` in the
+runtime's worker processes, `elastrain.workers.process`, torchrun, or `torch.multiprocessing` in the
 tests) and talks to the outside world only through `TrainHooks`.
 """
 
@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from contracts.messages import (
+from elastrain.contracts.messages import (
     CheckpointCommitted,
     Control,
     Resumed,
@@ -80,13 +80,13 @@ WorkloadFactory = Callable[..., Workload]
 
 
 # ---------------------------------------------------------------------------------------
-# The loop's surroundings (`Control` comes from `contracts.messages`, re-exported here)
+# The loop's surroundings (`Control` comes from `elastrain.contracts.messages`, re-exported here)
 # ---------------------------------------------------------------------------------------
 
 
 @dataclass(kw_only=True)
 class TrainContext:
-    """Where and what a rank is. Filled by the launcher glue (`workers.process` or a test)."""
+    """Where and what a rank is. Filled by the launcher glue (`elastrain.workers.process` or a test)."""
 
     rank: int
     world_size: int
@@ -107,10 +107,10 @@ class TrainContext:
     checks it between steps and raises `AttemptAborted` (no collective needed)."""
     node: str = ""
     """The node this rank runs on (Ray's node id; empty: this host's name). Peer memory
-    keeps each rank's state also on a rank of another node (`workers.memory.buddy`)."""
+    keeps each rank's state also on a rank of another node (`elastrain.workers.memory.buddy`)."""
     database: str = ""
     """The database the job is stored in: the job's folder must be fenced by it
-    (`checkpoints.fence.Fence.owner`), else another database's job of the same id owns it
+    (`elastrain.checkpoints.fence.Fence.owner`), else another database's job of the same id owns it
     now and this rank writes nothing more."""
 
 
@@ -122,7 +122,7 @@ class TrainHooks(Protocol):
     """How the loop talks to the service. Called on rank 0 only; must not block."""
 
     def send(self, message: WorkerMessage) -> None:
-        """Hand one typed message (`contracts.messages`) to the driver."""
+        """Hand one typed message (`elastrain.contracts.messages`) to the driver."""
         ...
 
     def poll_control(self) -> Control:

@@ -1,4 +1,4 @@
-"""The loop's side of sharded checkpoints (`checkpoints.dcp`): the checkpointer of an
+"""The loop's side of sharded checkpoints (`elastrain.checkpoints.dcp`): the checkpointer of an
 attempt, what a save writes beside the model and optimizer state (the manifest's layout,
 data position and extras, each rank's RNG streams), and what it reads back."""
 
@@ -10,20 +10,20 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from contracts.messages import SavedTraining, StepMetrics
-from contracts.spec import JobSpec
-from workers.api import TrainContext
-from workers.rng import get_rng_states
-from workers.strategies import Strategy
+from elastrain.contracts.messages import SavedTraining, StepMetrics
+from elastrain.contracts.spec import JobSpec
+from elastrain.workers.api import TrainContext
+from elastrain.workers.rng import get_rng_states
+from elastrain.workers.strategies import Strategy
 
 if TYPE_CHECKING:  # imported when made, so `workers` imports without DCP loaded
-    from checkpoints.dcp import ShardedCheckpointer
+    from elastrain.checkpoints.dcp import ShardedCheckpointer
 
 log = logging.getLogger("elastrain.workers.checkpointing")
 
 
 def make_checkpointer(ctx: TrainContext, spec: JobSpec) -> ShardedCheckpointer:
-    from checkpoints.dcp import ShardedCheckpointer
+    from elastrain.checkpoints.dcp import ShardedCheckpointer
 
     return ShardedCheckpointer(
         ctx.checkpoint_root,

@@ -8,7 +8,7 @@ rank's script restarts at it (TORCHELASTIC_RESTART_COUNT counts the attempts bef
 the script resumes from its own checkpoint in ELASTRAIN_JOB_DIR.
 
 The rendezvous is the attempt's: rank 0's worker process hosts a TCPStore on a port the
-OS picked (`workers.rendezvous`), and every script connects to it as a client
+OS picked (`elastrain.workers.rendezvous`), and every script connects to it as a client
 (TORCHELASTIC_USE_AGENT_STORE, as under torchrun's agent), so no port is chosen free and
 bound later by someone else.
 
@@ -16,7 +16,7 @@ Each script is a plain subprocess: a fork of the warm process itself (torch alre
 imported) would save its import time, but that process runs Ray's and torch's threads,
 and a fork of it is not safe. What it prints is the job's log (stdout and stderr into the
 rank's log file); the tail of its stderr explains a non-zero exit. Rank 0's script reports
-points through a pipe (`workers.user_api.report`), read here and sent on like the
+points through a pipe (`elastrain.workers.user_api.report`), read here and sent on like the
 built-in loop's.
 """
 
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from contracts.group import Assignment
-from contracts.messages import Control, Phase, StepMetrics, TimelineMark, WorkerMessage
-from contracts.spec import PYTHON_NAMES
-from workers.user_api import JOB_DIR_ENV, REPORT_FD_ENV
+from elastrain.contracts.group import Assignment
+from elastrain.contracts.messages import Control, Phase, StepMetrics, TimelineMark, WorkerMessage
+from elastrain.contracts.spec import PYTHON_NAMES
+from elastrain.workers.user_api import JOB_DIR_ENV, REPORT_FD_ENV
 
 log = logging.getLogger("elastrain.command")
 
@@ -118,7 +118,7 @@ def command_argv(command: list[str], *, python: str = sys.executable) -> list[st
 
 
 def parse_report(line: str | bytes, *, world_size: int) -> StepMetrics:
-    """One line `workers.user_api.report` wrote -> the point sent to the control plane.
+    """One line `elastrain.workers.user_api.report` wrote -> the point sent to the control plane.
     Raises ValueError for a line that is not a point."""
     point = json.loads(line)
     if not isinstance(point, dict):

@@ -1,6 +1,6 @@
 """Which device a worker process trains on, and the GPU it owns for its lifetime.
 
-A GPU node's pool holds one process per GPU (`workers.runtime.pool`). Each is started
+A GPU node's pool holds one process per GPU (`elastrain.workers.runtime.pool`). Each is started
 with the node-local index of its GPU and, before anything initialises CUDA, narrows
 `CUDA_VISIBLE_DEVICES` to that one GPU: from then on `cuda:0` in that process is its GPU,
 whichever attempt of whichever job it serves. It makes its CUDA context when it starts

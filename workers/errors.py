@@ -1,6 +1,6 @@
 """What kind of failure a rank's exception is, decided where it was caught.
 
-The driver and the scheduler decide on `contracts.messages.ErrorKind` alone; this module is
+The driver and the scheduler decide on `elastrain.contracts.messages.ErrorKind` alone; this module is
 the one place that looks at an exception to name its kind.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from contracts.messages import ErrorKind
-from workers.workloads import WorkloadError
+from elastrain.contracts.messages import ErrorKind
+from elastrain.workers.workloads import WorkloadError
 
 #: Words gloo's transport puts in the error a rank gets when a peer of its collective went
 #: away (closed its end, reset the connection, stopped answering).

@@ -2,11 +2,11 @@
 
 Runs under any torch.distributed launcher (the worker processes, torchrun, the tests'
 spawn helper): the process group must be initialised before `train()` is called. It talks
-to the service only through `hooks` (rank 0's, by way of `workers.reports`) and returns a
+to the service only through `hooks` (rank 0's, by way of `elastrain.workers.reports`) and returns a
 `TrainResult`. Any exception propagates, so the launcher can mark the job failed with the
-error. What one optimizer step does is the strategy's `step` (`workers.strategies`);
-where the state comes from, `workers.resume`; what each step reports,
-`workers.step_metrics`.
+error. What one optimizer step does is the strategy's `step` (`elastrain.workers.strategies`);
+where the state comes from, `elastrain.workers.resume`; what each step reports,
+`elastrain.workers.step_metrics`.
 """
 
 from __future__ import annotations
@@ -20,23 +20,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoints.fence import FenceWatcher, Superseded
-from contracts.messages import Control, Phase, TimelineMark
-from contracts.spec import JobSpec
-from workers.activation import apply_activation_checkpointing
-from workers.api import AttemptAborted, SampleDataset, TrainContext, TrainHooks, TrainResult
-from workers.checkpointing import make_checkpointer, save_checkpoint, settles_staging
-from workers.lr_schedule import lr_at
-from workers.memory import ReplicaMemory
-from workers.memory.snapshots import PeerRefresher
-from workers.profiling import StepProfiler
-from workers.reports import Reports
-from workers.resume import describe_restore, restore
-from workers.rng import seed_everything
-from workers.sampler import ElasticSampler, batch_crc, replica_microbatches
-from workers.step_metrics import StepMeter
-from workers.strategies import MicroBatch, Strategy, make_strategy
-from workers.workloads import WorkloadError, load_workload
+from elastrain.checkpoints.fence import FenceWatcher, Superseded
+from elastrain.contracts.messages import Control, Phase, TimelineMark
+from elastrain.contracts.spec import JobSpec
+from elastrain.workers.activation import apply_activation_checkpointing
+from elastrain.workers.api import AttemptAborted, SampleDataset, TrainContext, TrainHooks, TrainResult
+from elastrain.workers.checkpointing import make_checkpointer, save_checkpoint, settles_staging
+from elastrain.workers.lr_schedule import lr_at
+from elastrain.workers.memory import ReplicaMemory
+from elastrain.workers.memory.snapshots import PeerRefresher
+from elastrain.workers.profiling import StepProfiler
+from elastrain.workers.reports import Reports
+from elastrain.workers.resume import describe_restore, restore
+from elastrain.workers.rng import seed_everything
+from elastrain.workers.sampler import ElasticSampler, batch_crc, replica_microbatches
+from elastrain.workers.step_metrics import StepMeter
+from elastrain.workers.strategies import MicroBatch, Strategy, make_strategy
+from elastrain.workers.workloads import WorkloadError, load_workload
 
 log = logging.getLogger("elastrain.workers.loop")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from contracts.spec import LrSchedule, TrainingSpec
+from elastrain.contracts.spec import LrSchedule, TrainingSpec
 
 
 def lr_at(step: int, training: TrainingSpec) -> float:

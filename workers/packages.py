@@ -1,6 +1,6 @@
 """A job's uploaded package in a worker process: copied to the node, verified, importable.
 
-The package lives once on the storage root (`service.packages`). Each node copies it into a
+The package lives once on the storage root (`elastrain.service.packages`). Each node copies it into a
 node-local cache (`$ELASTRAIN_PACKAGE_CACHE`, default `<tmp>/elastrain-packages/<hex>`),
 hashing every file on the way and checking the whole tree against the digest the job names,
 so every rank of every attempt imports exactly the code that was submitted, or fails saying
@@ -25,7 +25,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from contracts.packages import (
+from elastrain.contracts.packages import (
     FILES_DIR,
     MANIFEST,
     PACKAGES_DIR,

@@ -3,14 +3,14 @@
 Every attempt used to start new processes that each imported torch (seconds per process
 on a small machine) and threw away the model they had trained. A `WorkerProcess` is
 started once, ahead of need, with torch, the training loop and the workloads imported.
-The runtime (`workers.runtime`) hands it one rank of one attempt at a time
+The runtime (`elastrain.workers.runtime`) hands it one rank of one attempt at a time
 (`run`): it joins a fresh `torch.distributed` process group for that attempt, trains,
 and leaves the group again when the attempt ends, however it ends. What it trained stays
 in `self.memory`, so the next attempt's group can take the state from here (no step
 lost) rather than from the last checkpoint.
 
 Only glue lives here: process group set-up, hooks that report to the runtime, and error
-records with rank and node. The loop itself (`workers.loop.train`) knows nothing of Ray.
+records with rank and node. The loop itself (`elastrain.workers.loop.train`) knows nothing of Ray.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from contracts.group import Assignment, HeldState, RunOutcome, WorkerInfo
-from contracts.messages import (
+from elastrain.contracts.group import Assignment, HeldState, RunOutcome, WorkerInfo
+from elastrain.contracts.messages import (
     Control,
     ErrorKind,
     EventKind,
@@ -44,9 +44,9 @@ from contracts.messages import (
     WorkerEvent,
     WorkerMessage,
 )
-from contracts.runtime import AttemptKey, JobRef
-from contracts.storage import JobStorage
-from workers.comm_release import GroupSockets, release_group
+from elastrain.contracts.runtime import AttemptKey, JobRef
+from elastrain.contracts.storage import JobStorage
+from elastrain.workers.comm_release import GroupSockets, release_group
 
 if TYPE_CHECKING:  # torch is imported when the process starts, not by the runtime
     from torch.distributed import TCPStore
@@ -58,7 +58,7 @@ _PUSH_INTERVAL_S = 0.5
 #: The most an ending attempt waits for its last messages to reach the runtime.
 _FLUSH_TIMEOUT_S = 10.0
 #: After an abort, how long a rank may take to reach its step boundary before its group's
-#: connections are cut (`workers.comm_release`): a rank blocked in a collective on a peer
+#: connections are cut (`elastrain.workers.comm_release`): a rank blocked in a collective on a peer
 #: that is gone never would.
 RELEASE_AFTER_S = 0.5
 #: The most metric points rank 0 keeps while not known to have reached the runtime: a node
@@ -188,7 +188,7 @@ class WorkerProcess:
     def __init__(self, name: str, gpu: int | None = None) -> None:
         # Before torch can initialise CUDA: this process sees its own GPU (a GPU process,
         # `gpu` = the node-local index it owns for its lifetime) or none (a CPU process).
-        from workers.devices import pin_visible_gpu, warm_cuda
+        from elastrain.workers.devices import pin_visible_gpu, warm_cuda
 
         # What the raylet gave: a command job's script sees its node's ranks' GPUs.
         self._inherited_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -202,12 +202,12 @@ class WorkerProcess:
         import torch.distributed.fsdp
         import torch.distributed.pipelining
 
-        import checkpoints.dcp  # noqa: F401
-        import workers.loop
-        import workers.workloads  # noqa: F401
-        from workers.memory import ReplicaMemory
-        from workers.netif import pin_collectives_to
-        from workers.workloads.gpt import load_corpus
+        import elastrain.checkpoints.dcp  # noqa: F401
+        import elastrain.workers.loop
+        import elastrain.workers.workloads  # noqa: F401
+        from elastrain.workers.memory import ReplicaMemory
+        from elastrain.workers.netif import pin_collectives_to
+        from elastrain.workers.workloads.gpt import load_corpus
 
         load_corpus()  # the built-in corpus, parsed once per process
 
@@ -257,7 +257,7 @@ class WorkerProcess:
         and bound when rank 0 starts could be taken in between (by one of the collectives'
         own connections, which use the same ephemeral range). Rank 0's assignment takes it;
         a newer call replaces one that was never used."""
-        from workers.rendezvous import host_store
+        from elastrain.workers.rendezvous import host_store
 
         store = host_store(self.address, world_size, datetime.timedelta(seconds=timeout_s))
         with self._lock:
@@ -363,7 +363,7 @@ class WorkerProcess:
     def _use_package(self, a: Assignment) -> WorkerEvent | None:
         """Make the job's uploaded package (if any) importable, verified against its digest;
         what rank 0 reports about it (every attempt says which package it ran)."""
-        from workers.packages import activate, import_from, materialize
+        from elastrain.workers.packages import activate, import_from, materialize
 
         workload = a.spec.workload
         if workload.package is None or workload.entrypoint is None:
@@ -381,11 +381,11 @@ class WorkerProcess:
         )
 
     def _run_command(self, a: Assignment, storage: JobStorage, log_path: Path) -> RunOutcome:
-        """A command job's rank: its script in a child process (`workers.command`)."""
-        from workers.command import ScriptRun
-        from workers.devices import visible_devices_for
-        from workers.errors import script_error_kind
-        from workers.packages import materialize
+        """A command job's rank: its script in a child process (`elastrain.workers.command`)."""
+        from elastrain.workers.command import ScriptRun
+        from elastrain.workers.devices import visible_devices_for
+        from elastrain.workers.errors import script_error_kind
+        from elastrain.workers.packages import materialize
 
         key = AttemptKey(a.job_id, a.attempt)
         package = a.spec.workload.package
@@ -449,10 +449,10 @@ class WorkerProcess:
         import torch
         import torch.distributed as dist
 
-        from workers.api import AttemptAborted, TrainContext
-        from workers.devices import rank_device
-        from workers.errors import error_kind
-        from workers.loop import train
+        from elastrain.workers.api import AttemptAborted, TrainContext
+        from elastrain.workers.devices import rank_device
+        from elastrain.workers.errors import error_kind
+        from elastrain.workers.loop import train
 
         if self.memory.job_id not in (None, a.job_id):
             self.memory.forget()  # another job's state: never resumed from here again

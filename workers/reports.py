@@ -15,7 +15,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
-from contracts.messages import (
+from elastrain.contracts.messages import (
     CheckpointCommitted,
     Control,
     Phase,
@@ -23,7 +23,7 @@ from contracts.messages import (
     TimelineMark,
     WorkerMessage,
 )
-from workers.api import TrainHooks
+from elastrain.workers.api import TrainHooks
 
 log = logging.getLogger("elastrain.workers.reports")
 

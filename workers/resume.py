@@ -1,6 +1,6 @@
 """Where an attempt's state comes from: the survivors' memory when they hold the job's
 newest state (a whole live replica, or every shard of a snapshot generation in own and
-buddy copies: `workers.memory`), else the latest good checkpoint (whatever world size or
+buddy copies: `elastrain.workers.memory`), else the latest good checkpoint (whatever world size or
 split wrote it, resharded), else a fresh start.
 
 Every rank calls `restore` (every way loads collectively); rank 0 reports what happened,
@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from contracts.messages import EventKind, RestoreSource, Resumed, SavedTraining, WorkerEvent
-from workers.api import TrainContext
-from workers.memory import ReplicaMemory
-from workers.memory.handover import load_from_peers
-from workers.memory.sources import Offer, choose_source
-from workers.reports import Reports
-from workers.rng import reseed, set_rng_states
-from workers.strategies import Strategy
+from elastrain.contracts.messages import EventKind, RestoreSource, Resumed, SavedTraining, WorkerEvent
+from elastrain.workers.api import TrainContext
+from elastrain.workers.memory import ReplicaMemory
+from elastrain.workers.memory.handover import load_from_peers
+from elastrain.workers.memory.sources import Offer, choose_source
+from elastrain.workers.reports import Reports
+from elastrain.workers.rng import reseed, set_rng_states
+from elastrain.workers.strategies import Strategy
 
 if TYPE_CHECKING:
-    from checkpoints.dcp import ShardedCheckpointer
+    from elastrain.checkpoints.dcp import ShardedCheckpointer
 
 log = logging.getLogger("elastrain.workers.resume")
 
@@ -42,7 +42,7 @@ def restore(
 ) -> Resumed | None:
     """What was restored into `strategy` (None: a fresh start). From the survivors'
     memory when they hold a state at least as new as the newest checkpoint
-    (`workers.memory.sources.choose_source`), else `resume`. `group`: a gloo group of
+    (`elastrain.workers.memory.sources.choose_source`), else `resume`. `group`: a gloo group of
     every rank (host tensors travel over it)."""
     newest = newest_checkpoint_step(ctx.checkpoint_root) if ctx.rank == 0 else None
     offers: list[tuple[Offer, int | None]] = [(Offer(), None)] * ctx.world_size
@@ -124,7 +124,7 @@ def resume(
 
 
 def newest_checkpoint_step(root: Path) -> int | None:
-    from checkpoints import list_committed
+    from elastrain.checkpoints import list_committed
 
     committed = list_committed(root) if root.exists() else []
     return committed[0].step if committed else None

@@ -14,7 +14,7 @@ that gradient-sync collectives stay in lockstep; the sizes within a share are as
 possible. When a share has fewer than A ids (e.g. G=5, dp=4, micro_batch_size=1: shares
 2,1,1,1, A=2) the missing micro-batches are EMPTY. Strategies must still run a step for
 an empty micro-batch (they forward a dummy sample with a zero loss weight, see
-`workers.strategies.base.microbatch_loss`), because the other replicas' collectives wait
+`elastrain.workers.strategies.base.microbatch_loss`), because the other replicas' collectives wait
 for it.
 """
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from contracts.messages import StepMetrics
-from contracts.spec import JobSpec
-from workers.api import Workload
-from workers.flops import device_peak, mfu
-from workers.strategies import Strategy
+from elastrain.contracts.messages import StepMetrics
+from elastrain.contracts.spec import JobSpec
+from elastrain.workers.api import Workload
+from elastrain.workers.flops import device_peak, mfu
+from elastrain.workers.strategies import Strategy
 
 MEMORY_EVERY_S = 2.0
 

@@ -3,7 +3,7 @@
 A script that runs as a command job (`workload.command`) is started by its rank's worker
 process with the environment torchrun gives, plus `ELASTRAIN_JOB_DIR` and, on rank 0,
 `ELASTRAIN_REPORT_FD`: the write end of a pipe its worker process reads
-(`workers.command`). `report` writes one JSON line there per call; the worker sends the
+(`elastrain.workers.command`). `report` writes one JSON line there per call; the worker sends the
 points to the control plane as it does the built-in loop's, and they are charted on the
 dashboard. Everywhere else (ranks other than 0, a plain `torchrun`, `python train.py`)
 `report` does nothing, so the same script runs unchanged outside elastrain.

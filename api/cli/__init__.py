@@ -13,8 +13,8 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from api.cli import admin, client, nodes, offline, server
-from api.cli.connection import DEFAULT_URL, Api, hoist_connection_options
+from elastrain.api.cli import admin, client, nodes, offline, server
+from elastrain.api.cli.connection import DEFAULT_URL, Api, hoist_connection_options
 
 #: Commands that speak no REST: `--url` and `--token` after them stay an error.
 OFFLINE_COMMANDS = frozenset({"serve", "prepare-text"})

@@ -1,5 +1,5 @@
-"""`python -m api.cli`: the same command line as the `elastrain` console script."""
+"""`python -m elastrain.api.cli`: the same command line as the `elastrain` console script."""
 
-from api.cli import app
+from elastrain.api.cli import app
 
 app()

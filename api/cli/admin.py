@@ -8,8 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
-from api.cli.connection import api
-from api.cli.output import cell, fail, printable, table
+from elastrain.api.cli.connection import api
+from elastrain.api.cli.output import cell, fail, printable, table
 
 _TOKEN_COLUMNS = ["id", "tenant", "admin", "name", "prefix", "created_at", "revoked_at"]
 
@@ -44,9 +44,9 @@ def token_create(
 def _create_token_in_db(url: str, *, tenant: str, admin: bool, name: str) -> dict[str, Any]:
     from pydantic import ValidationError
 
-    from api.schemas import TokenCreate
-    from service import auth
-    from service.db import make_engine, make_session_factory, migrate, session_scope
+    from elastrain.api.schemas import TokenCreate
+    from elastrain.service import auth
+    from elastrain.service.db import make_engine, make_session_factory, migrate, session_scope
 
     try:
         TokenCreate(tenant=tenant, admin=admin, name=name)

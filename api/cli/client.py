@@ -14,8 +14,8 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from api.cli.connection import Api, api
-from api.cli.output import cell, duration, fail, printable, size, table
+from elastrain.api.cli.connection import Api, api
+from elastrain.api.cli.output import cell, duration, fail, printable, size, table
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
@@ -61,8 +61,8 @@ def submit(
 
 def upload_working_dir(client: Api, root: Path) -> str:
     """Package `root` and upload it unless the service has that content: its digest."""
-    from api.workdir import pack  # pathspec and zipping only when asked for
-    from contracts.packages import PackageRefused
+    from elastrain.api.workdir import pack  # pathspec and zipping only when asked for
+    from elastrain.contracts.packages import PackageRefused
 
     try:
         packed = pack(root)

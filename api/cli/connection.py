@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import typer
 
-from api.cli.output import fail
+from elastrain.api.cli.output import fail
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

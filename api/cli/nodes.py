@@ -11,8 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
-from api.cli.connection import api
-from api.cli.output import cell, duration, printable, table
+from elastrain.api.cli.connection import api
+from elastrain.api.cli.output import cell, duration, printable, table
 
 
 def cluster(ctx: typer.Context) -> None:

@@ -8,8 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
-from api.cli.output import fail
-from contracts.datasets import SHARED_DATA_DIR, TENANT_DATA_DIR
+from elastrain.api.cli.output import fail
+from elastrain.contracts.datasets import SHARED_DATA_DIR, TENANT_DATA_DIR
 
 
 def prepare_text(
@@ -22,9 +22,9 @@ def prepare_text(
     ] = 0.1,
 ) -> None:
     """Make the gpt workload's token files from a text file (runs here, no server)."""
-    from api.prepare_text import PrepareError
-    from api.prepare_text import prepare_text as prepare
-    from service.settings import Settings
+    from elastrain.api.prepare_text import PrepareError
+    from elastrain.api.prepare_text import prepare_text as prepare
+    from elastrain.service.settings import Settings
 
     try:
         done = prepare(source, out_dir, eval_fraction=eval_fraction)

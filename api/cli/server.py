@@ -11,10 +11,10 @@ import httpx
 import typer
 import yaml
 
-from api.cli.output import fail
+from elastrain.api.cli.output import fail
 
 if TYPE_CHECKING:
-    from service.settings import Settings
+    from elastrain.service.settings import Settings
 
 
 def serve(
@@ -51,9 +51,9 @@ def serve(
     import uvicorn
     from pydantic import ValidationError
 
-    from api.main import create_app
-    from service.logs import configure_logging
-    from service.settings import Settings
+    from elastrain.api.main import create_app
+    from elastrain.service.logs import configure_logging
+    from elastrain.service.settings import Settings
 
     try:
         settings = Settings()
@@ -107,15 +107,15 @@ def _serve_api_workers(
     first, so the workers find the schema ready."""
     import uvicorn
 
-    from service.db import make_engine, make_session_factory, migrate
-    from service.scheduler import start_scheduler_thread
+    from elastrain.service.db import make_engine, make_session_factory, migrate
+    from elastrain.service.scheduler import start_scheduler_thread
 
     settings.ensure_dirs()
     engine = make_engine(settings.database_url)
     migrate(engine)
     scheduler = start_scheduler_thread(settings, make_session_factory(engine)) if schedule else None
     try:
-        uvicorn.run("api.main:create_app", factory=True, workers=workers, **served)
+        uvicorn.run("elastrain.api.main:create_app", factory=True, workers=workers, **served)
     finally:
         if scheduler is not None:
             scheduler.stop()
@@ -124,7 +124,7 @@ def _serve_api_workers(
 
 def guarded_http(settings: Settings) -> dict[str, Any]:
     """uvicorn's options for a server that survives slow and large clients."""
-    from api.http_guard import GuardedHttpProtocol
+    from elastrain.api.http_guard import GuardedHttpProtocol
 
     return {
         "http": GuardedHttpProtocol,

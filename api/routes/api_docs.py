@@ -2,7 +2,7 @@
 
 FastAPI's own pages load their scripts from a CDN, unpinned and without integrity, which no
 CSP of ours could allow. These load the copies vendored in `api/static/vendor/` (see its
-README) and no inline script, under `api.security.DOCS_CSP`.
+README) and no inline script, under `elastrain.api.security.DOCS_CSP`.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, status
 from sqlalchemy import select
 
-from api.deps import AdminPrincipal, CurrentPrincipal, SessionDep
-from api.errors import Conflict
-from api.schemas import DrainRequest, NodeDrainOut
-from service import cluster, drains
-from service.models import Job, NodeDrainRow
+from elastrain.api.deps import AdminPrincipal, CurrentPrincipal, SessionDep
+from elastrain.api.errors import Conflict
+from elastrain.api.schemas import DrainRequest, NodeDrainOut
+from elastrain.service import cluster, drains
+from elastrain.service.models import Job, NodeDrainRow
 
 router = APIRouter(prefix="/v1", tags=["cluster"])
 

@@ -7,8 +7,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from api.deps import SessionDep
-from api.schemas import Health
+from elastrain.api.deps import SessionDep
+from elastrain.api.schemas import Health
 
 router = APIRouter(tags=["health"])
 

@@ -1,6 +1,6 @@
 """`/v1/jobs`: submit, list, inspect and steer jobs.
 
-Routes only read and request: run state changes by `service.decisions.decide`. A cancel of
+Routes only read and request: run state changes by `elastrain.service.decisions.decide`. A cancel of
 a job that no driver holds (queued, or waiting between attempts) is decided and applied at
 once, in the request's transaction, by the same decision the scheduler would take.
 """
@@ -18,20 +18,20 @@ from pydantic_core import to_json
 from sqlalchemy import Row
 from sqlalchemy.orm import Session
 
-from api.deps import CurrentPrincipal, SessionDep, SettingsDep
-from api.errors import Conflict, invalid
-from api.logs import read_logs
-from api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, MetricOut
-from contracts.bounds import entrypoint_refusal, in_standard_library, private_part
-from contracts.datasets import data_path_problems
-from contracts.packages import OWN_PACKAGES, modules_of
-from contracts.plan import AUTO_CHOICES, plan, shape_of
-from contracts.spec import JobSpec, StrategyKind
-from contracts.storage import JobStorage
-from contracts.workload_params import GptParams
-from service import cluster, executor, metric_store, package_access
-from service.auth import Principal
-from service.jobs import (
+from elastrain.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from elastrain.api.errors import Conflict, invalid
+from elastrain.api.logs import read_logs
+from elastrain.api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, MetricOut
+from elastrain.contracts.bounds import entrypoint_refusal, in_standard_library, private_part
+from elastrain.contracts.datasets import data_path_problems
+from elastrain.contracts.packages import OWN_PACKAGES, modules_of
+from elastrain.contracts.plan import AUTO_CHOICES, plan, shape_of
+from elastrain.contracts.spec import JobSpec, StrategyKind
+from elastrain.contracts.storage import JobStorage
+from elastrain.contracts.workload_params import GptParams
+from elastrain.service import cluster, executor, metric_store, package_access
+from elastrain.service.auth import Principal
+from elastrain.service.jobs import (
     JobNotFound,
     get_job,
     get_job_row,
@@ -40,11 +40,11 @@ from service.jobs import (
     list_jobs,
     request_checkpoint,
 )
-from service.models import Job
-from service.packages import load_manifest, touch
-from service.reports import list_checkpoints, list_metrics
-from service.settings import Settings
-from service.states import ACTIVE, JobState
+from elastrain.service.models import Job
+from elastrain.service.packages import load_manifest, touch
+from elastrain.service.reports import list_checkpoints, list_metrics
+from elastrain.service.settings import Settings
+from elastrain.service.states import ACTIVE, JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 

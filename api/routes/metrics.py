@@ -12,8 +12,8 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import AdminPrincipal
-from service import telemetry
+from elastrain.api.deps import AdminPrincipal
+from elastrain.service import telemetry
 
 router = APIRouter(tags=["operations"])
 

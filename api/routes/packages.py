@@ -25,12 +25,12 @@ from fastapi.responses import Response
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import AdminPrincipal, CurrentPrincipal, SessionDep, SettingsDep
-from api.schemas import PackageFileOut, PackageGrantOut, PackageOut, PackageShare
-from contracts.packages import DIGEST_RE, Manifest, PackageQuotaExceeded, PackageRefused
-from service import package_access, packages
-from service.auth import Principal
-from service.models import PackageGrant
+from elastrain.api.deps import AdminPrincipal, CurrentPrincipal, SessionDep, SettingsDep
+from elastrain.api.schemas import PackageFileOut, PackageGrantOut, PackageOut, PackageShare
+from elastrain.contracts.packages import DIGEST_RE, Manifest, PackageQuotaExceeded, PackageRefused
+from elastrain.service import package_access, packages
+from elastrain.service.auth import Principal
+from elastrain.service.models import PackageGrant
 
 log = logging.getLogger("elastrain.api")
 router = APIRouter(prefix="/v1/packages", tags=["packages"])

@@ -1,4 +1,4 @@
-"""`POST /v1/plan`: a spec's memory plan (`contracts.plan`) without submitting it: bytes per
+"""`POST /v1/plan`: a spec's memory plan (`elastrain.contracts.plan`) without submitting it: bytes per
 rank for each strategy at each world size the job could run at, which fit, the choice and
 why. `elastrain plan spec.yaml` prints it as a table."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import CurrentPrincipal, SessionDep
-from api.errors import invalid
-from api.schemas import PlanOut, PlanRequest, RankMemoryOut, WorldSizePlan
-from contracts.plan import HEADROOM, plan, shape_of
-from service import cluster
+from elastrain.api.deps import CurrentPrincipal, SessionDep
+from elastrain.api.errors import invalid
+from elastrain.api.schemas import PlanOut, PlanRequest, RankMemoryOut, WorldSizePlan
+from elastrain.contracts.plan import HEADROOM, plan, shape_of
+from elastrain.service import cluster
 
 router = APIRouter(prefix="/v1", tags=["plan"])
 

@@ -12,11 +12,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Request, status
 from sqlalchemy.orm import Session
 
-from api.deps import AdminPrincipal, CurrentPrincipal, SessionDep, SettingsDep, TokenCache
-from api.schemas import Me, TenantName, TenantOut, TenantQuota, TokenCreate, TokenCreated, TokenOut
-from service import auth
-from service.models import Tenant
-from service.settings import Settings
+from elastrain.api.deps import AdminPrincipal, CurrentPrincipal, SessionDep, SettingsDep, TokenCache
+from elastrain.api.schemas import Me, TenantName, TenantOut, TenantQuota, TokenCreate, TokenCreated, TokenOut
+from elastrain.service import auth
+from elastrain.service.models import Tenant
+from elastrain.service.settings import Settings
 
 router = APIRouter(prefix="/v1", tags=["access"])
 

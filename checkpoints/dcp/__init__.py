@@ -1,11 +1,11 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): the one part of
 `checkpoints` that imports torch. Workers import it; the control plane never does.
 
-`checkpointer` saves and loads (sync or async, committing through `checkpoints.commit`);
+`checkpointer` saves and loads (sync or async, committing through `elastrain.checkpoints.commit`);
 `writer` is DCP's file system writer with each shard digested as it is written;
-`in_memory` and `peer_reader` are a checkpoint held in peers' host memory (`workers.memory`).
+`in_memory` and `peer_reader` are a checkpoint held in peers' host memory (`elastrain.workers.memory`).
 """
 
-from checkpoints.dcp.checkpointer import CheckpointSaveError, ShardedCheckpointer
+from elastrain.checkpoints.dcp.checkpointer import CheckpointSaveError, ShardedCheckpointer
 
 __all__ = ["CheckpointSaveError", "ShardedCheckpointer"]

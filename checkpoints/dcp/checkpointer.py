@@ -1,5 +1,5 @@
 """Sharded save/load with torch.distributed.checkpoint (DCP): every rank saves and loads
-its shard; group rank 0 commits (`checkpoints.commit`) and picks what to load.
+its shard; group rank 0 commits (`elastrain.checkpoints.commit`) and picks what to load.
 
 Async saves copy the state (staging) and write and commit the copy in a background
 thread. With `async_staging` the copy too is made in the background and save() returns at
@@ -8,7 +8,7 @@ in place (the training loop: before the optimizer step), so that no later update
 into the checkpoint.
 
 Loads read each shard file once, verifying its digest on the way, on the ranks that read
-it (`checkpoints.dcp.reader`); rank 0 checks the small files while choosing the
+it (`elastrain.checkpoints.dcp.reader`); rank 0 checks the small files while choosing the
 checkpoint, and a shard found corrupt makes every rank fall back to the next older one.
 """
 
@@ -27,16 +27,16 @@ from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from checkpoints._fs import atomic_write_bytes
-from checkpoints.catalog import LoadOutcome, find_latest_good
-from checkpoints.commit import commit, manifest_for, uncommit
-from checkpoints.dcp.reader import VerifyingReader
-from checkpoints.dcp.writer import SHARD_SUFFIX, DigestingWriter
-from checkpoints.digest import DEFAULT_ALGORITHM, algorithm_for_setting
-from checkpoints.integrity import CorruptCheckpoint
-from checkpoints.layout import rank_extra_name, step_dir
-from checkpoints.manifest import Manifest
-from contracts.messages import CheckpointCommitted
+from elastrain.checkpoints._fs import atomic_write_bytes
+from elastrain.checkpoints.catalog import LoadOutcome, find_latest_good
+from elastrain.checkpoints.commit import commit, manifest_for, uncommit
+from elastrain.checkpoints.dcp.reader import VerifyingReader
+from elastrain.checkpoints.dcp.writer import SHARD_SUFFIX, DigestingWriter
+from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, algorithm_for_setting
+from elastrain.checkpoints.integrity import CorruptCheckpoint
+from elastrain.checkpoints.layout import rank_extra_name, step_dir
+from elastrain.checkpoints.manifest import Manifest
+from elastrain.contracts.messages import CheckpointCommitted
 
 
 class CheckpointSaveError(RuntimeError):
@@ -92,10 +92,10 @@ class ShardedCheckpointer:
         place. Off, save() returns once the copy is made (nothing is owed).
 
         `digest`: the algorithm of the digests the manifests of its saves carry (a
-        `checkpoint.digest` setting, 'xxh3' or 'sha256', or a `checkpoints.digest` name).
+        `checkpoint.digest` setting, 'xxh3' or 'sha256', or a `elastrain.checkpoints.digest` name).
         Loads verify each file by the algorithm its manifest names, whatever this is.
 
-        Retention is not done here: the service prunes (`checkpoints.retention`).
+        Retention is not done here: the service prunes (`elastrain.checkpoints.retention`).
         """
         if async_staging and not async_save:
             raise ValueError("async_staging needs async_save")
@@ -227,7 +227,7 @@ class ShardedCheckpointer:
         state: dict[str, Any] | Future[Any],
         extra: bytes | None,
     ) -> CheckpointCommitted | None:
-        """Steps 1-3 of the commit protocol (`checkpoints.commit`), in the caller (sync)
+        """Steps 1-3 of the commit protocol (`elastrain.checkpoints.commit`), in the caller (sync)
         or the background thread."""
         if extra is not None:
             atomic_write_bytes(path / rank_extra_name(self.rank), extra)

@@ -4,14 +4,14 @@
 a rank's shard in that rank's memory (tensors as host copies of their chunks, the few
 pickled items as bytes) and records, in DCP's `Metadata`, which rank holds which item
 (`HeldBy`); `Arena` lays a rank's tensor items side by side in one buffer.
-`checkpoints.dcp.peer_reader.PeerReader` is the storage reader that loads such a checkpoint into a group
+`elastrain.checkpoints.dcp.peer_reader.PeerReader` is the storage reader that loads such a checkpoint into a group
 of any size and layout: DCP's own load planner decides which piece of which saved chunk
 each rank needs (exactly as when it loads from disk: the same resharding for FSDP, tensor
 parallel, pipeline stages and 2-D), and `read_data` fetches each piece from whichever
 rank of the new group holds that item now (`holder`), over a `Transport` that streams raw
-tensor bytes (workers.memory.transfer): never a pickled state.
+tensor bytes (elastrain.workers.memory.transfer): never a pickled state.
 
-Workers keep these "checkpoints" in peers' RAM (`workers.memory`); the disk checkpoints
+Workers keep these "checkpoints" in peers' RAM (`elastrain.workers.memory`); the disk checkpoints
 stay the durable copy.
 """
 

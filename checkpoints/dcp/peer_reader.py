@@ -1,8 +1,8 @@
-"""The storage reader of an in-memory DCP checkpoint (`checkpoints.dcp.in_memory`) that the
+"""The storage reader of an in-memory DCP checkpoint (`elastrain.checkpoints.dcp.in_memory`) that the
 ranks of a NEW group hold between them: DCP's load planner decides which piece of which
 saved chunk each rank needs (the same resharding as a load from disk), and `read_data`
 fetches each piece from the rank that holds it, over a `Transport` that streams raw
-tensor bytes (workers.memory.transfer)."""
+tensor bytes (elastrain.workers.memory.transfer)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from checkpoints.dcp.in_memory import Blob, as_bytes
+from elastrain.checkpoints.dcp.in_memory import Blob, as_bytes
 
 
 class Transport(Protocol):
-    """How the ranks of the loading group talk (workers.memory.handover)."""
+    """How the ranks of the loading group talk (elastrain.workers.memory.handover)."""
 
     rank: int
 

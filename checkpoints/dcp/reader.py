@@ -8,7 +8,7 @@ plan reads:
 1. maps the file (`mmap`, read-only): the kernel reads it in, nothing is copied into a
    user buffer;
 2. with digests expected, hashes the mapped bytes in file order (XXH3-128 by default,
-   `checkpoints.digest`, at memory speed; these are the same pages steps 3-4 then read);
+   `elastrain.checkpoints.digest`, at memory speed; these are the same pages steps 3-4 then read);
 3. agrees with every other rank that all of them found their files intact (one
    all-reduce) before any byte reaches the state, so a corrupt checkpoint leaves every
    rank's state untouched and the caller falls back to an older one, as it would after a
@@ -20,7 +20,7 @@ plan reads:
 So a verified load costs about one read of the files plus one copy into the state, and
 the hash (~29 GB/s per core) is close to free (docs/bench-checkpoint.md).
 
-Files not read by any rank's plan are not hashed here; `checkpoints.catalog` checks the
+Files not read by any rank's plan are not hashed here; `elastrain.checkpoints.catalog` checks the
 small ones (`.metadata`, the rank extras) on rank 0 before the load starts.
 """
 
@@ -41,9 +41,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future as TorchFuture
 
-from checkpoints.digest import new_hasher
-from checkpoints.integrity import CHUNK_BYTES, CorruptCheckpoint, digest_mismatch
-from checkpoints.manifest import FileEntry
+from elastrain.checkpoints.digest import new_hasher
+from elastrain.checkpoints.integrity import CHUNK_BYTES, CorruptCheckpoint, digest_mismatch
+from elastrain.checkpoints.manifest import FileEntry
 
 try:  # torch.load's decoder, usable on bytes already in memory (torch 2.13's layout)
     import torch._weights_only_unpickler as _weights_only_unpickler

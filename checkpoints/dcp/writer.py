@@ -1,6 +1,6 @@
 """The storage side of a DCP save: shard files digested while they are written.
 
-The manifest needs the digest of every file of a checkpoint (`checkpoints.digest`: XXH3-128
+The manifest needs the digest of every file of a checkpoint (`elastrain.checkpoints.digest`: XXH3-128
 unless the job asks for sha256). Reading every shard back after
 DCP wrote it costs a second pass over all the bytes, on one rank. Instead each rank hashes
 the bytes of its own shard files as they go to the file (`DigestingStream`), and returns
@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
-from checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
-from checkpoints.manifest import FileEntry
+from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
+from elastrain.checkpoints.manifest import FileEntry
 
 # DCP's shard files; `.metadata` and our own files are small and hashed from disk.
 SHARD_SUFFIX = ".distcp"
@@ -216,7 +216,7 @@ class DigestingWriter(FileSystemWriter):
     """FileSystemWriter (one file per rank, fsync per file) whose shard files are hashed
     as they are written. After a save, on the coordinator, `shard_digests` maps every
     shard file name (relative to the checkpoint folder) to its size and digest (by
-    `algorithm`, a `checkpoints.digest` name)."""
+    `algorithm`, a `elastrain.checkpoints.digest` name)."""
 
     def __init__(self, path: str | os.PathLike[str], *, algorithm: str = DEFAULT_ALGORITHM) -> None:
         # The staging copy is made by the checkpointer's own stager (checkpointer.py), so

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.api import Workload
+from elastrain.workers.api import Workload
 
 
 class TwoMoons(torch.utils.data.Dataset):

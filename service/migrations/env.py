@@ -1,8 +1,8 @@
-"""Alembic environment: runs on the connection `service.db.migrate` hands over."""
+"""Alembic environment: runs on the connection `elastrain.service.db.migrate` hands over."""
 
 from alembic import context
 
-from service.models import Base
+from elastrain.service.models import Base
 
 config = context.config
 connection = config.attributes["connection"]

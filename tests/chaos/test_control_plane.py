@@ -19,8 +19,8 @@ import pytest
 from ray.cluster_utils import Cluster
 from sqlalchemy import make_url
 
-from checkpoints import list_committed
-from contracts.storage import JobStorage
+from elastrain.checkpoints import list_committed
+from elastrain.contracts.storage import JobStorage
 from tests.conftest import PG_ADMIN_URL
 from tests.e2e.server import ServerHandle, serve_argv, start_server
 from tests.integration.ray_service import tiny_gpt_spec, wait_for, wait_terminal
@@ -134,7 +134,7 @@ def test_postgresql_restarted_while_a_job_runs(
 _DIE_IN_COMMIT = textwrap.dedent(
     """
     import os, signal, sys
-    from service import reports
+    from elastrain.service import reports
 
     original = reports.record_checkpoint
 
@@ -145,7 +145,7 @@ _DIE_IN_COMMIT = textwrap.dedent(
         return row
 
     reports.record_checkpoint = record_then_die
-    from api.cli import app
+    from elastrain.api.cli import app
     sys.argv = ["elastrain", *sys.argv[1:]]
     app()
     """
@@ -168,7 +168,7 @@ def test_control_plane_kill_9_while_storing_a_checkpoint_commit(
         job_id = server.submit(SPEC)["id"]
         assert server.proc.wait(timeout=300) == -signal.SIGKILL  # died in the commit
         with server.session() as s:
-            from service import reports
+            from elastrain.service import reports
 
             assert reports.list_checkpoints(s, job_id) == []  # nothing half-stored
         server = start_server(

@@ -29,12 +29,12 @@ import pytest
 import ray
 from fastapi.testclient import TestClient
 
-from api.main import create_app
-from checkpoints.fence import read_fence
-from checkpoints.layout import DCP_METADATA_NAME, iter_step_dirs
-from checkpoints.manifest import ManifestError, read_manifest
-from contracts.storage import JobStorage
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.checkpoints.fence import read_fence
+from elastrain.checkpoints.layout import DCP_METADATA_NAME, iter_step_dirs
+from elastrain.checkpoints.manifest import ManifestError, read_manifest
+from elastrain.contracts.storage import JobStorage
+from elastrain.service.settings import Settings
 from tests.chaos.netns_cluster import HEALTH_CHECK_ENV, NetnsCluster, Node
 from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_terminal
 from tests.waiting import exited, wait_until

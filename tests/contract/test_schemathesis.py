@@ -22,8 +22,8 @@ from pydantic import SecretStr
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from api.main import create_app
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.service.settings import Settings
 from tests.factories import spec_dict
 
 ADMIN_TOKEN = "schemathesis-admin-token-0123456789"

@@ -1,19 +1,19 @@
 """Job histories for the dashboard, produced by the real scheduler.
 
 Jobs are submitted over REST (`POST /v1/jobs`). Everything that happens to them afterwards
-is decided and written by the real control plane: `service.scheduler.Scheduler` stepping
-passes against the server's database (`service.decisions` -> `service.executor` ->
-`service.jobs`), with a `FakeLauncher` as the Ray cluster. This module only plays the parts
+is decided and written by the real control plane: `elastrain.service.scheduler.Scheduler` stepping
+passes against the server's database (`elastrain.service.decisions` -> `elastrain.service.executor` ->
+`elastrain.service.jobs`), with a `FakeLauncher` as the Ray cluster. This module only plays the parts
 around it:
 
 - the cluster: nodes join (`add_node`), die (`remove_node`), and the nodes of a finished
   job leave the cluster;
 - the drivers and workers (`FakeDriver`): placement, metric points, checkpoint commits
   (their folders and manifests are written where the workers write them,
-  `checkpoints.layout.step_dir`, so the scheduler's retention really runs), resumes from
+  `elastrain.checkpoints.layout.step_dir`, so the scheduler's retention really runs), resumes from
   the latest good checkpoint on disk, errors, success;
 - the worker logs, written where and as the workers write them
-  (`JobStorage.log_file(attempt=, rank=0)`, `workers.loop`'s format).
+  (`JobStorage.log_file(attempt=, rank=0)`, `elastrain.workers.loop`'s format).
 
 Only timestamps are moved afterwards, so that a run of minutes draws like one: every pass
 of a seeding is given a simulated time, and once it is done the rows of its jobs (events,
@@ -50,11 +50,11 @@ from typing import Any
 
 from sqlalchemy import select
 
-from checkpoints.catalog import find_latest_good
-from checkpoints.integrity import describe_files
-from checkpoints.layout import DCP_METADATA_NAME, step_dir
-from checkpoints.manifest import Manifest, read_manifest, write_manifest
-from contracts.messages import (
+from elastrain.checkpoints.catalog import find_latest_good
+from elastrain.checkpoints.integrity import describe_files
+from elastrain.checkpoints.layout import DCP_METADATA_NAME, step_dir
+from elastrain.checkpoints.manifest import Manifest, read_manifest, write_manifest
+from elastrain.contracts.messages import (
     DriverStatus,
     EventKind,
     Phase,
@@ -64,15 +64,15 @@ from contracts.messages import (
     TimelineMark,
     WorkerError,
 )
-from contracts.spec import JobSpec, StrategyKind
-from contracts.storage import JobStorage
-from service import observe
-from service.capacity import NodeCapacity, WorkerShape
-from service.jobs import get_job
-from service.models import Attempt, CheckpointRecord, Event, Job, Metric
-from service.scheduler import Scheduler
-from service.settings import Settings
-from service.states import JobState
+from elastrain.contracts.spec import JobSpec, StrategyKind
+from elastrain.contracts.storage import JobStorage
+from elastrain.service import observe
+from elastrain.service.capacity import NodeCapacity, WorkerShape
+from elastrain.service.jobs import get_job
+from elastrain.service.models import Attempt, CheckpointRecord, Event, Job, Metric
+from elastrain.service.scheduler import Scheduler
+from elastrain.service.settings import Settings
+from elastrain.service.states import JobState
 from tests.e2e.server import ServerHandle
 from tests.fake_launcher import FakeDriver, FakeLauncher
 
@@ -81,7 +81,7 @@ SEQ_LEN = 128
 
 #: The seeding scheduler's growth hysteresis (seconds of its clock, moved by hand).
 GROW_INTERVAL_S = 5.0
-#: `workers.loop.LOG_EVERY_STEPS` (not imported: that module imports torch).
+#: `elastrain.workers.loop.LOG_EVERY_STEPS` (not imported: that module imports torch).
 LOG_EVERY_STEPS = 10
 #: Simulated seconds between scheduler passes while a job trains (at least one step each).
 PASS_INTERVAL_S = 1.0
@@ -324,7 +324,7 @@ class _Run:
             self.anchors.append((time.time(), self.t))
 
     def log(self, job_id: int, attempt: int, message: str) -> None:
-        """An INFO line of rank 0's log, from `workers.loop`."""
+        """An INFO line of rank 0's log, from `elastrain.workers.loop`."""
         self.logs.setdefault((job_id, attempt), []).append((self.now(), message))
 
     # -- jobs -------------------------------------------------------------------------------
@@ -533,7 +533,7 @@ class _Play:
     # -- the driver and rank 0 ----------------------------------------------------------
     def place(self) -> None:
         """The worker group is up: it reports its placement and, if the job has a good
-        checkpoint, resumes from it (as `workers.resume.resume` does, from the disk)."""
+        checkpoint, resumes from it (as `elastrain.workers.resume.resume` does, from the disk)."""
         ranks: list[str] = []
         for node in self.sim.alive_nodes(self.job_id):
             fit = int(node.cpus // self.shape.cpus + 1e-9)
@@ -652,7 +652,7 @@ class _Play:
 
     def _send_timeline(self) -> None:
         """The first step is done: the driver sends the attempt's timeline, right after
-        rank 0's point of that step (as `workers.runtime.driver` orders them)."""
+        rank 0's point of that step (as `elastrain.workers.runtime.driver` orders them)."""
         driver = self.driver
         self._mark(Phase.FIRST_STEP)
         for point in driver.metrics:
@@ -737,7 +737,7 @@ class _Play:
             }
         )
         self.run.commit_t[(self.job_id, step, self.attempt)] = self.run.now()
-        self._stalled = blocked  # as workers.loop reports it: with the next step's point
+        self._stalled = blocked  # as elastrain.workers.loop reports it: with the next step's point
         self._log(f"checkpoint committed: {folder}")
 
 
@@ -949,8 +949,8 @@ def million_step_job(srv: ServerHandle, *, steps: int = 1_000_000) -> int:
     """A RUNNING job with `steps` metric rows, written in bulk (a year of a long job is
     what the metrics path must survive, not what the scheduler can replay in a test),
     with the bucket summaries the scheduler would have kept."""
-    from service.jobs import create_job, set_job_state, start_attempt
-    from service.metric_store import insert_bulk
+    from elastrain.service.jobs import create_job, set_job_state, start_attempt
+    from elastrain.service.metric_store import insert_bulk
 
     def values(step: int) -> dict[str, Any]:
         point: dict[str, Any] = {

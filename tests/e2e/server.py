@@ -1,11 +1,11 @@
 """A real elastrain API server in a subprocess, for browser and chaos tests and bench scripts.
 
-    srv = start_server(tmp_path)                     # uvicorn api.main:create_app --factory
+    srv = start_server(tmp_path)                     # uvicorn elastrain.api.main:create_app --factory
     srv = start_server(tmp_path, token="s3cret")     # every /v1 request needs the token
     srv = start_server(tmp_path, argv=serve_argv,   # `elastrain serve`: with the scheduler
                        env={"ELASTRAIN_RAY_ADDRESS": address})
     job = srv.submit({"name": "x", "workload": {"name": "synthetic"}})
-    with srv.session() as s: ...                     # service.jobs on the same database
+    with srv.session() as s: ...                     # elastrain.service.jobs on the same database
     srv.stop()
 
 The server is configured only through `ELASTRAIN_*` environment variables (a fresh SQLite
@@ -41,16 +41,16 @@ def free_port() -> int:
 
 
 def uvicorn_argv(port: int) -> list[str]:
-    """The API alone (no scheduler): `uvicorn api.main:create_app --factory`."""
+    """The API alone (no scheduler): `uvicorn elastrain.api.main:create_app --factory`."""
     return [
-        sys.executable, "-m", "uvicorn", "api.main:create_app", "--factory",
+        sys.executable, "-m", "uvicorn", "elastrain.api.main:create_app", "--factory",
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
     ]  # fmt: skip
 
 
 def serve_argv(port: int) -> list[str]:
     """`elastrain serve`: the API and the scheduler (Ray from ELASTRAIN_RAY_ADDRESS, or local)."""
-    return [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    return [sys.executable, "-m", "elastrain.api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
 
 
 @dataclass
@@ -96,7 +96,7 @@ class ServerHandle:
     @property
     def session_factory(self) -> sessionmaker[Session]:
         if self._factory is None:
-            from service.db import make_engine, make_session_factory
+            from elastrain.service.db import make_engine, make_session_factory
 
             self._engine = make_engine(self.database_url)
             self._factory = make_session_factory(self._engine)
@@ -105,7 +105,7 @@ class ServerHandle:
     @contextmanager
     def session(self) -> Iterator[Session]:
         """A transaction on the server's database (commit on success)."""
-        from service.db import session_scope
+        from elastrain.service.db import session_scope
 
         with session_scope(self.session_factory) as session:
             yield session

@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from api.security import DASHBOARD_CSP
-from service import auth, cluster
-from service.states import JobState
+from elastrain.api.security import DASHBOARD_CSP
+from elastrain.service import auth, cluster
+from elastrain.service.states import JobState
 from tests.e2e import seed
 from tests.e2e.conftest import open_dashboard, wait_for_chart
 from tests.e2e.server import ServerHandle
@@ -198,7 +198,7 @@ def test_job_page_draws_real_metrics(page: Any, server: ServerHandle, story: see
     assert rows.count() == len(checkpoints)
     assert rows.first.locator("td").first.inner_text() == f"{checkpoints[0]['step']:,}"
     assert "13.0 MiB" in page.inner_text("#checkpoints-table")
-    # The newest attempt's rank-0 log; workers.loop logs every 10th step.
+    # The newest attempt's rank-0 log; elastrain.workers.loop logs every 10th step.
     wait_text(page, "#job-log", "step 260 loss")
     assert "resumed from" in page.inner_text("#job-log")
     assert json.loads(page.inner_text("#job-spec"))["name"] == "gpt-tiny-elastic"

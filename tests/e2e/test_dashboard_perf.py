@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from contracts.spec import JobSpec
-from service.jobs import create_job, get_job, set_job_state, start_attempt
-from service.reports import record_metrics
-from service.states import JobState
+from elastrain.contracts.spec import JobSpec
+from elastrain.service.jobs import create_job, get_job, set_job_state, start_attempt
+from elastrain.service.reports import record_metrics
+from elastrain.service.states import JobState
 from tests.e2e import seed
 from tests.e2e.conftest import open_dashboard
 from tests.e2e.server import ServerHandle

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from api.main import create_app
-from api.routes.dashboard import STATIC_DIR
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.api.routes.dashboard import STATIC_DIR
+from elastrain.service.settings import Settings
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_static_paths_cannot_escape(client: TestClient) -> None:
 
 def test_dashboard_module_stays_light() -> None:
     code = (
-        "import sys, api.routes.dashboard; "
+        "import sys, elastrain.api.routes.dashboard; "
         "bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -13,8 +13,8 @@ import httpx
 import ray
 from fastapi.testclient import TestClient
 
-from api.main import create_app
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.service.settings import Settings
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 

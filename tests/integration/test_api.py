@@ -15,12 +15,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-from contracts.storage import JobStorage
-from service.db import session_scope
-from service.jobs import get_job, set_job_state, start_attempt
-from service.reports import record_checkpoint, record_metrics
-from service.settings import Settings
-from service.states import JobState
+from elastrain.contracts.storage import JobStorage
+from elastrain.service.db import session_scope
+from elastrain.service.jobs import get_job, set_job_state, start_attempt
+from elastrain.service.reports import record_checkpoint, record_metrics
+from elastrain.service.settings import Settings
+from elastrain.service.states import JobState
 from tests.factories import spec_dict
 
 Sessions = sessionmaker[Session]
@@ -377,7 +377,7 @@ def test_logs_follow_with_offset(client: TestClient, settings: Settings) -> None
 
 
 def test_cluster_snapshot(client: TestClient, app_sessions: sessionmaker[Session]) -> None:
-    from service import cluster
+    from elastrain.service import cluster
 
     with session_scope(app_sessions) as s:
         assert cluster.current(s).connected is False  # no scheduler has written one yet
@@ -400,7 +400,7 @@ def test_cluster_snapshot(client: TestClient, app_sessions: sessionmaker[Session
 
 def test_stale_cluster_snapshot_is_not_connected(app_sessions: sessionmaker[Session]) -> None:
     """An API replica whose scheduler died serves the last view, marked disconnected."""
-    from service import cluster
+    from elastrain.service import cluster
 
     with session_scope(app_sessions) as s:
         cluster.publish(s, cluster.ClusterView(connected=True, updated_at=1.0))

@@ -28,7 +28,7 @@ def _children(pid: int) -> list[int]:
 
 def test_several_api_processes_serve_one_database(tmp_path: Path, db_url: str) -> None:
     def argv(port: int) -> list[str]:
-        return [sys.executable, "-m", "api.cli", "serve", "--no-scheduler", "--api-workers", "3",
+        return [sys.executable, "-m", "elastrain.api.cli", "serve", "--no-scheduler", "--api-workers", "3",
                 "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
 
     srv = start_server(tmp_path, argv=argv, database_url=db_url, startup_timeout=120)

@@ -18,11 +18,11 @@ from pydantic import SecretStr
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.main import create_app
-from service import cluster, drains
-from service.db import session_scope
-from service.models import ApiToken
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.service import cluster, drains
+from elastrain.service.db import session_scope
+from elastrain.service.models import ApiToken
+from elastrain.service.settings import Settings
 from tests.factories import spec_dict
 
 ADMIN_TOKEN = "operator-admin-token-0123456789"
@@ -303,7 +303,7 @@ def test_auth_from_database_tokens_only(settings: Settings) -> None:
     into the database by `elastrain token create --database-url`."""
     from typer.testing import CliRunner
 
-    from api.cli import app as cli
+    from elastrain.api.cli import app as cli
 
     result = CliRunner().invoke(
         cli,

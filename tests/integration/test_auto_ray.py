@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from contracts.plan import HEADROOM, plan, shape_of
-from contracts.spec import JobSpec
+from elastrain.contracts.plan import HEADROOM, plan, shape_of
+from elastrain.contracts.spec import JobSpec
 from tests.integration.ray_service import ray_service, submit, tiny_gpt_spec, wait_terminal
 
 pytestmark = pytest.mark.ray

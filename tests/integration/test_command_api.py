@@ -68,8 +68,8 @@ def test_a_command_job_leaves_strategy_to_its_script(client: TestClient) -> None
 
 
 def test_checkpoint_now_is_a_conflict_for_a_command_job(client: TestClient, app_sessions) -> None:  # type: ignore[no-untyped-def]
-    from service.models import Job
-    from service.states import JobState
+    from elastrain.service.models import Job
+    from elastrain.service.states import JobState
 
     job_id = client.post("/v1/jobs", json=command_spec(command=["python", "-c", "1"])).json()["id"]
     with app_sessions() as session:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from api.workdir import pack
+from elastrain.api.workdir import pack
 from tests.integration.cluster_service import Nodes, multi_node_service
 from tests.integration.ray_service import submit, wait_for, wait_terminal
 
@@ -31,7 +31,7 @@ import json
 import os
 import torch
 import torch.distributed as dist
-from workers.user_api import report
+from elastrain.workers.user_api import report
 
 dist.init_process_group("gloo")
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",

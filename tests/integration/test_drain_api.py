@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.main import create_app
-from service import cluster
-from service.db import session_scope
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.service import cluster
+from elastrain.service.db import session_scope
+from elastrain.service.settings import Settings
 
 NODE_A = "a1" * 28
 NODE_B = "b2" * 28

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from ray.cluster_utils import Cluster
 
-from contracts.messages import Phase
-from service import jobs
+from elastrain.contracts.messages import Phase
+from elastrain.service import jobs
 from tests.e2e.server import serve_argv, start_server
 from tests.integration.cluster_service import multi_node_service
 from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_terminal

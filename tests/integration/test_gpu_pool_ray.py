@@ -1,7 +1,7 @@
 """Warm GPU processes on a real multi-node Ray cluster whose nodes declare GPUs.
 
 Two worker nodes of 2 CPUs and 2 GPUs each, as Ray resources: this machine has no GPU,
-so `ELASTRAIN_TEST_GPU_ON_CPU=1` (`workers.devices`) makes GPU ranks train on the CPU
+so `ELASTRAIN_TEST_GPU_ON_CPU=1` (`elastrain.workers.devices`) makes GPU ranks train on the CPU
 with gloo. What is tested is scheduling and accounting: the pool keeps one process per
 GPU from the start; GPU jobs run in them (no process started for an attempt), keep them
 across a forced recovery and a resize; two jobs never share one; a CPU job never takes
@@ -19,12 +19,12 @@ import pytest
 import ray
 from fastapi.testclient import TestClient
 
-from contracts.group import WorkerInfo
-from contracts.runtime import RUNTIME_NAME, AttemptKey
+from elastrain.contracts.group import WorkerInfo
+from elastrain.contracts.runtime import RUNTIME_NAME, AttemptKey
 from tests.integration.cluster_service import multi_node_service
 from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_terminal
 from tests.waiting import wait_until
-from workers.devices import TEST_GPU_ON_CPU
+from elastrain.workers.devices import TEST_GPU_ON_CPU
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.main import create_app
-from contracts.storage import JobStorage
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.contracts.storage import JobStorage
+from elastrain.service.settings import Settings
 from tests.factories import spec_dict
 
 
@@ -234,15 +234,15 @@ def test_a_job_stored_before_a_bound_existed_stays_readable_and_cancellable(
     """Bounds apply to what comes in, not to what the database already holds: a job
     accepted by an older version (a terminal escape in its name, params nested deeper than
     the limit now allows) is still listed, shown, scheduled and cancellable."""
-    from service.db import session_scope
-    from service.scheduler import Scheduler
+    from elastrain.service.db import session_scope
+    from elastrain.service.scheduler import Scheduler
     from tests.fake_launcher import FakeLauncher
 
     accepted = client.post("/v1/jobs", json=spec_dict(name="ok")).json()
     with session_scope(app_sessions) as s:
         from sqlalchemy import update
 
-        from service.models import Job
+        from elastrain.service.models import Job
 
         s.execute(
             update(Job)

@@ -19,14 +19,14 @@ from pydantic import SecretStr
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.main import create_app
-from contracts.spec import JobSpec
-from service import admission, jobs
-from service.db import session_scope
-from service.models import Job
-from service.scheduler import Scheduler
-from service.settings import Settings
-from service.states import JobState
+from elastrain.api.main import create_app
+from elastrain.contracts.spec import JobSpec
+from elastrain.service import admission, jobs
+from elastrain.service.db import session_scope
+from elastrain.service.models import Job
+from elastrain.service.scheduler import Scheduler
+from elastrain.service.settings import Settings
+from elastrain.service.states import JobState
 from tests.factories import spec_dict
 from tests.fake_launcher import FakeLauncher
 

@@ -15,10 +15,10 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from api.main import create_app
-from contracts.messages import DriverStatus
-from service.scheduler import Scheduler
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.contracts.messages import DriverStatus
+from elastrain.service.scheduler import Scheduler
+from elastrain.service.settings import Settings
 from tests.factories import spec_dict
 from tests.fake_launcher import FakeLauncher
 

@@ -18,8 +18,8 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from api.main import create_app
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.service.settings import Settings
 from tests.factories import spec_dict
 
 ADMIN = "operator-admin-token-0123456789"

@@ -19,10 +19,10 @@ import httpx
 import pytest
 import uvicorn
 
-from api.cli.server import guarded_http
-from api.http_guard import ConnectionLimits, GuardedHttpProtocol
-from api.main import create_app
-from service.settings import Settings
+from elastrain.api.cli.server import guarded_http
+from elastrain.api.http_guard import ConnectionLimits, GuardedHttpProtocol
+from elastrain.api.main import create_app
+from elastrain.service.settings import Settings
 
 LIMITS = ConnectionLimits(max_header_bytes=8 * 1024, header_timeout_s=0.5, max_connections=20)
 

@@ -10,12 +10,12 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service import metric_store
-from service.db import session_scope
-from service.jobs import get_job, set_job_state
-from service.models import Metric
-from service.reports import record_metrics
-from service.states import JobState
+from elastrain.service import metric_store
+from elastrain.service.db import session_scope
+from elastrain.service.jobs import get_job, set_job_state
+from elastrain.service.models import Metric
+from elastrain.service.reports import record_metrics
+from elastrain.service.states import JobState
 from tests.integration.test_api import Sessions, run, submit
 
 STEPS = 20_000

@@ -10,10 +10,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.main import create_app
-from contracts.messages import DriverStatus, Phase, Timeline, TimelineMark
-from service.scheduler import Scheduler
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.contracts.messages import DriverStatus, Phase, Timeline, TimelineMark
+from elastrain.service.scheduler import Scheduler
+from elastrain.service.settings import Settings
 from tests.factories import spec_dict
 from tests.fake_launcher import FakeLauncher
 

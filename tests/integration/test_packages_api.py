@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.main import create_app
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.service.settings import Settings
 from tests.factories import spec_dict
 
 ZIP = {"Content-Type": "application/zip"}
@@ -190,7 +190,7 @@ def test_the_cli_uploads_a_working_dir_once(tmp_path: Path, client: TestClient) 
     """`submit --working-dir` packs, uploads unless already there, and names the digest."""
     from typer.testing import CliRunner
 
-    from api import cli
+    from elastrain.api import cli
 
     project = tmp_path / "project"
     (project / "data").mkdir(parents=True)

@@ -10,8 +10,8 @@ import yaml
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import cluster
-from service.db import session_scope
+from elastrain.service import cluster
+from elastrain.service.db import session_scope
 from tests.factories import spec_dict
 
 GIB = 2**30
@@ -87,7 +87,7 @@ def test_cpu_workers_are_planned_against_their_share_of_the_nodes(
 def test_the_cli_prints_the_plan(tmp_path: Path, client: TestClient) -> None:
     from typer.testing import CliRunner
 
-    from api import cli
+    from elastrain.api import cli
 
     spec_file = tmp_path / "big.yaml"
     spec_file.write_text(yaml.safe_dump(big_spec()))
@@ -115,7 +115,7 @@ def test_the_cli_prints_the_plan(tmp_path: Path, client: TestClient) -> None:
 def test_auto_is_refused_where_no_plan_can_be_made_or_nothing_fits(
     client: TestClient, settings: Any
 ) -> None:
-    from api.main import create_app
+    from elastrain.api.main import create_app
 
     custom = spec_dict(workload={"entrypoint": "m:f"}, strategy={"kind": "auto"})
     response = client.post("/v1/jobs", json=custom)

@@ -22,12 +22,12 @@ import ray
 from fastapi.testclient import TestClient
 from ray.cluster_utils import Cluster
 
-from api.main import create_app
-from contracts.runtime import RUNTIME_NAME
-from service.db import make_engine, make_session_factory, migrate
-from service.runtime_client import RuntimeClient
-from service.scheduler import Scheduler
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.contracts.runtime import RUNTIME_NAME
+from elastrain.service.db import make_engine, make_session_factory, migrate
+from elastrain.service.runtime_client import RuntimeClient
+from elastrain.service.scheduler import Scheduler
+from elastrain.service.settings import Settings
 from tests.integration.ray_service import submit, tiny_gpt_spec
 from tests.waiting import wait_until
 

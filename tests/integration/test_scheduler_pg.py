@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from contracts.spec import JobSpec
-from service import jobs, lease
-from service.db import make_engine, make_session_factory, migrate, session_scope
-from service.scheduler import Scheduler
-from service.settings import Settings
+from elastrain.contracts.spec import JobSpec
+from elastrain.service import jobs, lease
+from elastrain.service.db import make_engine, make_session_factory, migrate, session_scope
+from elastrain.service.scheduler import Scheduler
+from elastrain.service.settings import Settings
 from tests.fake_launcher import FakeLauncher
 
 N_JOBS = 60

@@ -16,14 +16,14 @@ import pytest
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from contracts.messages import DriverReport, DriverStatus, StepMetrics
-from contracts.spec import JobSpec
-from service import jobs, observe, reports
-from service.db import make_session_factory, session_scope
-from service.decisions import PersistReport
-from service.executor import Executor, Timers
-from service.metric_summary import Summary, summarize
-from service.models import Job, Metric, MetricBucket
+from elastrain.contracts.messages import DriverReport, DriverStatus, StepMetrics
+from elastrain.contracts.spec import JobSpec
+from elastrain.service import jobs, observe, reports
+from elastrain.service.db import make_session_factory, session_scope
+from elastrain.service.decisions import PersistReport
+from elastrain.service.executor import Executor, Timers
+from elastrain.service.metric_summary import Summary, summarize
+from elastrain.service.models import Job, Metric, MetricBucket
 from tests.fake_launcher import FakeLauncher
 from tests.integration.test_api import recorded_statements, run
 

@@ -1,4 +1,4 @@
-"""A submit: `service.jobs.insert_job` in the API's one transaction stores the job's row,
+"""A submit: `elastrain.service.jobs.insert_job` in the API's one transaction stores the job's row,
 its labels and its "submitted" event, whole or not at all, and answers with the row it
 stored. On SQLite and PostgreSQL (the fixtures run each test on both)."""
 
@@ -14,11 +14,11 @@ from sqlalchemy import Engine, Table, event, func, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.main import create_app
-from contracts.spec import JobSpec
-from service.jobs import create_job, insert_job
-from service.models import Event, Job, JobLabel
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.contracts.spec import JobSpec
+from elastrain.service.jobs import create_job, insert_job
+from elastrain.service.models import Event, Job, JobLabel
+from elastrain.service.settings import Settings
 from tests.conftest import PG_ADMIN_URL
 from tests.factories import spec_dict
 

@@ -150,11 +150,11 @@ def test_gpt_trains_on_token_files_under_the_storage_root(
     warm worker processes (which resolve it against the root, not their cwd)."""
     from importlib import resources
 
-    from api.prepare_text import prepare_text
+    from elastrain.api.prepare_text import prepare_text
 
     storage: Path = service.app.state.settings.storage_path  # type: ignore[attr-defined]
     source = tmp_path / "corpus.txt"
-    text = resources.files("workers.workloads").joinpath("data", "tinyshakespeare.txt")
+    text = resources.files("elastrain.workers.workloads").joinpath("data", "tinyshakespeare.txt")
     source.write_text(text.read_text("utf-8")[:200_000])
     done = prepare_text(source, storage / "data" / "default" / "corpus")  # the tenant's area
     params = {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 32,

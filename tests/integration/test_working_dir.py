@@ -12,7 +12,7 @@ import yaml
 from ray.cluster_utils import Cluster
 from typer.testing import CliRunner
 
-from api import cli
+from elastrain.api import cli
 from tests.e2e.server import serve_argv, start_server
 from tests.integration.ray_service import wait_for, wait_terminal
 
@@ -25,7 +25,7 @@ import time
 import torch
 from torch import nn
 
-from workers.api import Workload
+from elastrain.workers.api import Workload
 from wd_regressor.data import make_data
 
 

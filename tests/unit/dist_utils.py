@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workers.rendezvous import host_store
+from elastrain.workers.rendezvous import host_store
 
 
 def _entry(

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from contracts.spec import JobSpec
+from elastrain.contracts.spec import JobSpec
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_workers_train import run_jobs
 
@@ -65,8 +65,8 @@ def test_same_losses_less_activation_memory(runs: dict[str, Any], kind: str) -> 
 def test_a_model_without_units_is_refused(tmp_path: Path) -> None:
     from torch import nn
 
-    from contracts.spec import ActivationCheckpointing
-    from workers.activation import ActivationMeter, apply_activation_checkpointing
+    from elastrain.contracts.spec import ActivationCheckpointing
+    from elastrain.workers.activation import ActivationMeter, apply_activation_checkpointing
 
     with pytest.raises(ValueError, match="shard_units"):
         apply_activation_checkpointing(

@@ -1,4 +1,4 @@
-"""`service.admission.plan_admissions`: fair between tenants, priority within one, backfill,
+"""`elastrain.service.admission.plan_admissions`: fair between tenants, priority within one, backfill,
 and a reservation so that no job waits forever. Pure: no database, no Ray."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from service.admission import Usage, dominant_share, plan_admissions
-from service.capacity import Allocation, ClusterCapacity, NodeCapacity, WorkerShape, free_capacity
-from service.decisions import JobView
-from service.states import JobState
+from elastrain.service.admission import Usage, dominant_share, plan_admissions
+from elastrain.service.capacity import Allocation, ClusterCapacity, NodeCapacity, WorkerShape, free_capacity
+from elastrain.service.decisions import JobView
+from elastrain.service.states import JobState
 from tests.unit.test_decisions import nodes, spec
 
 

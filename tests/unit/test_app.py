@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import inspect
 
-from api.main import create_app
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.service.settings import Settings
 
 
 class FakeSchedulerHandle:
@@ -37,7 +37,7 @@ def test_lifespan_migrates_and_starts_no_scheduler_by_default(tmp_path: Path) ->
 def test_scheduler_is_started_and_stopped_with_the_app(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import service.scheduler
+    import elastrain.service.scheduler
 
     started: list[tuple[Any, Any]] = []
     handle = FakeSchedulerHandle()
@@ -46,7 +46,7 @@ def test_scheduler_is_started_and_stopped_with_the_app(
         started.append((settings, session_factory))
         return handle
 
-    monkeypatch.setattr(service.scheduler, "start_scheduler_thread", fake_start)
+    monkeypatch.setattr(elastrain.service.scheduler, "start_scheduler_thread", fake_start)
     settings = _settings(tmp_path)
     app = create_app(settings, start_scheduler=True)
     with TestClient(app) as client:
@@ -58,7 +58,7 @@ def test_scheduler_is_started_and_stopped_with_the_app(
 
 def test_storage_path_is_made_absolute(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Ray workers run elsewhere: a relative storage path (the default) must not reach them."""
-    from service.settings import Settings
+    from elastrain.service.settings import Settings
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("ELASTRAIN_STORAGE_PATH", raising=False)

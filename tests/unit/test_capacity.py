@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from service.capacity import (
+from elastrain.service.capacity import (
     Allocation,
     CapacityLedger,
     ClusterCapacity,

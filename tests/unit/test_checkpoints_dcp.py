@@ -27,14 +27,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoints import (
+from elastrain.checkpoints import (
     delete_checkpoints,
     find_latest_good,
     list_committed,
     read_manifest,
     retention_plan,
 )
-from checkpoints.dcp import CheckpointSaveError, ShardedCheckpointer, checkpointer
+from elastrain.checkpoints.dcp import CheckpointSaveError, ShardedCheckpointer, checkpointer
 from tests.unit.dist_utils import run_distributed
 
 torch.set_num_threads(1)
@@ -402,7 +402,7 @@ def test_close_returns_every_commit_and_retention_prunes(tmp_path: Path) -> None
     for step in range(1, 5):
         ckpt.save(step=step, attempt=0, state=ckpt_state(model, optim), manifest_fields={})
     assert [c.step for c in ckpt.close()] == [1, 2, 3, 4]
-    # Retention as the service runs it (service.executor), on real DCP folders.
+    # Retention as the service runs it (elastrain.service.executor), on real DCP folders.
     doomed = retention_plan(tmp_path, keep_last=2)
     assert [p.name for p in doomed] == ["step_000000001-a0", "step_000000002-a0"]
     delete_checkpoints(tmp_path, doomed)

@@ -22,16 +22,16 @@ import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from checkpoints import ManifestError, find_latest_good, read_manifest, verify
-from checkpoints.dcp import ShardedCheckpointer
-from checkpoints.dcp import reader as reader_module
-from checkpoints.digest import (
+from elastrain.checkpoints import ManifestError, find_latest_good, read_manifest, verify
+from elastrain.checkpoints.dcp import ShardedCheckpointer
+from elastrain.checkpoints.dcp import reader as reader_module
+from elastrain.checkpoints.digest import (
     ALGORITHMS,
     UnknownDigestAlgorithm,
     algorithm_for_setting,
     new_hasher,
 )
-from checkpoints.integrity import CorruptCheckpoint, digest_file
+from elastrain.checkpoints.integrity import CorruptCheckpoint, digest_file
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (
     FIELDS,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import (
+from elastrain.checkpoints import (
     CorruptCheckpoint,
     Manifest,
     ManifestError,
@@ -30,8 +30,8 @@ from checkpoints import (
     verify,
     write_manifest,
 )
-from checkpoints.integrity import describe_files, digest_file
-from checkpoints.layout import (
+from elastrain.checkpoints.integrity import describe_files, digest_file
+from elastrain.checkpoints.layout import (
     StepDir,
     iter_step_dirs,
     parse_rank_extra_name,
@@ -39,7 +39,7 @@ from checkpoints.layout import (
     rank_extra_name,
     step_dir_name,
 )
-from checkpoints.retention import delete_checkpoint
+from elastrain.checkpoints.retention import delete_checkpoint
 
 
 def make_checkpoint(
@@ -323,8 +323,8 @@ def test_half_deleted_checkpoint_is_not_committed(tmp_path: Path) -> None:
 
 def test_pure_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, checkpoints, checkpoints.catalog, checkpoints.retention, "
-        "checkpoints.integrity, checkpoints.layout, checkpoints.manifest, checkpoints.commit; "
+        "import sys, checkpoints, elastrain.checkpoints.catalog, elastrain.checkpoints.retention, "
+        "elastrain.checkpoints.integrity, elastrain.checkpoints.layout, elastrain.checkpoints.manifest, elastrain.checkpoints.commit; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     root = Path(__file__).resolve().parents[2]

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict_saver
 
-import checkpoints.integrity as integrity
-from checkpoints import find_latest_good, list_committed, read_manifest
-from checkpoints.dcp import ShardedCheckpointer
-from checkpoints.dcp.writer import DigestingFileSystem, DigestingStream
-from checkpoints.digest import DEFAULT_ALGORITHM
+import elastrain.checkpoints.integrity as integrity
+from elastrain.checkpoints import find_latest_good, list_committed, read_manifest
+from elastrain.checkpoints.dcp import ShardedCheckpointer
+from elastrain.checkpoints.dcp.writer import DigestingFileSystem, DigestingStream
+from elastrain.checkpoints.digest import DEFAULT_ALGORITHM
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (
     FIELDS,
@@ -324,9 +324,9 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    import workers.loop as loop
-    from contracts.spec import JobSpec
-    from workers.api import NullHooks, TrainContext
+    import elastrain.workers.loop as loop
+    from elastrain.contracts.spec import JobSpec
+    from elastrain.workers.api import NullHooks, TrainContext
 
     max_steps = 6
     made: list[ShardedCheckpointer] = []

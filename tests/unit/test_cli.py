@@ -13,10 +13,10 @@ import uvicorn
 import yaml
 from typer.testing import CliRunner
 
-from api.cli import app
-from api.main import create_app
-from contracts.storage import JobStorage
-from service.settings import Settings
+from elastrain.api.cli import app
+from elastrain.api.main import create_app
+from elastrain.contracts.storage import JobStorage
+from elastrain.service.settings import Settings
 from tests.factories import spec_dict
 
 
@@ -179,9 +179,9 @@ def test_url_from_environment(server, monkeypatch: pytest.MonkeyPatch) -> None: 
 
 
 def test_timeline_shows_each_phase_of_each_attempt(cli, tmp_path: Path, server) -> None:  # type: ignore[no-untyped-def]
-    from contracts.messages import DriverReport, DriverStatus, Phase, Timeline, TimelineMark
-    from service import jobs, reports
-    from service.db import make_engine, make_session_factory, session_scope
+    from elastrain.contracts.messages import DriverReport, DriverStatus, Phase, Timeline, TimelineMark
+    from elastrain.service import jobs, reports
+    from elastrain.service.db import make_engine, make_session_factory, session_scope
 
     job_id = _submit(cli, tmp_path, name="timeline")
     marks = tuple(
@@ -232,13 +232,13 @@ def test_serve_refuses_an_empty_or_short_token(monkeypatch: pytest.MonkeyPatch, 
      ("myhost", False)],
 )  # fmt: skip
 def test_which_addresses_count_as_loopback(host: str, loopback: bool) -> None:
-    from api.cli.server import is_loopback
+    from elastrain.api.cli.server import is_loopback
 
     assert is_loopback(host) is loopback
 
 
 def test_stored_text_cannot_drive_the_terminal() -> None:
-    from api.cli.output import cell, printable
+    from elastrain.api.cli.output import cell, printable
 
     assert printable("a\x1b[2Jb\x00c\u202ed") == "a\\x1b[2Jb\\x00c\\u202ed"
     assert cell("line\nbreak") == "line break"
@@ -263,7 +263,7 @@ def test_tokens_and_tenants_from_the_cli(cli) -> None:  # type: ignore[no-untype
 
 
 def test_goodput_line() -> None:
-    from api.cli.client import goodput_line
+    from elastrain.api.cli.client import goodput_line
 
     split = {"wall_s": 200.0, "training_s": 150.0, "queued_s": 10.0, "recovering_s": 40.0,
              "recomputed_s": 0.0, "starting_s": 0.0, "resizing_s": 0.0,
@@ -315,8 +315,8 @@ def test_connection_options_after_the_command(server, tmp_path: Path) -> None:  
     ],
 )  # fmt: skip
 def test_where_connection_options_are_moved(args: list[str], expected: list[str]) -> None:
-    from api.cli import OFFLINE_COMMANDS
-    from api.cli.connection import hoist_connection_options
+    from elastrain.api.cli import OFFLINE_COMMANDS
+    from elastrain.api.cli.connection import hoist_connection_options
 
     assert hoist_connection_options(args, offline=OFFLINE_COMMANDS) == expected
 
@@ -324,8 +324,8 @@ def test_where_connection_options_are_moved(args: list[str], expected: list[str]
 def test_drain_cluster_undrain_from_the_cli(server) -> None:  # type: ignore[no-untyped-def]
     url, settings = server
     node = "e5" * 28
-    from service import cluster as cluster_view
-    from service.db import make_engine, make_session_factory, session_scope
+    from elastrain.service import cluster as cluster_view
+    from elastrain.service.db import make_engine, make_session_factory, session_scope
 
     engine = make_engine(settings.database_url)
     try:

@@ -1,5 +1,5 @@
 """A rank blocked in a collective on a peer that is gone but closed nothing (cut off the
-network, or frozen) is freed at once by `workers.comm_release`, and its process can form
+network, or frozen) is freed at once by `elastrain.workers.comm_release`, and its process can form
 the next group. Real gloo groups in real processes; the peer is frozen with SIGSTOP."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from workers.comm_release import GroupSockets, new_connections, open_sockets
-from workers.rendezvous import host_store
+from elastrain.workers.comm_release import GroupSockets, new_connections, open_sockets
+from elastrain.workers.rendezvous import host_store
 
 
 def test_only_the_new_connected_sockets_outside_the_store_are_the_groups() -> None:

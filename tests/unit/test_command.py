@@ -1,5 +1,5 @@
 """A command job's rank without Ray: the environment its script gets, the report channel
-from `workers.user_api.report` through a real pipe, and real scripts run by `ScriptRun`
+from `elastrain.workers.user_api.report` through a real pipe, and real scripts run by `ScriptRun`
 (exit codes, stderr tails, stop and abort)."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from contracts.group import Assignment
-from contracts.messages import Control, Phase, StepMetrics, TimelineMark, WorkerMessage
-from contracts.spec import JobSpec
-from workers.command import ScriptRun, command_argv, command_env, parse_report
-from workers.errors import script_error_kind
-from workers.runtime.layout import local_layout
+from elastrain.contracts.group import Assignment
+from elastrain.contracts.messages import Control, Phase, StepMetrics, TimelineMark, WorkerMessage
+from elastrain.contracts.spec import JobSpec
+from elastrain.workers.command import ScriptRun, command_argv, command_env, parse_report
+from elastrain.workers.errors import script_error_kind
+from elastrain.workers.runtime.layout import local_layout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ def test_report_lines_through_a_real_pipe() -> None:
     read_fd, write_fd = os.pipe()
     script = textwrap.dedent("""
         import torch
-        from workers.user_api import report, job_dir
+        from elastrain.workers.user_api import report, job_dir
         report(1, loss=torch.tensor(0.5), acc=0.75)
         report(2, loss=float("nan"), tokens=10)
         report(3)
@@ -108,7 +108,7 @@ def test_report_lines_through_a_real_pipe() -> None:
 
 def test_report_outside_a_job_does_nothing_and_refuses_non_numbers() -> None:
     script = textwrap.dedent("""
-        from workers.user_api import report, ReportError
+        from elastrain.workers.user_api import report, ReportError
         report(1, loss=0.1)  # no ELASTRAIN_REPORT_FD: nothing, no error
         for bad in (lambda: report(-1), lambda: report(1, loss="x"), lambda: report(1.5)):
             try:
@@ -170,7 +170,7 @@ def test_a_script_that_succeeds_reports_and_logs(
         tmp_path,
         """
         import os, sys
-        from workers.user_api import report, job_dir
+        from elastrain.workers.user_api import report, job_dir
         print("args", sys.argv[1:], os.environ["RANK"], os.environ["WORLD_SIZE"])
         print("to stderr", file=sys.stderr)
         for step in (1, 2):
@@ -248,9 +248,9 @@ def test_a_stopped_command_attempt_is_stopped_whatever_its_scripts_said() -> Non
     that died is still a failure; a built-in job's verdict is unchanged."""
     from types import SimpleNamespace
 
-    from contracts.group import RunOutcome
-    from contracts.messages import DriverStatus, ErrorKind, WorkerError
-    from workers.runtime.driver import AttemptDriver
+    from elastrain.contracts.group import RunOutcome
+    from elastrain.contracts.messages import DriverStatus, ErrorKind, WorkerError
+    from elastrain.workers.runtime.driver import AttemptDriver
 
     broke = WorkerError(type="ScriptFailed", message="exit code 1: gloo", kind=ErrorKind.RAISED)
     died = WorkerError(type="RayActorError", message="gone", kind=ErrorKind.PROCESS_DIED)
@@ -275,9 +275,9 @@ def test_a_script_dies_with_its_worker_process(tmp_path: Path) -> None:
     worker = textwrap.dedent(f"""
         import threading, time
         from pathlib import Path
-        from contracts.messages import Control
+        from elastrain.contracts.messages import Control
         from tests.unit.test_command import assignment
-        from workers.command import ScriptRun
+        from elastrain.workers.command import ScriptRun
         tmp = Path({str(tmp_path)!r})
         run = ScriptRun(assignment(["python", "s.py"], rank=1), cwd=tmp / "pkg",
                         job_dir=tmp / "job", log_path=tmp / "rank.log", send=None,

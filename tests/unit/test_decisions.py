@@ -1,8 +1,8 @@
-"""The lifecycle table of `service.decisions`: state x facts -> actions, row by row.
+"""The lifecycle table of `elastrain.service.decisions`: state x facts -> actions, row by row.
 
 Pure: no DB, no Ray, no clock. Each row is a job as the DB has it, what the scheduler
 observed, and exactly what `decide` must do. The last test checks that the rows exercise
-every edge of `service.states.ALLOWED` and no other, so the state table and the decision
+every edge of `elastrain.service.states.ALLOWED` and no other, so the state table and the decision
 table cannot drift apart.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from contracts.messages import (
+from elastrain.contracts.messages import (
     CheckpointCommitted,
     Control,
     DriverReport,
@@ -26,8 +26,8 @@ from contracts.messages import (
     StepMetrics,
     WorkerError,
 )
-from contracts.spec import JobSpec
-from service.capacity import (
+from elastrain.contracts.spec import JobSpec
+from elastrain.service.capacity import (
     Allocation,
     CapacityLedger,
     ClusterCapacity,
@@ -35,7 +35,7 @@ from service.capacity import (
     WorkerShape,
     free_capacity,
 )
-from service.decisions import (
+from elastrain.service.decisions import (
     Action,
     ApplyRetention,
     AttemptOutcome,
@@ -64,7 +64,7 @@ from service.decisions import (
     progress,
     should_grow,
 )
-from service.states import ALLOWED, JobState
+from elastrain.service.states import ALLOWED, JobState
 
 S = JobState
 NOW = 10_000.0
@@ -530,7 +530,7 @@ def test_the_table_takes_exactly_the_allowed_transitions() -> None:
 def test_decide_reads_only_its_arguments_and_changes_none(
     view: JobView, observed: Facts, expected: list[Action], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The scheduler hands `decide` views it keeps from pass to pass (service.observe's
+    """The scheduler hands `decide` views it keeps from pass to pass (elastrain.service.observe's
     ViewCache) and reports whose metrics it stores afterwards: deciding must leave them as
     they were. And the answer comes from the arguments alone: the same for equal copies,
     and with no clock but `facts.now`."""

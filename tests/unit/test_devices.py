@@ -1,11 +1,11 @@
-"""Which device a worker process trains on and which GPU it owns (`workers.devices`)."""
+"""Which device a worker process trains on and which GPU it owns (`elastrain.workers.devices`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from workers.devices import rank_device, to_host, visible_devices_for
+from elastrain.workers.devices import rank_device, to_host, visible_devices_for
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Drains in the lifecycle table (`service.decisions._on_drain`), row by row, and the
+"""Drains in the lifecycle table (`elastrain.service.decisions._on_drain`), row by row, and the
 pure pieces around them: draining capacity, merging the operators' drains with Ray's.
 
 A job with ranks on a draining node leaves it at a step boundary when min_workers fit
@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from contracts.messages import Control, DriverStatus, EventKind
-from service import drains
-from service.admission import plan_admissions
-from service.capacity import ClusterCapacity, DrainSource, NodeCapacity, NodeDrain
-from service.decisions import (
+from elastrain.contracts.messages import Control, DriverStatus, EventKind
+from elastrain.service import drains
+from elastrain.service.admission import plan_admissions
+from elastrain.service.capacity import ClusterCapacity, DrainSource, NodeCapacity, NodeDrain
+from elastrain.service.decisions import (
     Action,
     AttemptOutcome,
     EndAttempt,
@@ -31,7 +31,7 @@ from service.decisions import (
     decide,
     draining_ranks,
 )
-from service.states import ALLOWED, JobState
+from elastrain.service.states import ALLOWED, JobState
 from tests.unit.test_decisions import (
     MIN2,
     NOW,

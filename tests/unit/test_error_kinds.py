@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from contracts.messages import ErrorKind, WorkerError
-from workers.errors import error_kind
-from workers.rendezvous import host_store
-from workers.workloads import WorkloadError
+from elastrain.contracts.messages import ErrorKind, WorkerError
+from elastrain.workers.errors import error_kind
+from elastrain.workers.rendezvous import host_store
+from elastrain.workers.workloads import WorkloadError
 
 # What gloo raised in torch 2.13 on CPU to the surviving rank when its peer's process
 # exited mid all-reduce, and mid DDP backward (the same text; a plain RuntimeError).

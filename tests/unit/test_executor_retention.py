@@ -14,16 +14,16 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from checkpoints.layout import step_dir_name
-from checkpoints.retention import retention_plan
-from contracts.spec import JobSpec
-from contracts.storage import JobStorage
-from service import executor as executor_module
-from service import jobs, observe
-from service.db import session_scope
-from service.decisions import ApplyRetention
-from service.executor import Executor, Timers
-from service.models import CheckpointRecord
+from elastrain.checkpoints.layout import step_dir_name
+from elastrain.checkpoints.retention import retention_plan
+from elastrain.contracts.spec import JobSpec
+from elastrain.contracts.storage import JobStorage
+from elastrain.service import executor as executor_module
+from elastrain.service import jobs, observe
+from elastrain.service.db import session_scope
+from elastrain.service.decisions import ApplyRetention
+from elastrain.service.executor import Executor, Timers
+from elastrain.service.models import CheckpointRecord
 from tests.unit.test_checkpoints_pure import make_checkpoint
 
 
@@ -99,7 +99,7 @@ def test_storage_is_scanned_with_no_lock_on_the_job(
     pg_database: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While retention reads storage, another writer can take the job's row at once."""
-    from service.db import make_engine, make_session_factory, migrate
+    from elastrain.service.db import make_engine, make_session_factory, migrate
 
     engine = make_engine(pg_database)
     migrate(engine)

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from checkpoints import find_latest_good, list_committed
-from checkpoints.fence import (
+from elastrain.checkpoints import find_latest_good, list_committed
+from elastrain.checkpoints.fence import (
     Fence,
     FenceUnreadable,
     FenceWatcher,
@@ -24,8 +24,8 @@ from checkpoints.fence import (
     fence_path,
     read_fence,
 )
-from checkpoints.layout import step_dir
-from checkpoints.manifest import Manifest, write_manifest
+from elastrain.checkpoints.layout import step_dir
+from elastrain.checkpoints.manifest import Manifest, write_manifest
 
 
 def test_the_fence_only_moves_forward(tmp_path: Path) -> None:
@@ -149,7 +149,7 @@ def test_a_zombie_checkpoint_is_not_resumed_from(tmp_path: Path) -> None:
 def test_a_superseded_attempt_cannot_commit(tmp_path: Path) -> None:
     import torch
 
-    from checkpoints.dcp import CheckpointSaveError, ShardedCheckpointer
+    from elastrain.checkpoints.dcp import CheckpointSaveError, ShardedCheckpointer
 
     job, root = tmp_path, tmp_path / "checkpoints"
     advance_fence(job, 2, 1.0)
@@ -169,7 +169,7 @@ def test_a_superseded_attempt_cannot_commit(tmp_path: Path) -> None:
 def test_no_checkpoint_is_committed_behind_an_unreadable_fence(tmp_path: Path) -> None:
     import torch
 
-    from checkpoints.dcp import ShardedCheckpointer
+    from elastrain.checkpoints.dcp import ShardedCheckpointer
 
     job, root = tmp_path, tmp_path / "checkpoints"
     fence_path(job).write_text('{"starts": [[1, 1.0]')  # torn
@@ -186,9 +186,9 @@ def superseded_mid_run(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     import torch
 
-    from contracts.spec import JobSpec
-    from workers.api import AttemptAborted, NullHooks, TrainContext
-    from workers.loop import train
+    from elastrain.contracts.spec import JobSpec
+    from elastrain.workers.api import AttemptAborted, NullHooks, TrainContext
+    from elastrain.workers.loop import train
 
     job = Path(root)
     advance_fence(job, 1, time.time())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.flops import mfu, peak_flops
+from elastrain.workers.flops import mfu, peak_flops
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Goodput: the split of a job's wall time, row by row (`service.goodput.split`)."""
+"""Goodput: the split of a job's wall time, row by row (`elastrain.service.goodput.split`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from service.goodput import split, step_seconds
-from service.states import JobState
+from elastrain.service.goodput import split, step_seconds
+from elastrain.service.states import JobState
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -85,9 +85,9 @@ def test_step_seconds_ignores_what_is_not_a_number() -> None:
 def test_reports_keep_the_sums_and_a_recomputed_step_stops_counting_as_kept(
     session_factory: Any,
 ) -> None:
-    from contracts.spec import JobSpec
-    from service import jobs, reports
-    from service.db import session_scope
+    from elastrain.contracts.spec import JobSpec
+    from elastrain.service import jobs, reports
+    from elastrain.service.db import session_scope
     from tests.factories import spec_dict
 
     def points(steps: range, stall_at: int = -1) -> list[dict[str, Any]]:

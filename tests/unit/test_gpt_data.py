@@ -16,14 +16,14 @@ import torch
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from api.cli import app
-from contracts.datasets import data_path_problems
-from contracts.spec import JobSpec, WorkloadSpec
-from contracts.workload_params import GptParams
+from elastrain.api.cli import app
+from elastrain.contracts.datasets import data_path_problems
+from elastrain.contracts.spec import JobSpec, WorkloadSpec
+from elastrain.contracts.workload_params import GptParams
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_workers_train import RTOL, run_jobs
-from workers.workloads import WorkloadError, load_workload
-from workers.workloads.gpt import load_corpus
+from elastrain.workers.workloads import WorkloadError, load_workload
+from elastrain.workers.workloads.gpt import load_corpus
 
 # -- params ---------------------------------------------------------------------------------
 
@@ -153,7 +153,7 @@ def test_text_files_are_characters_and_must_be_utf8(root: Path) -> None:
 def test_prepare_text_gives_the_bundled_corpus_ids(tmp_path: Path) -> None:
     from importlib import resources
 
-    corpus = resources.files("workers.workloads").joinpath("data", "tinyshakespeare.txt")
+    corpus = resources.files("elastrain.workers.workloads").joinpath("data", "tinyshakespeare.txt")
     source = tmp_path / "shakespeare.txt"
     source.write_text(corpus.read_text("utf-8"))
     out = tmp_path / "storage" / "data" / "default" / "shakespeare"  # the tenant's area

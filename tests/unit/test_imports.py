@@ -24,7 +24,7 @@ forbidden = set(sys.argv[1].split(","))
 report = {}
 for step in sys.argv[2:]:
     if step == "create_app":
-        importlib.import_module("api.main").create_app()
+        importlib.import_module("elastrain.api.main").create_app()
     else:
         importlib.import_module(step)
     report[step] = sorted({m.split(".")[0] for m in sys.modules} & forbidden)
@@ -45,35 +45,35 @@ def _first_offender(steps: list[str], forbidden: set[str]) -> dict[str, list[str
 
 
 def test_api_loads_neither_torch_nor_ray() -> None:
-    steps = ["api.main", "api.cli", "api.routes.jobs", "create_app"]
+    steps = ["elastrain.api.main", "elastrain.api.cli", "elastrain.api.routes.jobs", "create_app"]
     assert _first_offender(steps, {"torch", "ray", "workers"}) == {}
 
 
 def _service_modules() -> list[str]:
-    import service
+    import elastrain.service
 
     names = [m.name for m in pkgutil.walk_packages(service.__path__, "service.")]
-    return sorted(n for n in names if not n.startswith("service.migrations"))
+    return sorted(n for n in names if not n.startswith("elastrain.service.migrations"))
 
 
 def test_contracts_load_nothing_heavy() -> None:
-    steps = ["contracts.spec", "contracts.messages", "contracts.storage"]
+    steps = ["elastrain.contracts.spec", "elastrain.contracts.messages", "elastrain.contracts.storage"]
     assert _first_offender(steps, {"torch", "ray", "sqlalchemy", "numpy"}) == {}
 
 
 def test_service_does_not_load_torch() -> None:
     modules = _service_modules()
-    assert "service.jobs" in modules and "service.runtime_client" in modules
-    modules.remove("service.runtime_client")
+    assert "elastrain.service.jobs" in modules and "elastrain.service.runtime_client" in modules
+    modules.remove("elastrain.service.runtime_client")
     assert _first_offender(modules, {"torch", "api", "workers"}) == {}
     # The runtime client imports the runtime actor's class (its one edge into `workers`)
     # and nothing a rank runs: no torch, no worker process, no training loop.
-    assert _first_offender(["service.runtime_client"], {"torch", "api"}) == {}
-    loaded = _loaded_by("service.runtime_client", "workers")
-    assert loaded == ["workers", "workers.runtime", "workers.runtime.actor",
-                      "workers.runtime.driver", "workers.runtime.layout",
-                      "workers.runtime.notice", "workers.runtime.pool",
-                      "workers.runtime.reconcile"]  # fmt: skip
+    assert _first_offender(["elastrain.service.runtime_client"], {"torch", "api"}) == {}
+    loaded = _loaded_by("elastrain.service.runtime_client", "workers")
+    assert loaded == ["workers", "elastrain.workers.runtime", "elastrain.workers.runtime.actor",
+                      "elastrain.workers.runtime.driver", "elastrain.workers.runtime.layout",
+                      "elastrain.workers.runtime.notice", "elastrain.workers.runtime.pool",
+                      "elastrain.workers.runtime.reconcile"]  # fmt: skip
 
 
 def _loaded_by(module: str, prefix: str) -> list[str]:
@@ -109,12 +109,12 @@ _ALLOWED_ONLY_IN = {
 # The exceptions to _FORBIDDEN, each exactly one module edge: (file, module it imports).
 _EDGES_ALLOWED = {
     # The runtime actor's class, to create the actor: its module loads no torch (tested above).
-    ("service/runtime_client.py", "workers.runtime.actor"),
+    ("service/runtime_client.py", "elastrain.workers.runtime.actor"),
     # Built-in workloads named as entrypoints in the job spec: data the workers import
-    # themselves (`workers.workloads.load_workload`), never imported where they are named.
-    ("contracts/spec.py", "workers.workloads.gpt"),
-    ("contracts/spec.py", "workers.workloads.synthetic"),
-    ("contracts/bounds.py", "workers.workloads"),
+    # themselves (`elastrain.workers.workloads.load_workload`), never imported where they are named.
+    ("contracts/spec.py", "elastrain.workers.workloads.gpt"),
+    ("contracts/spec.py", "elastrain.workers.workloads.synthetic"),
+    ("contracts/bounds.py", "elastrain.workers.workloads"),
 }
 # A string that names a first-party module ("pkg.mod" or "pkg.mod:attr"): an import by string.
 _MODULE_STRING = re.compile(rf"^({'|'.join(sorted(_FIRST_PARTY))})(\.\w+)+(:\w+)?$")
@@ -165,20 +165,20 @@ def test_import_table_of_the_design() -> None:
 def test_the_import_table_sees_imports_by_string_and_in_functions(tmp_path: Path) -> None:
     """The check above fails on each way a layer could reach up or across."""
     sources = {
-        "import workers.process": ["service/x.py imports workers.process"],
+        "import elastrain.workers.process": ["service/x.py imports elastrain.workers.process"],
         "def f():\n    from api import main": ["service/x.py imports api"],
-        'WORKER = "workers.process:WorkerProcess"': ["service/x.py imports workers.process"],
-        'importlib.import_module("workers.loop")': ["service/x.py imports workers.loop"],
+        'WORKER = "elastrain.workers.process:WorkerProcess"': ["service/x.py imports elastrain.workers.process"],
+        'importlib.import_module("elastrain.workers.loop")': ["service/x.py imports elastrain.workers.loop"],
         "import ray": ["service/x.py imports ray (only service/runtime_client.py may)"],
-        '"""Docs naming `workers.process` in prose are fine."""': [],
+        '"""Docs naming `elastrain.workers.process` in prose are fine."""': [],
     }
     for source, expected in sources.items():
         path = tmp_path / "x.py"
         path.write_text(source + "\n")
         assert _violations("service", "service/x.py", _imports(path)) == expected, source
     assert (
-        _violations("service", "service/runtime_client.py", {"workers.runtime.actor", "ray"}) == []
+        _violations("service", "service/runtime_client.py", {"elastrain.workers.runtime.actor", "ray"}) == []
     )
-    assert _violations("service", "service/runtime_client.py", {"workers.process"}) == [
-        "service/runtime_client.py imports workers.process"
+    assert _violations("service", "service/runtime_client.py", {"elastrain.workers.process"}) == [
+        "service/runtime_client.py imports elastrain.workers.process"
     ]

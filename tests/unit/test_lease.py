@@ -7,9 +7,9 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from service import lease
-from service.db import make_engine, make_session_factory, migrate
-from service.models import SchedulerLease
+from elastrain.service import lease
+from elastrain.service.db import make_engine, make_session_factory, migrate
+from elastrain.service.models import SchedulerLease
 
 
 class Clock:

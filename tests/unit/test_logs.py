@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from service.logs import configure_logging, job_context, set_context
+from elastrain.service.logs import configure_logging, job_context, set_context
 
 
 @pytest.fixture

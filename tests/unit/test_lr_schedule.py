@@ -8,8 +8,8 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from contracts.spec import TrainingSpec
-from workers.lr_schedule import lr_at
+from elastrain.contracts.spec import TrainingSpec
+from elastrain.workers.lr_schedule import lr_at
 
 
 def training(**kw: object) -> TrainingSpec:

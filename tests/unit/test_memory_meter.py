@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.activation import ActivationMeter
-from workers.step_metrics import MemoryMeter
+from elastrain.workers.activation import ActivationMeter
+from elastrain.workers.step_metrics import MemoryMeter
 
 
 class Clock:

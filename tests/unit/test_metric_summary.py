@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from service.metric_summary import (
+from elastrain.service.metric_summary import (
     WIDTHS,
     Summary,
     merge,

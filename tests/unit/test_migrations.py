@@ -8,8 +8,8 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, inspect
 
-from service.db import alembic_config, make_engine, migrate
-from service.models import Base
+from elastrain.service.db import alembic_config, make_engine, migrate
+from elastrain.service.models import Base
 
 
 def _diff(engine: Engine) -> list[object]:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from api.workdir import collect, pack
-from contracts.packages import (
+from elastrain.api.workdir import collect, pack
+from elastrain.contracts.packages import (
     Manifest,
     PackageLimits,
     PackageRefused,
@@ -27,8 +27,8 @@ from contracts.packages import (
     modules_of,
     safe_relative_path,
 )
-from service.packages import load_manifest, packages_root, store_archive
-from workers import packages as worker_packages
+from elastrain.service.packages import load_manifest, packages_root, store_archive
+from elastrain.workers import packages as worker_packages
 
 
 @pytest.mark.parametrize(
@@ -320,7 +320,7 @@ DAY = 86400.0
     ],
 )
 def test_stale_packages(stored: dict[str, float], in_use: set[str], expected: list[str]) -> None:
-    from service.packages import stale_packages
+    from elastrain.service.packages import stale_packages
 
     assert stale_packages(stored, in_use, now=10 * DAY, keep_s=7 * DAY) == expected
 
@@ -328,7 +328,7 @@ def test_stale_packages(stored: dict[str, float], in_use: set[str], expected: li
 def test_sweep_deletes_whole_packages_and_abandoned_uploads(tmp_path: Path, storage: Path) -> None:
     import time
 
-    from service.packages import sweep, touch
+    from elastrain.service.packages import sweep, touch
 
     old = _upload(tmp_path, storage, "old", {"m.py": "A = 1\n"})
     used = _upload(tmp_path, storage, "used", {"m.py": "A = 2\n"})

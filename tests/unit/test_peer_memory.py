@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from contracts.messages import Phase, RestoreSource, TimelineMark
-from contracts.spec import JobSpec
+from elastrain.contracts.messages import Phase, RestoreSource, TimelineMark
+from elastrain.contracts.spec import JobSpec
 from tests.unit.dist_utils import run_distributed
-from workers.api import NullHooks, TrainContext
-from workers.rendezvous import host_store
+from elastrain.workers.api import NullHooks, TrainContext
+from elastrain.workers.rendezvous import host_store
 
 STEPS = 7
 LOST_AT = 5  # the lost ranks let go before step 6: five steps done
@@ -83,8 +83,8 @@ def lose_ranks(rank: int, world_size: int, root: str, label: str, lost: list[int
     """The uninterrupted run, then the same job losing `lost` after LOST_AT steps: their
     processes end (as a dead node's: connections reset), the survivors go on as a new
     group of the same processes."""
-    from workers.loop import train
-    from workers.memory import ReplicaMemory
+    from elastrain.workers.loop import train
+    from elastrain.workers.memory import ReplicaMemory
 
     def ctx(job: int, attempt: int, r: int, ws: int) -> TrainContext:
         return TrainContext(rank=r, world_size=ws, local_rank=r, device=torch.device("cpu"),
@@ -125,9 +125,9 @@ def stop_and_regroup(rank: int, world_size: int, root: str) -> Any:
     form the next group, with the checkpoint folder gone, so only memory can resume it."""
     import shutil
 
-    from workers.api import Control
-    from workers.loop import train
-    from workers.memory import ReplicaMemory
+    from elastrain.workers.api import Control
+    from elastrain.workers.loop import train
+    from elastrain.workers.memory import ReplicaMemory
 
     spec = spec_for(STRATEGIES["fsdp"]).model_copy(update={"checkpoint": spec_for(
         STRATEGIES["fsdp"]).checkpoint.model_copy(update={"memory_every": None})})  # fmt: skip

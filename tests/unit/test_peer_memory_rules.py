@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from workers.memory.buddy import buddies, wards
-from workers.memory.pacing import RefreshPacer, choose_interval, overhead
-from workers.memory.sources import Generation, Offer, Source, choose_source, spread
-from workers.memory.transfer import Piece, bucket_plan
+from elastrain.workers.memory.buddy import buddies, wards
+from elastrain.workers.memory.pacing import RefreshPacer, choose_interval, overhead
+from elastrain.workers.memory.sources import Generation, Offer, Source, choose_source, spread
+from elastrain.workers.memory.transfer import Piece, bucket_plan
 
 
 @pytest.mark.parametrize(
@@ -210,7 +210,7 @@ def test_items_past_the_direct_size_go_alone_without_packing() -> None:
 def test_memory_every_is_validated() -> None:
     from pydantic import ValidationError
 
-    from contracts.spec import CheckpointSpec
+    from elastrain.contracts.spec import CheckpointSpec
 
     assert CheckpointSpec().memory_every is None  # measured by default
     assert CheckpointSpec(memory_every=0).memory_every == 0  # off

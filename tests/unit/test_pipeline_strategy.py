@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contracts.spec import JobSpec
+from elastrain.contracts.spec import JobSpec
 from tests.unit.dist_utils import run_distributed
-from workers.api import TrainContext, Workload
-from workers.strategies.base import Layout
-from workers.strategies.pipeline import (
+from elastrain.workers.api import TrainContext, Workload
+from elastrain.workers.strategies.base import Layout
+from elastrain.workers.strategies.pipeline import (
     CHECKPOINT_OPTIONS,
     PipelineStrategy,
     pipeline_chunks,
@@ -152,7 +152,7 @@ PAIR_CASES = [
     Case("gpipe-uneven", "gpipe", 4, ((3, 3, 2),)),  # groups 3+3 (3 x 2) and 2 (2 x 1)
     Case("1f1b-clipped", "1f1b", 4, ((4, 4),), grad_clip=0.05),
 ]
-# 4 ranks = 2 replicas; shares cut as `workers.sampler` does (larger first, same count).
+# 4 ranks = 2 replicas; shares cut as `elastrain.workers.sampler` does (larger first, same count).
 QUAD_CASES = [
     Case("gpipe", "gpipe", 4, ((4, 4), (4, 4))),
     Case("1f1b", "1f1b", 4, ((4, 4), (4, 4))),
@@ -428,7 +428,7 @@ def test_checkpoint_loads_into_unsplit_model(pair: list[dict[str, Any]], ckpt_ro
 
 
 def test_spec_defaults_and_errors() -> None:
-    from workers.strategies.pipeline import PipelineOptions
+    from elastrain.workers.strategies.pipeline import PipelineOptions
 
     workload = {"name": "synthetic"}
     spec = JobSpec(name="p", workload=workload, strategy={"kind": "pipeline"})

@@ -7,12 +7,12 @@ from typing import Any
 import pytest
 import torch
 
-from contracts.plan import ORDER, choose_for_auto, gpt_shape, plan, shape_of, synthetic_shape
-from contracts.spec import ActivationCheckpointing, JobSpec, StrategyKind
-from contracts.workload_params import GptParams, SyntheticParams
-from workers.activation import ActivationMeter, apply_activation_checkpointing
-from workers.workloads.gpt import build as build_gpt
-from workers.workloads.synthetic import build as build_synthetic
+from elastrain.contracts.plan import ORDER, choose_for_auto, gpt_shape, plan, shape_of, synthetic_shape
+from elastrain.contracts.spec import ActivationCheckpointing, JobSpec, StrategyKind
+from elastrain.contracts.workload_params import GptParams, SyntheticParams
+from elastrain.workers.activation import ActivationMeter, apply_activation_checkpointing
+from elastrain.workers.workloads.gpt import build as build_gpt
+from elastrain.workers.workloads.synthetic import build as build_synthetic
 
 GIB = 2**30
 

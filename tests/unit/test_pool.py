@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from contracts.group import HeldState, WorkerInfo
-from contracts.messages import ErrorKind, WorkerError
-from contracts.runtime import AttemptKey, JobRef
-from contracts.spec import JobSpec
+from elastrain.contracts.group import HeldState, WorkerInfo
+from elastrain.contracts.messages import ErrorKind, WorkerError
+from elastrain.contracts.runtime import AttemptKey, JobRef
+from elastrain.contracts.spec import JobSpec
 from tests.factories import spec_dict
-from workers.runtime.driver import cause_of, private_worker_options
-from workers.runtime.pool import (
+from elastrain.workers.runtime.driver import cause_of, private_worker_options
+from elastrain.workers.runtime.pool import (
     PooledWorker,
     WorkerPool,
     choose_worker,
@@ -252,7 +252,7 @@ def test_a_job_runs_its_own_code_with_a_package_or_an_entrypoint() -> None:
 def pool(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerPool, list[Any]]:
     killed: list[Any] = []
     monkeypatch.setattr(WorkerPool, "__post_init__", lambda self: None)
-    monkeypatch.setattr("workers.runtime.pool.ray.kill", killed.append)
+    monkeypatch.setattr("elastrain.workers.runtime.pool.ray.kill", killed.append)
     return WorkerPool(namespace="ns", warm_per_node=1), killed
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.profiling import StepProfiler, steps_of
+from elastrain.workers.profiling import StepProfiler, steps_of
 
 
 @pytest.mark.parametrize(

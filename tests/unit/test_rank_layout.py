@@ -1,11 +1,11 @@
-"""Ranks are numbered node by node (`workers.runtime.layout.rank_order`): a replica, else a
+"""Ranks are numbered node by node (`elastrain.workers.runtime.layout.rank_order`): a replica, else a
 tensor-parallel group, spans nodes only when no node has room for it."""
 
 from __future__ import annotations
 
 import pytest
 
-from workers.runtime.layout import Slot, rank_order
+from elastrain.workers.runtime.layout import Slot, rank_order
 
 
 def nodes_of(slots: list[Slot], order: list[int]) -> list[str]:

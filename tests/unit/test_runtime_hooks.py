@@ -10,11 +10,11 @@ import socket
 import threading
 from typing import Any
 
-from contracts.group import Assignment
-from contracts.messages import Control, EventKind, StepMetrics, WorkerEvent
-from contracts.runtime import AttemptKey
+from elastrain.contracts.group import Assignment
+from elastrain.contracts.messages import Control, EventKind, StepMetrics, WorkerEvent
+from elastrain.contracts.runtime import AttemptKey
 from tests.unit.test_workers_train import make_spec
-from workers.process import (
+from elastrain.workers.process import (
     _PUSH_INTERVAL_S,
     RuntimeHooks,
     WorkerProcess,
@@ -165,7 +165,7 @@ def test_rank_0_keeps_every_point_the_runtime_is_not_known_to_have() -> None:
 
 
 def test_a_checkpoint_keeps_the_newest_points_and_every_undelivered_one() -> None:
-    from workers.reports import METRICS_KEPT_WITH_CHECKPOINT, Reports
+    from elastrain.workers.reports import METRICS_KEPT_WITH_CHECKPOINT, Reports
 
     runtime, clock = Runtime(), Clock()
     hooks = hooks_for(runtime, clock)

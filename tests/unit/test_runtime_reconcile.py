@@ -1,12 +1,12 @@
-"""What the runtime lets go of when handed the live attempts (`workers.runtime.reconcile`),
+"""What the runtime lets go of when handed the live attempts (`elastrain.workers.runtime.reconcile`),
 row by row, and the scheduler's side of it against the fake runtime."""
 
 from __future__ import annotations
 
 import pytest
 
-from contracts.runtime import AttemptKey, JobRef, LiveAttempt, Reconcile
-from workers.runtime.reconcile import (
+from elastrain.contracts.runtime import AttemptKey, JobRef, LiveAttempt, Reconcile
+from elastrain.workers.runtime.reconcile import (
     HeldAttempt,
     attempts_to_release,
     jobs_to_forget,

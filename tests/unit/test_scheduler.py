@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from contracts.messages import DriverReport, DriverStatus, StepMetrics
-from contracts.spec import JobSpec
-from service import jobs, lease, reports
-from service.db import make_engine, make_session_factory, migrate, session_scope
-from service.models import Attempt, MetricBucket, utcnow
-from service.scheduler import Scheduler
-from service.settings import Settings
-from service.states import JobState
+from elastrain.contracts.messages import DriverReport, DriverStatus, StepMetrics
+from elastrain.contracts.spec import JobSpec
+from elastrain.service import jobs, lease, reports
+from elastrain.service.db import make_engine, make_session_factory, migrate, session_scope
+from elastrain.service.models import Attempt, MetricBucket, utcnow
+from elastrain.service.scheduler import Scheduler
+from elastrain.service.settings import Settings
+from elastrain.service.states import JobState
 from tests.fake_launcher import FakeLauncher
 
 
@@ -373,7 +373,7 @@ def test_a_report_is_stored_once_even_when_its_pass_rolls_back(env, monkeypatch)
 
 
 def test_the_cluster_view_is_in_the_database_for_every_api_replica(env) -> None:
-    from service import cluster
+    from elastrain.service import cluster
 
     factory, launcher, sched, _ = env
     jid = submit(factory, scaling={"min_workers": 2, "max_workers": 2})
@@ -391,7 +391,7 @@ def test_the_cluster_view_is_in_the_database_for_every_api_replica(env) -> None:
 
 
 def test_cancel_of_a_job_no_driver_holds_is_decided_at_once(env) -> None:
-    from service import executor
+    from elastrain.service import executor
 
     factory, launcher, sched, _ = env
     jid = submit(factory, scaling={"min_workers": 3, "max_workers": 3})
@@ -412,7 +412,7 @@ def test_steps_whose_reports_died_with_their_attempt_come_back_from_the_checkpoi
     """Rank 0 reported steps 1-2, trained and checkpointed to step 5, and its node died
     before reports 3-5 reached the driver: the attempt that resumes from step 5 hands back
     the points saved with the checkpoint, so the job's history has no hole."""
-    from contracts.messages import StepMetrics
+    from elastrain.contracts.messages import StepMetrics
 
     factory, launcher, sched, _ = env
     jid = submit(factory, scaling={"min_workers": 1, "max_workers": 2})
@@ -484,7 +484,7 @@ def submit_as(factory, owner: str, **overrides) -> int:  # type: ignore[no-untyp
 
 
 def test_tenant_quota_caps_admission_growth_and_recovery(env) -> None:
-    from service import auth
+    from elastrain.service import auth
 
     factory, launcher, sched, clock = env
     with session_scope(factory) as s:

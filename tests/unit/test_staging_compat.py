@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from checkpoints.dcp.checkpointer import ShardedCheckpointer
-from checkpoints.manifest import read_manifest
+from elastrain.checkpoints.dcp.checkpointer import ShardedCheckpointer
+from elastrain.checkpoints.manifest import read_manifest
 from tests.unit.test_checkpoints_dcp import build, ckpt_state
 
 

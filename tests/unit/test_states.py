@@ -13,11 +13,11 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from contracts.spec import JobSpec
-from service.db import session_scope
-from service.jobs import create_job, get_job, list_events, set_job_state
-from service.models import Event
-from service.states import ALLOWED, TERMINAL, IllegalTransition, JobState, can_transition
+from elastrain.contracts.spec import JobSpec
+from elastrain.service.db import session_scope
+from elastrain.service.jobs import create_job, get_job, list_events, set_job_state
+from elastrain.service.models import Event
+from elastrain.service.states import ALLOWED, TERMINAL, IllegalTransition, JobState, can_transition
 from tests.factories import spec_dict
 
 ALL_PAIRS = list(itertools.product(JobState, JobState))

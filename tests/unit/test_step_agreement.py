@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from contracts.messages import Control
-from contracts.spec import JobSpec
+from elastrain.contracts.messages import Control
+from elastrain.contracts.spec import JobSpec
 from tests.unit.dist_utils import run_distributed
-from workers.api import TrainContext
+from elastrain.workers.api import TrainContext
 
 PIPELINE = {"kind": "pipeline", "pipeline_stages": 2, "microbatches": 2}
 #: label -> (strategy, grad_clip, the agreement rides a collective of the step)
@@ -53,12 +53,12 @@ def _spec(strategy: dict[str, Any], grad_clip: float | None) -> JobSpec:
 
 
 def _one_step(rank: int, world: int, spec: JobSpec, rides: bool) -> dict[str, Any]:
-    from workers.agreement import StepAgreement
-    from workers.loop import Collator
-    from workers.rng import seed_everything
-    from workers.sampler import ElasticSampler
-    from workers.strategies import make_strategy
-    from workers.workloads import load_workload
+    from elastrain.workers.agreement import StepAgreement
+    from elastrain.workers.loop import Collator
+    from elastrain.workers.rng import seed_everything
+    from elastrain.workers.sampler import ElasticSampler
+    from elastrain.workers.strategies import make_strategy
+    from elastrain.workers.workloads import load_workload
 
     seed_everything(spec.training.seed)
     workload = load_workload(spec.workload)
@@ -128,10 +128,10 @@ def ranks() -> list[dict[str, Any]]:
 def global_batch_loss_sum(spec: JobSpec) -> float:
     """The first global batch's summed per-sample loss, on the initial model, in one
     process: what the ranks must agree on."""
-    from workers.loop import Collator
-    from workers.rng import seed_everything
-    from workers.sampler import ElasticSampler
-    from workers.workloads import load_workload
+    from elastrain.workers.loop import Collator
+    from elastrain.workers.rng import seed_everything
+    from elastrain.workers.sampler import ElasticSampler
+    from elastrain.workers.workloads import load_workload
 
     seed_everything(spec.training.seed)
     workload = load_workload(spec.workload)

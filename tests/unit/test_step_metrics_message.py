@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from contracts.messages import SavedTraining, StepMetrics
+from elastrain.contracts.messages import SavedTraining, StepMetrics
 
 
 def _point(**overrides: object) -> StepMetrics:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from contracts.messages import (
+from elastrain.contracts.messages import (
     DriverReport,
     DriverStatus,
     Phase,
@@ -12,7 +12,7 @@ from contracts.messages import (
     Timeline,
     TimelineMark,
 )
-from service.telemetry import RESTORES, report_samples
+from elastrain.service.telemetry import RESTORES, report_samples
 
 
 def _timeline(restored: TimelineMark) -> Timeline:

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from contracts.spec import JobSpec
+from elastrain.contracts.spec import JobSpec
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import assert_same
 from tests.unit.test_workers_train import crcs, losses, run_jobs
-from workers.strategies.mesh import grid_layout
+from elastrain.workers.strategies.mesh import grid_layout
 
 STEPS = 6
 RTOL = 2e-5
@@ -52,10 +52,10 @@ PP_TP = {"kind": "pipeline", "pipeline_stages": 2, "tensor_parallel": 2, "microb
 
 
 def _strategy(strategy: dict[str, Any], rank: int, world_size: int, root: str) -> Any:
-    from workers.api import TrainContext
-    from workers.rng import seed_everything
-    from workers.strategies import make_strategy
-    from workers.workloads import load_workload
+    from elastrain.workers.api import TrainContext
+    from elastrain.workers.rng import seed_everything
+    from elastrain.workers.strategies import make_strategy
+    from elastrain.workers.workloads import load_workload
 
     spec = gpt_spec(strategy)
     seed_everything(3)
@@ -86,7 +86,7 @@ def full_state(st: Any) -> dict[str, torch.Tensor]:
 
 
 def save_after_steps(rank: int, world_size: int, strategy: dict[str, Any], root: str) -> Any:
-    from checkpoints.dcp import ShardedCheckpointer
+    from elastrain.checkpoints.dcp import ShardedCheckpointer
 
     st, workload = _strategy(strategy, rank, world_size, root)
     samples = [workload.dataset[i] for i in range(4)]
@@ -102,7 +102,7 @@ def save_after_steps(rank: int, world_size: int, strategy: dict[str, Any], root:
 
 
 def load_latest(rank: int, world_size: int, strategy: dict[str, Any], root: str) -> Any:
-    from checkpoints.dcp import ShardedCheckpointer
+    from elastrain.checkpoints.dcp import ShardedCheckpointer
 
     st, _ = _strategy(strategy, rank, world_size, root + "-load")
     ckpt = ShardedCheckpointer(Path(root), rank=rank, world_size=world_size, async_save=False)

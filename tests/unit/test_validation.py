@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.main import create_app
-from service.settings import Settings
+from elastrain.api.main import create_app
+from elastrain.service.settings import Settings
 from tests.factories import spec_dict
 
 
@@ -142,7 +142,7 @@ def test_a_gpu_rank_owns_exactly_one_gpu(api: TestClient, scaling: dict[str, Any
 
 
 def test_tensor_parallel_jobs_run_at_multiples_of_the_model_size() -> None:
-    from contracts.spec import JobSpec
+    from elastrain.contracts.spec import JobSpec
 
     tp = JobSpec.model_validate(
         spec_dict(strategy={"kind": "tp"}, scaling={"max_workers": 7}, workload=GPT4)
@@ -172,8 +172,8 @@ def test_unknown_checkpoint_digest(api: TestClient, digest: object) -> None:
 
 def test_checkpoint_digest_choices_are_the_checkpointers() -> None:
     """Every value the spec accepts names an algorithm the checkpoints can write."""
-    from checkpoints.digest import algorithm_for_setting
-    from contracts.spec import CheckpointDigest, CheckpointSpec
+    from elastrain.checkpoints.digest import algorithm_for_setting
+    from elastrain.contracts.spec import CheckpointDigest, CheckpointSpec
 
     assert CheckpointSpec().digest == CheckpointDigest.xxh3
     assert {algorithm_for_setting(d.value) for d in CheckpointDigest} == {"xxh3-128", "sha256"}
@@ -228,9 +228,9 @@ def test_refused_entrypoints(api: TestClient, entrypoint: str, why: str) -> None
 @pytest.mark.parametrize(
     "entrypoint",
     [
-        "workers.workloads.synthetic:build",
-        "workers.workloads.gpt:load_corpus",
-        "workers.loop:train",
+        "elastrain.workers.workloads.synthetic:build",
+        "elastrain.workers.workloads.gpt:load_corpus",
+        "elastrain.workers.loop:train",
     ],
 )
 def test_built_in_workloads_are_reached_by_name_only(api: TestClient, entrypoint: str) -> None:
@@ -251,7 +251,7 @@ def test_the_operator_cannot_allow_the_standard_library() -> None:
     with pytest.raises(ValueError, match="standard library"):
         Settings(allowed_entrypoints="my_pkg, subprocess")
     with pytest.raises(ValueError, match="elastrain's own"):
-        Settings(allowed_entrypoints="workers.workloads")
+        Settings(allowed_entrypoints="elastrain.workers.workloads")
 
 
 @pytest.mark.parametrize(
@@ -375,7 +375,7 @@ def test_resources_a_cluster_cannot_mean(
 
 
 def test_a_gpu_rank_holds_one_whole_gpu() -> None:
-    from contracts.spec import ScalingSpec
+    from elastrain.contracts.spec import ScalingSpec
 
     assert ScalingSpec(use_gpu=True, gpus_per_worker=1).gpus_per_worker == 1
 

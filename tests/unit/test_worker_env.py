@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from service.worker_env import scrubbed_environ, worker_env
+from elastrain.service.worker_env import scrubbed_environ, worker_env
 
 SERVICE = {
     "PATH": "/usr/bin",

@@ -14,18 +14,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from contracts.messages import Phase, RestoreSource, TimelineMark
+from elastrain.contracts.messages import Phase, RestoreSource, TimelineMark
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_workers_train import STEPS, make_spec
-from workers.api import Control, NullHooks, TrainContext
-from workers.rendezvous import host_store
+from elastrain.workers.api import Control, NullHooks, TrainContext
+from elastrain.workers.rendezvous import host_store
 
 _STORE_TIMEOUT = timedelta(seconds=60)
 
 
 def _host_stores(rank: int, sizes: list[int]) -> tuple[list[dist.TCPStore | None], list[int]]:
     """The stores of the groups to come, hosted by rank 0 and listening from now on
-    (`workers.rendezvous`); their ports sent to every rank over the current group."""
+    (`elastrain.workers.rendezvous`); their ports sent to every rank over the current group."""
     stores = [host_store("127.0.0.1", n, _STORE_TIMEOUT) if rank == 0 else None for n in sizes]
     ports: list[Any] = [s.port if s is not None else None for s in stores]
     dist.broadcast_object_list(ports, src=0)
@@ -44,8 +44,8 @@ def _regroup(rank: int, world_size: int, port: int, hosted: dist.TCPStore | None
 
 
 def survive(rank: int, world_size: int, root: str) -> Any:
-    from workers.loop import train
-    from workers.memory import ReplicaMemory
+    from elastrain.workers.loop import train
+    from elastrain.workers.memory import ReplicaMemory
 
     spec = make_spec("ddp", every=100)
 

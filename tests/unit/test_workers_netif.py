@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.netif import interface_with, pin_collectives_to
+from elastrain.workers.netif import interface_with, pin_collectives_to
 
 
 def test_the_interface_holding_an_address_is_found() -> None:

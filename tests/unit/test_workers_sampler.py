@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from workers.sampler import ElasticSampler, batch_crc, split_sizes
+from elastrain.workers.sampler import ElasticSampler, batch_crc, split_sizes
 
 
 @pytest.mark.parametrize(("n", "g"), [(100, 32), (37, 10), (10, 7), (5, 12)])

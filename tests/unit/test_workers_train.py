@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from contracts.messages import EventKind
-from contracts.spec import JobSpec
+from elastrain.contracts.messages import EventKind
+from elastrain.contracts.spec import JobSpec
 from tests.unit.dist_utils import run_distributed
-from workers.api import Control, NullHooks, TrainContext
-from workers.lr_schedule import lr_at
+from elastrain.workers.api import Control, NullHooks, TrainContext
+from elastrain.workers.lr_schedule import lr_at
 
 STEPS = 8
 
@@ -45,7 +45,7 @@ def make_spec(kind: str, *, global_batch: int = 32, micro: int = 8, every: int =
 
 def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str, JobSpec, list[str]]]) -> Any:
     """Run `train()` once per job, one after the other, in this rank's process."""
-    from workers.loop import train
+    from elastrain.workers.loop import train
 
     out = {}
     for label, root, spec, controls in jobs:
@@ -215,7 +215,7 @@ def test_resume_continues_the_same_sample_stream(runs: dict) -> None:
 
 
 def test_train_needs_a_process_group(tmp_path: Path) -> None:
-    from workers.loop import train
+    from elastrain.workers.loop import train
 
     ctx = TrainContext(
         rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), job_id=1, attempt=1,

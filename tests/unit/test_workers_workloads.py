@@ -6,9 +6,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from contracts.spec import BUILTIN_WORKLOADS, WorkloadSpec
-from workers.api import Workload
-from workers.workloads import WorkloadError, load_workload, stage_block_range
+from elastrain.contracts.spec import BUILTIN_WORKLOADS, WorkloadSpec
+from elastrain.workers.api import Workload
+from elastrain.workers.workloads import WorkloadError, load_workload, stage_block_range
 
 TINY = {
     "gpt": {"n_layer": 3, "n_embd": 16, "n_head": 2, "seq_len": 8},
@@ -91,10 +91,10 @@ def test_stage_block_range() -> None:
         ({"entrypoint": f"{__name__}:two_args"}, "do not fit"),
         ({"name": "synthetic", "params": {"bogus": 1}}, "workload.params.bogus: unknown"),
         ({"entrypoint": f"{__name__}:synthetic_factory", "params": {"bogus": 1}}, "do not fit"),
-        ({"entrypoint": f"{__name__}:not_a_workload"}, "expected workers.api.Workload"),
+        ({"entrypoint": f"{__name__}:not_a_workload"}, "expected elastrain.workers.api.Workload"),
         # Built-ins by name only: their module's functions skip the checks the name gets.
-        ({"entrypoint": "workers.workloads.gpt:load_corpus"}, "elastrain's own"),
-        ({"entrypoint": "workers.workloads.synthetic:build"}, "elastrain's own"),
+        ({"entrypoint": "elastrain.workers.workloads.gpt:load_corpus"}, "elastrain's own"),
+        ({"entrypoint": "elastrain.workers.workloads.synthetic:build"}, "elastrain's own"),
         ({"entrypoint": f"{__name__}:_private_helper"}, "'_private_helper' is private"),
     ],
 )
@@ -107,7 +107,7 @@ def test_load_workload_errors_name_the_field(spec: dict, message: str) -> None:
 
 def synthetic_factory(num_samples: int = 8) -> Workload:
     """A user's factory (the synthetic workload under another name)."""
-    from workers.workloads.synthetic import build
+    from elastrain.workers.workloads.synthetic import build
 
     return build(num_samples=num_samples)
 
@@ -146,12 +146,12 @@ def test_custom_entrypoint() -> None:
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_WORKLOADS))
 def test_the_typed_params_are_the_factorys_arguments(name: str) -> None:
-    """contracts.workload_params describes exactly what the worker's factory takes, with
+    """elastrain.contracts.workload_params describes exactly what the worker's factory takes, with
     the same defaults: what passes at submit builds on the worker."""
     import inspect
 
-    from contracts.workload_params import BUILTIN_PARAMS
-    from workers.workloads import resolve_entrypoint
+    from elastrain.contracts.workload_params import BUILTIN_PARAMS
+    from elastrain.workers.workloads import resolve_entrypoint
 
     factory = resolve_entrypoint(BUILTIN_WORKLOADS[name])
     signature = {p.name: p.default for p in inspect.signature(factory).parameters.values()}
@@ -181,7 +181,7 @@ def test_gpt_params_are_checked_at_submit(params: dict, message: str) -> None:
 
 def test_gpt_model_flops_count_attention() -> None:
     """6·N per token plus 12·L·d·T per token (nanoGPT's and torchtitan's count)."""
-    from workers.workloads.gpt import build
+    from elastrain.workers.workloads.gpt import build
 
     w = build(n_layer=2, n_embd=32, n_head=2, seq_len=16)
     n = sum(p.numel() for p in w.model.parameters())

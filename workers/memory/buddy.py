@@ -2,7 +2,7 @@
 losing one node never takes a shard and its only copy (Gemini, SOSP '23).
 
 Nodes are taken in ring order (the order their first rank appears: the runtime numbers
-ranks node by node, `workers.runtime.layout`). A rank's buddy is the rank at the same
+ranks node by node, `elastrain.workers.runtime.layout`). A rank's buddy is the rank at the same
 local index on the next node of the ring; where that node has fewer ranks (uneven
 nodes), the index wraps around its ranks, so one rank may keep several copies. With one
 node there is no buddy to be had: peer memory then covers a resize STOP (every rank

@@ -1,15 +1,15 @@
 """What a worker process keeps of a job's training state between attempts.
 
-Worker processes outlive attempts (`workers.process`). When a peer dies mid-run, the
+Worker processes outlive attempts (`elastrain.workers.process`). When a peer dies mid-run, the
 survivors stop at a step boundary (the loop agrees on every step before any rank updates
 its weights) and keep here:
 
 - their live model and optimizer (`strategy`, at `step`): a ddp rank's is a whole
   replica, so a new group can take the state from any one survivor;
-- snapshots of shards (`copies`, `workers.memory.snapshots`): this rank's own and those of
+- snapshots of shards (`copies`, `elastrain.workers.memory.snapshots`): this rank's own and those of
   the ranks whose buddy it is, refreshed every `checkpoint.memory_every` steps, so that the
   survivors of a node loss together hold every shard of a sharded job (fsdp, tp, pipeline,
-  2-D) and the next group re-shards from them (`workers.memory.handover`).
+  2-D) and the next group re-shards from them (`elastrain.workers.memory.handover`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from contracts.group import HeldState
-from contracts.messages import StepMetrics
-from workers.memory.snapshots import Snapshot
-from workers.memory.sources import NOTHING, Offer
-from workers.strategies import Strategy
+from elastrain.contracts.group import HeldState
+from elastrain.contracts.messages import StepMetrics
+from elastrain.workers.memory.snapshots import Snapshot
+from elastrain.workers.memory.sources import NOTHING, Offer
+from elastrain.workers.strategies import Strategy
 
 
 @dataclass
@@ -37,7 +37,7 @@ class ReplicaMemory:
     recent: Iterable[StepMetrics] = field(default_factory=tuple)
     """The newest metric points (handed on like those saved with a checkpoint)."""
     copies: list[Snapshot] = field(default_factory=list)
-    """Snapshot generations held, oldest first (at most two: `workers.memory.snapshots`)."""
+    """Snapshot generations held, oldest first (at most two: `elastrain.workers.memory.snapshots`)."""
 
     def hold(
         self,
@@ -67,7 +67,7 @@ class ReplicaMemory:
         return self.step
 
     def offer(self, job_id: int) -> Offer:
-        """What this process can give a new group of `job_id` (`workers.memory.sources`)."""
+        """What this process can give a new group of `job_id` (`elastrain.workers.memory.sources`)."""
         if self.job_id != job_id:
             return Offer()
         full = self.strategy is not None and self.strategy.full_replica

@@ -1,12 +1,12 @@
 """Peer memory's refresh: every rank copies its shard to host memory and sends the copy to
-its buddy on another node (`workers.memory.buddy`), every `checkpoint.memory_every` steps
-(`workers.memory.pacing`).
+its buddy on another node (`elastrain.workers.memory.buddy`), every `checkpoint.memory_every` steps
+(`elastrain.workers.memory.pacing`).
 
-A snapshot is an in-memory DCP checkpoint (`checkpoints.dcp.in_memory`): the first
+A snapshot is an in-memory DCP checkpoint (`elastrain.checkpoints.dcp.in_memory`): the first
 refresh of an attempt plans it collectively with DCP's save planner (the same items,
 deduplication and metadata as a disk checkpoint of the same state); later refreshes reuse
 that plan and only copy, locally. The buddy copy goes over a gloo group of its own,
-point to point, in buckets (`workers.memory.transfer`): a small header with the byte
+point to point, in buckets (`elastrain.workers.memory.transfer`): a small header with the byte
 sizes of the sender's items, then the items' raw bytes.
 
 Two generations are kept. A refresh writes into the buffers of the older one and keeps
@@ -30,14 +30,14 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
-from checkpoints.dcp.in_memory import Arena, Blob, MemoryWriter, arena_of, as_bytes, keep_items
-from contracts.spec import JobSpec
-from workers.api import TrainContext
-from workers.memory.buddy import buddies, wards
-from workers.memory.pacing import RefreshPacer, overhead
-from workers.memory.sources import Generation
-from workers.memory.transfer import stream
-from workers.strategies import Strategy
+from elastrain.checkpoints.dcp.in_memory import Arena, Blob, MemoryWriter, arena_of, as_bytes, keep_items
+from elastrain.contracts.spec import JobSpec
+from elastrain.workers.api import TrainContext
+from elastrain.workers.memory.buddy import buddies, wards
+from elastrain.workers.memory.pacing import RefreshPacer, overhead
+from elastrain.workers.memory.sources import Generation
+from elastrain.workers.memory.transfer import stream
+from elastrain.workers.strategies import Strategy
 
 log = logging.getLogger("elastrain.workers.memory")
 

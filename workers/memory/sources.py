@@ -2,7 +2,7 @@
 
 Every rank of the new group offers what it holds of the job (`Offer`): a live state (the
 model it trained in an earlier attempt, at the step that attempt reached) and snapshots
-of shards (its own and its wards', `workers.memory.snapshots`), each from one generation
+of shards (its own and its wards', `elastrain.workers.memory.snapshots`), each from one generation
 (attempt, step, world size) of the group that made it. A generation can be loaded when
 the group's offers together cover every rank of the group that saved it. The newest of
 these, or a whole live replica (ddp), wins over a checkpoint that is not newer. Pure:

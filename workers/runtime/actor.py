@@ -1,7 +1,7 @@
 """The runtime: one long-lived, detached Ray actor that runs every attempt of every job.
 
-It holds the warm worker pool (`workers.runtime.pool`) and one `AttemptDriver` per live
-attempt. The control plane (`service.runtime_client`) launches an attempt once and, every
+It holds the warm worker pool (`elastrain.workers.runtime.pool`) and one `AttemptDriver` per live
+attempt. The control plane (`elastrain.service.runtime_client`) launches an attempt once and, every
 scheduler pass, hands the runtime the attempts its database says are live (`reconcile`):
 the runtime answers with their reports and lets go of everything else it holds (drivers,
 the state processes keep of jobs that are over, placement groups nobody owns). Rank 0 of
@@ -25,19 +25,19 @@ import ray
 from ray import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from contracts.group import WorkerInfo
-from contracts.messages import Control, WorkerMessage
-from contracts.runtime import (
+from elastrain.contracts.group import WorkerInfo
+from elastrain.contracts.messages import Control, WorkerMessage
+from elastrain.contracts.runtime import (
     RUNTIME_NAME,
     AttemptKey,
     LaunchRequest,
     Reconcile,
     Reconciled,
 )
-from workers.runtime.driver import AttemptDriver, group_prefix
-from workers.runtime.notice import NoticeWatchers
-from workers.runtime.pool import WorkerPool
-from workers.runtime.reconcile import (
+from elastrain.workers.runtime.driver import AttemptDriver, group_prefix
+from elastrain.workers.runtime.notice import NoticeWatchers
+from elastrain.workers.runtime.pool import WorkerPool
+from elastrain.workers.runtime.reconcile import (
     HeldAttempt,
     attempts_to_release,
     jobs_to_forget,
@@ -95,7 +95,7 @@ class Runtime:
 
     def reconcile(self, want: Reconcile) -> Reconciled:
         """Every live attempt's report; everything the control plane no longer wants is let
-        go of (see `workers.runtime.reconcile` for the rules)."""
+        go of (see `elastrain.workers.runtime.reconcile` for the rules)."""
         with self._lock:
             held = [
                 HeldAttempt(key=k, name=d.request.name, sent_at=d.request.sent_at)

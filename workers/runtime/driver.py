@@ -1,8 +1,8 @@
 """One attempt's driver: forms its worker group from pooled processes, runs it, reports.
 
-Drivers live inside the runtime actor (`workers.runtime.actor`), one per running
+Drivers live inside the runtime actor (`elastrain.workers.runtime.actor`), one per running
 attempt, each on its own thread; creating one costs no process. Rank 0 of the worker group
-pushes typed messages (`contracts.messages`: metrics, checkpoint commits, events, timeline
+pushes typed messages (`elastrain.contracts.messages`: metrics, checkpoint commits, events, timeline
 marks) to it with fire-and-forget actor calls; the driver numbers them, and the scheduler
 drains them on every pass and acknowledges what it stored.
 
@@ -27,8 +27,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from contracts.group import Assignment, RunOutcome
-from contracts.messages import (
+from elastrain.contracts.group import Assignment, RunOutcome
+from elastrain.contracts.messages import (
     Control,
     DriverReport,
     DriverStatus,
@@ -43,10 +43,10 @@ from contracts.messages import (
     WorkerFailed,
     WorkerMessage,
 )
-from contracts.runtime import JobRef, LaunchRequest
-from contracts.spec import JobSpec
-from workers.runtime.layout import Slot, local_layout, rank_order
-from workers.runtime.pool import PooledWorker, WorkerPool, choose_worker
+from elastrain.contracts.runtime import JobRef, LaunchRequest
+from elastrain.contracts.spec import JobSpec
+from elastrain.workers.runtime.layout import Slot, local_layout, rank_order
+from elastrain.workers.runtime.pool import PooledWorker, WorkerPool, choose_worker
 
 log = logging.getLogger("elastrain.driver")
 
@@ -126,7 +126,7 @@ class AttemptDriver:
                     and self._status == DriverStatus.STARTING
                 ):
                     # A command job's script may never report a step: running from the
-                    # moment rank 0's script started (`workers.command`).
+                    # moment rank 0's script started (`elastrain.workers.command`).
                     self._status = DriverStatus.RUNNING
                 return
             self._append(message)
@@ -168,7 +168,7 @@ class AttemptDriver:
         before its rank has started is not lost."""
         if self._rank0 is not None and self._control:
             # A command job's scripts cannot agree on a step to stop at: each rank's
-            # process stops its own script (`workers.command.ScriptRun.wait`).
+            # process stops its own script (`elastrain.workers.command.ScriptRun.wait`).
             for handle in self._ranks if self._command else [self._rank0]:
                 handle.control.remote(self.key, self._control)
             self._control = []
@@ -285,7 +285,7 @@ class AttemptDriver:
         hold its newest state. Returns when the last of them let go, or when the wait
         was given up. A survivor blocked in a collective on a peer that vanished without
         closing its sockets frees itself `RELEASE_AFTER_S` after the release's abort
-        (`workers.comm_release`), not at the collective's timeout."""
+        (`elastrain.workers.comm_release`), not at the collective's timeout."""
         deadline = time.monotonic() + OLD_GROUP_GRACE_S
         while time.monotonic() < deadline:
             busy = [w for w in self.pool.job_workers(self.request.job) if w.busy]
@@ -300,7 +300,7 @@ class AttemptDriver:
 
     def _place(self, n: int) -> list[PooledWorker]:
         """Reserve `n` bundles, pick a process on each bundle's node (holders of the job's
-        newest state first) and number them node by node (`workers.runtime.layout`)."""
+        newest state first) and number them node by node (`elastrain.workers.runtime.layout`)."""
         job = self.request.job
         avoid = set(self.request.avoid_nodes)
         holders = sorted(
@@ -530,7 +530,7 @@ def private_worker_options(spec: JobSpec) -> dict[str, Any] | None:
     placement group. (Ray caches the pip environment per node and requirement list, so
     only the first start pays the install.) A GPU rank of such a job borrows the GPU of a
     pooled process, which stays lent to the attempt meanwhile (`AttemptDriver._place`).
-    GPU jobs otherwise run in the pool's warm GPU processes (`workers.runtime.pool`).
+    GPU jobs otherwise run in the pool's warm GPU processes (`elastrain.workers.runtime.pool`).
     """
     if spec.workload.requirements:
         return {"runtime_env": {"pip": list(spec.workload.requirements)}}

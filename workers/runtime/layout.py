@@ -2,7 +2,7 @@
 inside a node.
 
 Ranks are numbered tensor-parallel innermost, then pipeline stage, then replica
-(`workers.strategies.mesh`): a tensor-parallel group is `tp` consecutive ranks and a model
+(`elastrain.workers.strategies.mesh`): a tensor-parallel group is `tp` consecutive ranks and a model
 replica `tp * stages`. The processes of an attempt sit on whatever nodes its placement
 group got; `rank_order` numbers them so that a whole replica, else a whole tensor-parallel
 group, lies on one node wherever the per-node counts allow it, and so that rank 0 is a

@@ -32,7 +32,7 @@ import ray
 from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from contracts.runtime import NOTICE_KV_NAMESPACE, NOTICE_KV_PREFIX, PreemptionNotice
+from elastrain.contracts.runtime import NOTICE_KV_NAMESPACE, NOTICE_KV_PREFIX, PreemptionNotice
 
 log = logging.getLogger("elastrain.notice")
 

@@ -1,13 +1,13 @@
 """Warm worker processes, kept per node, handed to attempts and taken back.
 
-A `WorkerProcess` (`workers.process`) is a detached Ray actor with torch and the training
+A `WorkerProcess` (`elastrain.workers.process`) is a detached Ray actor with torch and the training
 loop imported. The pool keeps a few idle ones on every node ahead of need, so a new
 worker group costs no process start and no imports. A process that trained in an
 attempt comes back holding the job's state in memory; the job's next attempt prefers it
 (`choose_worker`), which is how a survivor of a node loss hands its state on.
 
 On a node with GPUs the pool also keeps one process per GPU that owns it for its
-lifetime (`workers.devices`): started with the GPU's node-local index, it sees that GPU
+lifetime (`elastrain.workers.devices`): started with the GPU's node-local index, it sees that GPU
 alone, has made its CUDA context, and serves GPU ranks only (a CPU process sees no GPU
 and serves CPU ranks only). GPU jobs are lent these processes like CPU jobs are lent CPU
 ones, so their ranks keep their processes (and the state in them) across recovery and
@@ -22,7 +22,7 @@ attempts hold) says the same. (Had each GPU process asked for `num_gpus=1`, Ray 
 count every GPU as used for good, and an attempt's bundle asking for the GPU again would
 never be placed: the same GPU counted twice.)
 
-This lives inside the runtime actor (`workers.runtime.actor`); the worker class is
+This lives inside the runtime actor (`elastrain.workers.runtime.actor`); the worker class is
 imported when the pool is made, so importing the runtime loads no torch.
 """
 
@@ -41,8 +41,8 @@ from typing import Any, cast
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from contracts.group import HeldState, WorkerInfo
-from contracts.runtime import AttemptKey, JobRef
+from elastrain.contracts.group import HeldState, WorkerInfo
+from elastrain.contracts.runtime import AttemptKey, JobRef
 
 log = logging.getLogger("elastrain.pool")
 
@@ -158,7 +158,7 @@ class WorkerPool:
     _counter: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
-        from workers.process import WorkerProcess  # torch: only inside the runtime actor
+        from elastrain.workers.process import WorkerProcess  # torch: only inside the runtime actor
 
         self._cls = ray.remote(WorkerProcess)
         self._adopt()

@@ -2,7 +2,7 @@
 functions over plain data, table-tested (tests/unit/test_runtime_reconcile.py).
 
 The runtime compares what it holds with what the database says should live, on every
-pass, as Kubernetes controllers do; `workers.runtime.actor` carries out the answer.
+pass, as Kubernetes controllers do; `elastrain.workers.runtime.actor` carries out the answer.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from contracts.runtime import AttemptKey, JobRef, Reconcile
+from elastrain.contracts.runtime import AttemptKey, JobRef, Reconcile
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

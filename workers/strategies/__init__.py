@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from contracts.spec import StrategyKind
-from workers.strategies.base import Layout, MicroBatch, StepResult, Strategy
+from elastrain.contracts.spec import StrategyKind
+from elastrain.workers.strategies.base import Layout, MicroBatch, StepResult, Strategy
 
 __all__ = ["Layout", "MicroBatch", "StepResult", "Strategy", "make_strategy"]
 
@@ -13,19 +13,19 @@ def make_strategy(kind: StrategyKind) -> Strategy:
     ddp job never imports the pipelining machinery (and vice versa)."""
     kind = StrategyKind(kind)  # also accepts the plain value ("ddp"), and names a bad one
     if kind is StrategyKind.ddp:
-        from workers.strategies.ddp import DDPStrategy
+        from elastrain.workers.strategies.ddp import DDPStrategy
 
         return DDPStrategy()
     if kind is StrategyKind.fsdp:
-        from workers.strategies.fsdp import FSDPStrategy
+        from elastrain.workers.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy()
     if kind is StrategyKind.pipeline:
-        from workers.strategies.pipeline import PipelineStrategy
+        from elastrain.workers.strategies.pipeline import PipelineStrategy
 
         return PipelineStrategy()
     if kind is StrategyKind.tp:
-        from workers.strategies.tensor_parallel import TensorParallelStrategy
+        from elastrain.workers.strategies.tensor_parallel import TensorParallelStrategy
 
         return TensorParallelStrategy()
     raise AssertionError(f"unhandled StrategyKind {kind!r}")  # pragma: no cover

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from contracts.messages import Control
-from contracts.spec import JobSpec
-from workers.activation import ActivationMeter
-from workers.agreement import StepAgreement
-from workers.api import TrainContext, Workload
+from elastrain.contracts.messages import Control
+from elastrain.contracts.spec import JobSpec
+from elastrain.workers.activation import ActivationMeter
+from elastrain.workers.agreement import StepAgreement
+from elastrain.workers.api import TrainContext, Workload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,7 +33,7 @@ class Layout:
 
     The loop splits the global batch over the `dp` replicas; all ranks of one replica see
     the same share. Ranks are numbered with tp innermost, then pp, then dp
-    (`workers.strategies.mesh`).
+    (`elastrain.workers.strategies.mesh`).
     """
 
     dp: int
@@ -55,7 +55,7 @@ def no_staging_wait() -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class StepResult:
-    """One optimizer step as every rank agreed on it (`workers.agreement`)."""
+    """One optimizer step as every rank agreed on it (`elastrain.workers.agreement`)."""
 
     loss_sum: float
     """The global batch's summed per-sample loss, the same on every rank (the loop divides
@@ -112,7 +112,7 @@ class Strategy(ABC):
         global-batch mean. Every rank of a collective group must get the same number of
         micro-batches (the loop guarantees it), so collectives stay in lockstep.
         `control` is rank 0's request (NONE elsewhere): before any rank updates its
-        weights, every rank agrees on it and on the global loss (`workers.agreement`).
+        weights, every rank agrees on it and on the global loss (`elastrain.workers.agreement`).
         `wait_staged` is called just before the update: an async checkpoint's staging copy
         of the weights must be complete by then.
         """
@@ -215,7 +215,7 @@ def microbatch_loss(
     The workload's loss is a mean over the micro-batch; times its size it becomes a sum,
     and `loss_scale` turns that into this rank's share of the global-batch mean.
 
-    An EMPTY micro-batch (size 0 along dim 0, see `workers.sampler`) still runs a forward
+    An EMPTY micro-batch (size 0 along dim 0, see `elastrain.workers.sampler`) still runs a forward
     and backward, on one all-zero dummy sample with a zero weight: every parameter then
     gets a zero gradient and the replica joins the same gradient collectives as the
     others. Zeros keep the trailing shape and dtype the loop gave the empty tensors, and

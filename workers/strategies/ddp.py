@@ -22,11 +22,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from contracts.messages import Control
-from contracts.spec import JobSpec, MixedPrecision
-from workers.agreement import StepAgreement
-from workers.api import TrainContext, Workload
-from workers.strategies.base import (
+from elastrain.contracts.messages import Control
+from elastrain.contracts.spec import JobSpec, MixedPrecision
+from elastrain.workers.agreement import StepAgreement
+from elastrain.workers.api import TrainContext, Workload
+from elastrain.workers.strategies.base import (
     Layout,
     MicroBatch,
     StepResult,
@@ -34,7 +34,7 @@ from workers.strategies.base import (
     microbatch_loss,
     no_staging_wait,
 )
-from workers.strategies.grad_norm import clip_grads_
+from elastrain.workers.strategies.grad_norm import clip_grads_
 
 
 def grad_clip_of(spec: JobSpec, override: float | EllipsisType | None) -> float | None:
@@ -105,7 +105,7 @@ class DataParallelStrategy(Strategy):
         wait_staged: Callable[[], float] = no_staging_wait,
     ) -> StepResult:
         # What every rank must hold alike before any updates its weights: the global loss
-        # and rank 0's control (`workers.agreement`).
+        # and rank 0's control (`elastrain.workers.agreement`).
         agreement = StepAgreement(control)
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -237,7 +237,7 @@ def allreduce_carrying_agreement(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP's own all-reduce (gradients averaged over the ranks), except that the first
     bucket of a sync that has a step agreement to carry sums the agreement's two values
-    with the gradients, in one collective (`workers.agreement`). The first bucket is
+    with the gradients, in one collective (`elastrain.workers.agreement`). The first bucket is
     reduced first (the last layers' gradients, DDP's small first bucket), and every rank
     hands over an agreement at the same step, so every rank packs alike."""
     agreement, grads = carrier.agreement, bucket.buffer()

@@ -5,11 +5,11 @@ one block's full parameters are gathered at a time; the root unit takes what is 
 (embeddings, head). Parameters are DTensors sharded on dim 0 over a 1-D mesh of all ranks.
 
 With `strategy.tensor_parallel: N` (2-D, as torchtitan composes them) the model is first
-split over groups of N consecutive ranks (`workers.strategies.tensor_parallel`), then
+split over groups of N consecutive ranks (`elastrain.workers.strategies.tensor_parallel`), then
 FSDP shards each tensor-parallel shard over the data-parallel ranks of the (dp, tp) mesh:
 parameters are DTensors placed (Shard(0) over dp, their tp placement over tp).
 
-The step is `DataParallelStrategy.step` (`workers.strategies.ddp`): with gradient sync off,
+The step is `DataParallelStrategy.step` (`elastrain.workers.strategies.ddp`): with gradient sync off,
 FSDP2 accumulates unsharded gradients and reduce-scatters them at the last micro-batch's
 backward; the step agreement rides the clipping's squared-norm all-reduce, if any.
 """
@@ -30,11 +30,11 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from contracts.spec import JobSpec
-from workers.api import TrainContext
-from workers.strategies.base import Layout
-from workers.strategies.ddp import DataParallelStrategy
-from workers.strategies.mesh import grid_layout, grid_mesh
+from elastrain.contracts.spec import JobSpec
+from elastrain.workers.api import TrainContext
+from elastrain.workers.strategies.base import Layout
+from elastrain.workers.strategies.ddp import DataParallelStrategy
+from elastrain.workers.strategies.mesh import grid_layout, grid_mesh
 
 
 class FSDPStrategy(DataParallelStrategy):
@@ -43,7 +43,7 @@ class FSDPStrategy(DataParallelStrategy):
 
     def wrap(self, model: nn.Module, mixed_precision: torch.dtype | None) -> nn.Module:
         if self.layout.tp > 1:
-            from workers.strategies.tensor_parallel import parallelize
+            from elastrain.workers.strategies.tensor_parallel import parallelize
 
             grid = grid_mesh(self.device.type, self.layout)
             parallelize(model, grid["tp"])

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from workers.agreement import StepAgreement
-from workers.strategies.collectives import local
+from elastrain.workers.agreement import StepAgreement
+from elastrain.workers.strategies.collectives import local
 
 
 def replicas(t: torch.Tensor) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from workers.strategies.base import Layout
+from elastrain.workers.strategies.base import Layout
 
 MESH_DIMS = ("dp", "pp", "tp")
 

@@ -4,7 +4,7 @@ data-parallel across whole pipeline replicas.
 Layout. With `S` stages, tensor-parallel degree `T` (`strategy.tensor_parallel`, 1 unless
 set) and world size `W` (a multiple of `S*T`; the scheduler only launches pipeline jobs at
 such sizes), there are `dp = W // (S*T)` replicas and the mapping is replica-major with
-tp innermost (`workers.strategies.mesh`):
+tp innermost (`elastrain.workers.strategies.mesh`):
 
     rank = (dp_rank * S + pp_rank) * T + tp_rank
 
@@ -30,7 +30,7 @@ With the usual equal loop micro-batches of size `b`, a full group runs `M` pipel
 micro-batches of exactly `b` samples, and a pipeline step never holds more than `M` loop
 micro-batches' worth of activations (`b` being the user's memory knob). Gradients
 accumulate across groups when the share holds more than `M` loop micro-batches. Empty
-loop micro-batches (see `workers.sampler`) simply add no samples; a replica whose whole
+loop micro-batches (see `elastrain.workers.sampler`) simply add no samples; a replica whose whole
 share is empty runs no schedule and contributes zero gradients to the all-reduce.
 
 Loss and gradients. The schedule's loss is the micro-batch's SUMMED per-sample loss
@@ -39,7 +39,7 @@ groups each stage holds the gradient of its replica's summed loss. `step` then
 multiplies by `loss_scale / dp` and all-reduces (SUM) over the stage's dp group: the
 replicas' gradients are AVERAGED, exactly like DDP/FSDP, so `grad_reduction = "mean"` and
 the loop passes `loss_scale = layout.dp / global_batch_size`
-(what `workers.loop` passes for every strategy). Scaling after the sum rather than inside
+(what `elastrain.workers.loop` passes for every strategy). Scaling after the sum rather than inside
 the loss changes nothing but rounding, and keeps the unscaled loss for the agreement.
 Then, like the ddp/fsdp strategies, gradients are clipped to a global norm of
 `training.grad_clip` (the norm spans all stages: one scalar all-reduce over the pipeline
@@ -63,21 +63,21 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from contracts.messages import Control
-from contracts.spec import JobSpec, PipelineSchedule
-from workers.agreement import StepAgreement
-from workers.api import TrainContext, Workload
-from workers.strategies.base import (
+from elastrain.contracts.messages import Control
+from elastrain.contracts.spec import JobSpec, PipelineSchedule
+from elastrain.workers.agreement import StepAgreement
+from elastrain.workers.api import TrainContext, Workload
+from elastrain.workers.strategies.base import (
     Layout,
     MicroBatch,
     StepResult,
     Strategy,
     no_staging_wait,
 )
-from workers.strategies.collectives import all_reduce_scaled, broadcast_from_first, local
-from workers.strategies.ddp import grad_clip_of
-from workers.strategies.grad_norm import clip_grads_
-from workers.strategies.mesh import grid_layout, grid_mesh
+from elastrain.workers.strategies.collectives import all_reduce_scaled, broadcast_from_first, local
+from elastrain.workers.strategies.ddp import grad_clip_of
+from elastrain.workers.strategies.grad_norm import clip_grads_
+from elastrain.workers.strategies.mesh import grid_layout, grid_mesh
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class PipelineStrategy(Strategy):
         stage_module = build_stage(self.layout.pp_rank, opts.stages)
         self.model = stage_module.to(self.device)
         if self.layout.tp > 1:
-            from workers.strategies.tensor_parallel import parallelize
+            from elastrain.workers.strategies.tensor_parallel import parallelize
 
             # Stage-to-stage messages stay plain tensors (the plan's outputs are local),
             # each tensor-parallel rank talking to the same one of the next stage.
@@ -266,7 +266,7 @@ class PipelineStrategy(Strategy):
         if not microbatches:
             raise ValueError("a pipeline step needs at least one micro-batch")
         # What every rank must hold alike before any updates its weights: the global loss
-        # and rank 0's control (`workers.agreement`).
+        # and rank 0's control (`elastrain.workers.agreement`).
         agreement = StepAgreement(control)
         self.optimizer.zero_grad(set_to_none=True)
 

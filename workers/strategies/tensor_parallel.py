@@ -11,7 +11,7 @@ The `tp` strategy runs `dp = world / tp` replicas of a tensor-parallel model. Re
 average their gradients like DDP, bucketed over the local shards, once per step after
 the last micro-batch's backward (DDP's backward-overlapped buckets do not take DTensor
 parameters). Elasticity is on dp: the tp degree is fixed for a job. The step is
-`DataParallelStrategy.step` (`workers.strategies.ddp`), with that all-reduce as its
+`DataParallelStrategy.step` (`elastrain.workers.strategies.ddp`), with that all-reduce as its
 gradient sync.
 """
 
@@ -27,12 +27,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import parallelize_module
 
-from contracts.spec import JobSpec
-from workers.api import TrainContext
-from workers.strategies.base import Layout
-from workers.strategies.collectives import all_reduce_scaled
-from workers.strategies.ddp import DataParallelStrategy
-from workers.strategies.mesh import grid_layout, grid_mesh
+from elastrain.contracts.spec import JobSpec
+from elastrain.workers.api import TrainContext
+from elastrain.workers.strategies.base import Layout
+from elastrain.workers.strategies.collectives import all_reduce_scaled
+from elastrain.workers.strategies.ddp import DataParallelStrategy
+from elastrain.workers.strategies.mesh import grid_layout, grid_mesh
 
 
 def parallelize(model: nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -1,7 +1,7 @@
 """Workloads: what to train. Built-ins (`gpt`, `synthetic`) or a user's `module:function`.
 
 A workload factory takes the spec's `workload.params` as keyword arguments and returns a
-`workers.api.Workload` (model on CPU, indexable dataset, mean-reduced loss function).
+`elastrain.workers.api.Workload` (model on CPU, indexable dataset, mean-reduced loss function).
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import importlib
 import inspect
 from pathlib import Path
 
-from contracts.bounds import OWN_PACKAGES, in_standard_library, private_part
-from contracts.datasets import DataPathError, resolve_under
-from contracts.spec import BUILTIN_WORKLOADS, WorkloadSpec
-from workers.api import Workload, WorkloadFactory
+from elastrain.contracts.bounds import OWN_PACKAGES, in_standard_library, private_part
+from elastrain.contracts.datasets import DataPathError, resolve_under
+from elastrain.contracts.spec import BUILTIN_WORKLOADS, WorkloadSpec
+from elastrain.workers.api import Workload, WorkloadFactory
 
 
 class WorkloadError(ValueError):
@@ -22,10 +22,10 @@ class WorkloadError(ValueError):
 
 def load_workload(spec: WorkloadSpec, *, storage_root: Path | None = None) -> Workload:
     """Build the workload the spec's `workload` section describes: a built-in by name
-    (`contracts.spec.BUILTIN_WORKLOADS`) or a user's `module:function`, called with
+    (`elastrain.contracts.spec.BUILTIN_WORKLOADS`) or a user's `module:function`, called with
     `params` as keyword arguments. The gpt's data paths are resolved under `storage_root`:
     the control plane hands them over relative to it, already confined to the job owner's
-    data area (`contracts.datasets.storage_relative_data_paths`)."""
+    data area (`elastrain.contracts.datasets.storage_relative_data_paths`)."""
     entrypoint = BUILTIN_WORKLOADS[spec.name] if spec.name is not None else spec.entrypoint
     if entrypoint is None:  # WorkloadSpec validates exactly one; a model_construct may not
         raise WorkloadError("workload: give exactly one of 'name' or 'entrypoint'")
@@ -60,7 +60,7 @@ def load_workload(spec: WorkloadSpec, *, storage_root: Path | None = None) -> Wo
     if not isinstance(workload, Workload):
         raise WorkloadError(
             f"workload.entrypoint: {entrypoint} returned {type(workload).__name__}, "
-            "expected workers.api.Workload"
+            "expected elastrain.workers.api.Workload"
         )
     return workload
 

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch import nn
 
-from contracts.datasets import split_sizes
-from contracts.workload_params import GptParams
-from workers.api import Workload
-from workers.workloads import WorkloadError, stage_block_range
-from workers.workloads.token_data import TokenWindows, char_vocab, encode_chars, load_token_data
+from elastrain.contracts.datasets import split_sizes
+from elastrain.contracts.workload_params import GptParams
+from elastrain.workers.api import Workload
+from elastrain.workers.workloads import WorkloadError, stage_block_range
+from elastrain.workers.workloads.token_data import TokenWindows, char_vocab, encode_chars, load_token_data
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -44,7 +44,7 @@ CORPUS = "tinyshakespeare.txt"
 @lru_cache(maxsize=1)
 def load_corpus() -> tuple[torch.Tensor, tuple[str, ...]]:
     """The corpus as a 1-D int64 tensor of character ids, and the vocabulary (id -> char)."""
-    text = resources.files("workers.workloads").joinpath("data", CORPUS).read_text("utf-8")
+    text = resources.files("elastrain.workers.workloads").joinpath("data", CORPUS).read_text("utf-8")
     vocab = char_vocab(text)
     return encode_chars(text, vocab), vocab
 
@@ -250,8 +250,8 @@ def build(
     """The built-in `gpt` workload. Defaults are ~0.8M parameters: trains on CPU.
 
     Without `data_path` it trains on the bundled corpus; with it, on the user's data
-    (`workers.workloads.token_data`; the service resolves the path under the storage root,
-    `contracts.datasets`), holding out `eval_path` or the end of the file.
+    (`elastrain.workers.workloads.token_data`; the service resolves the path under the storage root,
+    `elastrain.contracts.datasets`), holding out `eval_path` or the end of the file.
     """
     try:
         params = GptParams.model_validate({

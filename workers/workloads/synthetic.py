@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.api import Workload
-from workers.workloads import stage_block_range
+from elastrain.workers.api import Workload
+from elastrain.workers.workloads import stage_block_range
 
 
 class SyntheticRegression:

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from contracts.datasets import split_sizes
-from workers.workloads import WorkloadError
+from elastrain.contracts.datasets import split_sizes
+from elastrain.workers.workloads import WorkloadError
 
 _NUMPY_DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 #: Token ids checked against vocab_size this many at a time (bounded memory on any file).

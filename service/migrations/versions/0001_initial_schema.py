@@ -20,7 +20,7 @@ down_revision = None
 branch_labels = None
 depends_on = None
 
-# The same variants as `service.models`: JSONB and BIGINT ids on PostgreSQL; SQLite only
+# The same variants as `elastrain.service.models`: JSONB and BIGINT ids on PostgreSQL; SQLite only
 # auto-increments a primary key declared exactly INTEGER.
 JSONType = sa.JSON().with_variant(postgresql.JSONB(astext_type=sa.Text()), "postgresql")
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")

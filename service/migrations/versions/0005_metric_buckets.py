@@ -44,7 +44,7 @@ def upgrade() -> None:
 
 def _backfill() -> None:
     """Summaries of the rows already stored, job by job, in step order."""
-    from service.metric_summary import summarize
+    from elastrain.service.metric_summary import summarize
 
     bind = op.get_bind()
     metrics = sa.table(

@@ -116,7 +116,15 @@ def _free_port() -> int:
 def server(url: str, storage: str) -> Iterator[tuple[str, int]]:
     port = _free_port()
     env = {**os.environ, "ELASTRAIN_DATABASE_URL": url, "ELASTRAIN_STORAGE_PATH": storage}
-    cmd = [sys.executable, "-m", "elastrain.api.cli", "serve", "--no-scheduler", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastrain.api.cli",
+        "serve",
+        "--no-scheduler",
+        "--port",
+        str(port),
+    ]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray
 
-from elastrain.api.workdir import pack
 from bench.report_blocks import write_block
+from elastrain.api.workdir import pack
 from tests.integration.ray_service import ray_service, submit, wait_terminal
 
 REPO = Path(__file__).resolve().parents[1]

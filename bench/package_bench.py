@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastrain.api.workdir import pack
 from bench.report_blocks import write_block
+from elastrain.api.workdir import pack
 from elastrain.contracts.packages import PackageLimits
 from elastrain.service.packages import store_archive
 from elastrain.workers import packages as worker_packages

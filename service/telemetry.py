@@ -36,7 +36,13 @@ from elastrain.contracts.messages import (
     Timeline,
 )
 from elastrain.service import goodput
-from elastrain.service.decisions import Action, AttemptOutcome, EndAttempt, PersistReport, Transition
+from elastrain.service.decisions import (
+    Action,
+    AttemptOutcome,
+    EndAttempt,
+    PersistReport,
+    Transition,
+)
 from elastrain.service.models import Job, as_utc, utcnow
 from elastrain.service.models import Metric as MetricRow
 from elastrain.service.states import ACTIVE, JobState

@@ -24,7 +24,13 @@ from elastrain.checkpoints.fence import FenceWatcher, Superseded
 from elastrain.contracts.messages import Control, Phase, TimelineMark
 from elastrain.contracts.spec import JobSpec
 from elastrain.workers.activation import apply_activation_checkpointing
-from elastrain.workers.api import AttemptAborted, SampleDataset, TrainContext, TrainHooks, TrainResult
+from elastrain.workers.api import (
+    AttemptAborted,
+    SampleDataset,
+    TrainContext,
+    TrainHooks,
+    TrainResult,
+)
 from elastrain.workers.checkpointing import make_checkpointer, save_checkpoint, settles_staging
 from elastrain.workers.lr_schedule import lr_at
 from elastrain.workers.memory import ReplicaMemory

@@ -202,7 +202,7 @@ class WorkerProcess:
         import torch.distributed.fsdp
         import torch.distributed.pipelining
 
-        import elastrain.checkpoints.dcp  # noqa: F401
+        import elastrain.checkpoints.dcp
         import elastrain.workers.loop
         import elastrain.workers.workloads  # noqa: F401
         from elastrain.workers.memory import ReplicaMemory

@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from elastrain.contracts.messages import EventKind, RestoreSource, Resumed, SavedTraining, WorkerEvent
+from elastrain.contracts.messages import (
+    EventKind,
+    RestoreSource,
+    Resumed,
+    SavedTraining,
+    WorkerEvent,
+)
 from elastrain.workers.api import TrainContext
 from elastrain.workers.memory import ReplicaMemory
 from elastrain.workers.memory.handover import load_from_peers

@@ -13,7 +13,15 @@ from fastapi import APIRouter, HTTPException, Path, Request, status
 from sqlalchemy.orm import Session
 
 from elastrain.api.deps import AdminPrincipal, CurrentPrincipal, SessionDep, SettingsDep, TokenCache
-from elastrain.api.schemas import Me, TenantName, TenantOut, TenantQuota, TokenCreate, TokenCreated, TokenOut
+from elastrain.api.schemas import (
+    Me,
+    TenantName,
+    TenantOut,
+    TenantQuota,
+    TokenCreate,
+    TokenCreated,
+    TokenOut,
+)
 from elastrain.service import auth
 from elastrain.service.models import Tenant
 from elastrain.service.settings import Settings

@@ -50,7 +50,16 @@ def uvicorn_argv(port: int) -> list[str]:
 
 def serve_argv(port: int) -> list[str]:
     """`elastrain serve`: the API and the scheduler (Ray from ELASTRAIN_RAY_ADDRESS, or local)."""
-    return [sys.executable, "-m", "elastrain.api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    return [
+        sys.executable,
+        "-m",
+        "elastrain.api.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
 
 
 @dataclass

@@ -21,10 +21,10 @@ from fastapi.testclient import TestClient
 
 from elastrain.contracts.group import WorkerInfo
 from elastrain.contracts.runtime import RUNTIME_NAME, AttemptKey
+from elastrain.workers.devices import TEST_GPU_ON_CPU
 from tests.integration.cluster_service import multi_node_service
 from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_terminal
 from tests.waiting import wait_until
-from elastrain.workers.devices import TEST_GPU_ON_CPU
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 

@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from elastrain.service.admission import Usage, dominant_share, plan_admissions
-from elastrain.service.capacity import Allocation, ClusterCapacity, NodeCapacity, WorkerShape, free_capacity
+from elastrain.service.capacity import (
+    Allocation,
+    ClusterCapacity,
+    NodeCapacity,
+    WorkerShape,
+    free_capacity,
+)
 from elastrain.service.decisions import JobView
 from elastrain.service.states import JobState
 from tests.unit.test_decisions import nodes, spec

@@ -179,7 +179,13 @@ def test_url_from_environment(server, monkeypatch: pytest.MonkeyPatch) -> None: 
 
 
 def test_timeline_shows_each_phase_of_each_attempt(cli, tmp_path: Path, server) -> None:  # type: ignore[no-untyped-def]
-    from elastrain.contracts.messages import DriverReport, DriverStatus, Phase, Timeline, TimelineMark
+    from elastrain.contracts.messages import (
+        DriverReport,
+        DriverStatus,
+        Phase,
+        Timeline,
+        TimelineMark,
+    )
     from elastrain.service import jobs, reports
     from elastrain.service.db import make_engine, make_session_factory, session_scope
 

@@ -20,10 +20,10 @@ from elastrain.api.cli import app
 from elastrain.contracts.datasets import data_path_problems
 from elastrain.contracts.spec import JobSpec, WorkloadSpec
 from elastrain.contracts.workload_params import GptParams
-from tests.unit.dist_utils import run_distributed
-from tests.unit.test_workers_train import RTOL, run_jobs
 from elastrain.workers.workloads import WorkloadError, load_workload
 from elastrain.workers.workloads.gpt import load_corpus
+from tests.unit.dist_utils import run_distributed
+from tests.unit.test_workers_train import RTOL, run_jobs
 
 # -- params ---------------------------------------------------------------------------------
 

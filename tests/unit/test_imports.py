@@ -50,14 +50,17 @@ def test_api_loads_neither_torch_nor_ray() -> None:
 
 
 def _service_modules() -> list[str]:
-    import elastrain.service
 
     names = [m.name for m in pkgutil.walk_packages(service.__path__, "service.")]
     return sorted(n for n in names if not n.startswith("elastrain.service.migrations"))
 
 
 def test_contracts_load_nothing_heavy() -> None:
-    steps = ["elastrain.contracts.spec", "elastrain.contracts.messages", "elastrain.contracts.storage"]
+    steps = [
+        "elastrain.contracts.spec",
+        "elastrain.contracts.messages",
+        "elastrain.contracts.storage",
+    ]
     assert _first_offender(steps, {"torch", "ray", "sqlalchemy", "numpy"}) == {}
 
 
@@ -167,8 +170,12 @@ def test_the_import_table_sees_imports_by_string_and_in_functions(tmp_path: Path
     sources = {
         "import elastrain.workers.process": ["service/x.py imports elastrain.workers.process"],
         "def f():\n    from api import main": ["service/x.py imports api"],
-        'WORKER = "elastrain.workers.process:WorkerProcess"': ["service/x.py imports elastrain.workers.process"],
-        'importlib.import_module("elastrain.workers.loop")': ["service/x.py imports elastrain.workers.loop"],
+        'WORKER = "elastrain.workers.process:WorkerProcess"': [
+            "service/x.py imports elastrain.workers.process"
+        ],
+        'importlib.import_module("elastrain.workers.loop")': [
+            "service/x.py imports elastrain.workers.loop"
+        ],
         "import ray": ["service/x.py imports ray (only service/runtime_client.py may)"],
         '"""Docs naming `elastrain.workers.process` in prose are fine."""': [],
     }
@@ -177,7 +184,10 @@ def test_the_import_table_sees_imports_by_string_and_in_functions(tmp_path: Path
         path.write_text(source + "\n")
         assert _violations("service", "service/x.py", _imports(path)) == expected, source
     assert (
-        _violations("service", "service/runtime_client.py", {"elastrain.workers.runtime.actor", "ray"}) == []
+        _violations(
+            "service", "service/runtime_client.py", {"elastrain.workers.runtime.actor", "ray"}
+        )
+        == []
     )
     assert _violations("service", "service/runtime_client.py", {"elastrain.workers.process"}) == [
         "service/runtime_client.py imports elastrain.workers.process"

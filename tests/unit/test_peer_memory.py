@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from elastrain.contracts.messages import Phase, RestoreSource, TimelineMark
 from elastrain.contracts.spec import JobSpec
-from tests.unit.dist_utils import run_distributed
 from elastrain.workers.api import NullHooks, TrainContext
 from elastrain.workers.rendezvous import host_store
+from tests.unit.dist_utils import run_distributed
 
 STEPS = 7
 LOST_AT = 5  # the lost ranks let go before step 6: five steps done

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastrain.contracts.spec import JobSpec
-from tests.unit.dist_utils import run_distributed
 from elastrain.workers.api import TrainContext, Workload
 from elastrain.workers.strategies.base import Layout
 from elastrain.workers.strategies.pipeline import (
@@ -34,6 +33,7 @@ from elastrain.workers.strategies.pipeline import (
     pipeline_chunks,
     pipeline_layout,
 )
+from tests.unit.dist_utils import run_distributed
 
 VOCAB, DIM, SEQ, N_LAYER = 16, 8, 4, 4
 LR = 1e-2

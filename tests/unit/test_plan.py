@@ -7,7 +7,14 @@ from typing import Any
 import pytest
 import torch
 
-from elastrain.contracts.plan import ORDER, choose_for_auto, gpt_shape, plan, shape_of, synthetic_shape
+from elastrain.contracts.plan import (
+    ORDER,
+    choose_for_auto,
+    gpt_shape,
+    plan,
+    shape_of,
+    synthetic_shape,
+)
 from elastrain.contracts.spec import ActivationCheckpointing, JobSpec, StrategyKind
 from elastrain.contracts.workload_params import GptParams, SyntheticParams
 from elastrain.workers.activation import ActivationMeter, apply_activation_checkpointing

@@ -11,7 +11,6 @@ from elastrain.contracts.group import HeldState, WorkerInfo
 from elastrain.contracts.messages import ErrorKind, WorkerError
 from elastrain.contracts.runtime import AttemptKey, JobRef
 from elastrain.contracts.spec import JobSpec
-from tests.factories import spec_dict
 from elastrain.workers.runtime.driver import cause_of, private_worker_options
 from elastrain.workers.runtime.pool import (
     PooledWorker,
@@ -21,6 +20,7 @@ from elastrain.workers.runtime.pool import (
     surplus_gpu_workers,
     warm_target,
 )
+from tests.factories import spec_dict
 
 
 def worker(name: str, *, held: tuple[int, int] | None = None, busy: bool = False,

@@ -13,13 +13,13 @@ from typing import Any
 from elastrain.contracts.group import Assignment
 from elastrain.contracts.messages import Control, EventKind, StepMetrics, WorkerEvent
 from elastrain.contracts.runtime import AttemptKey
-from tests.unit.test_workers_train import make_spec
 from elastrain.workers.process import (
     _PUSH_INTERVAL_S,
     RuntimeHooks,
     WorkerProcess,
     run_at_normal_priority,
 )
+from tests.unit.test_workers_train import make_spec
 
 
 class Clock:

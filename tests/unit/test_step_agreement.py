@@ -18,8 +18,8 @@ import torch
 
 from elastrain.contracts.messages import Control
 from elastrain.contracts.spec import JobSpec
-from tests.unit.dist_utils import run_distributed
 from elastrain.workers.api import TrainContext
+from tests.unit.dist_utils import run_distributed
 
 PIPELINE = {"kind": "pipeline", "pipeline_stages": 2, "microbatches": 2}
 #: label -> (strategy, grad_clip, the agreement rides a collective of the step)

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from elastrain.contracts.spec import JobSpec
+from elastrain.workers.strategies.mesh import grid_layout
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import assert_same
 from tests.unit.test_workers_train import crcs, losses, run_jobs
-from elastrain.workers.strategies.mesh import grid_layout
 
 STEPS = 6
 RTOL = 2e-5

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from elastrain.contracts.messages import Phase, RestoreSource, TimelineMark
-from tests.unit.dist_utils import run_distributed
-from tests.unit.test_workers_train import STEPS, make_spec
 from elastrain.workers.api import Control, NullHooks, TrainContext
 from elastrain.workers.rendezvous import host_store
+from tests.unit.dist_utils import run_distributed
+from tests.unit.test_workers_train import STEPS, make_spec
 
 _STORE_TIMEOUT = timedelta(seconds=60)
 

@@ -15,9 +15,9 @@ import torch
 
 from elastrain.contracts.messages import EventKind
 from elastrain.contracts.spec import JobSpec
-from tests.unit.dist_utils import run_distributed
 from elastrain.workers.api import Control, NullHooks, TrainContext
 from elastrain.workers.lr_schedule import lr_at
+from tests.unit.dist_utils import run_distributed
 
 STEPS = 8
 

@@ -30,7 +30,14 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
-from elastrain.checkpoints.dcp.in_memory import Arena, Blob, MemoryWriter, arena_of, as_bytes, keep_items
+from elastrain.checkpoints.dcp.in_memory import (
+    Arena,
+    Blob,
+    MemoryWriter,
+    arena_of,
+    as_bytes,
+    keep_items,
+)
 from elastrain.contracts.spec import JobSpec
 from elastrain.workers.api import TrainContext
 from elastrain.workers.memory.buddy import buddies, wards

@@ -28,7 +28,12 @@ from elastrain.contracts.datasets import split_sizes
 from elastrain.contracts.workload_params import GptParams
 from elastrain.workers.api import Workload
 from elastrain.workers.workloads import WorkloadError, stage_block_range
-from elastrain.workers.workloads.token_data import TokenWindows, char_vocab, encode_chars, load_token_data
+from elastrain.workers.workloads.token_data import (
+    TokenWindows,
+    char_vocab,
+    encode_chars,
+    load_token_data,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -44,7 +49,9 @@ CORPUS = "tinyshakespeare.txt"
 @lru_cache(maxsize=1)
 def load_corpus() -> tuple[torch.Tensor, tuple[str, ...]]:
     """The corpus as a 1-D int64 tensor of character ids, and the vocabulary (id -> char)."""
-    text = resources.files("elastrain.workers.workloads").joinpath("data", CORPUS).read_text("utf-8")
+    text = (
+        resources.files("elastrain.workers.workloads").joinpath("data", CORPUS).read_text("utf-8")
+    )
     vocab = char_vocab(text)
     return encode_chars(text, vocab), vocab
 

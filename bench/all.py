@@ -74,6 +74,8 @@ PARTS = (
          "training_bench.py", (), ("--steps", "8")),
     Part("packages", "Shipping a working directory", "package_bench.py",
          (), ("--repeats", "1", "--data-mb", "4")),
+    Part("command", "Bring your own script: submit -> first step vs built-in loop and torchrun",
+         "command_bench.py", (), ("--quick",)),
     # Needs an NVIDIA GPU (`make gpu-check`); where there is none (CI) it says "no GPU:
     # skipped, nothing measured" and exits 0, leaving docs/bench-gpu.md as it is.
     Part("gpu", "GPU check: bf16 DDP and FSDP2 vs plain torchrun", "gpu_check.py",

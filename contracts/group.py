@@ -68,6 +68,16 @@ class Assignment:
     pushed to rank 0's process (`control`)."""
     namespace: str
     collective_timeout_s: float
+    local_rank: int = 0
+    """This rank's index among the attempt's ranks on its node (ranks are numbered node by
+    node); with the three below, what a command job's script gets as under torchrun."""
+    local_world_size: int = 1
+    group_rank: int = 0
+    """Its node's index among the attempt's nodes."""
+    group_world_size: int = 1
+    local_gpus: tuple[int, ...] = ()
+    """The node-local GPU indices of this node's ranks, by local rank (GPU jobs): a
+    command job's script sees them all and picks `cuda:LOCAL_RANK`, as under torchrun."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

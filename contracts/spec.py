@@ -62,6 +62,15 @@ Requirement = Annotated[
 ]
 MAX_REQUIREMENTS = 64
 
+#: A command job's argv: what a user would put after `torchrun ...`.
+MAX_COMMAND_ARGS = 256
+CommandArg = Annotated[
+    str, StringConstraints(max_length=4096), AfterValidator(no_control_characters)
+]
+#: Interpreters a command may name as its program: each rank runs it as the worker's own
+#: Python (the one with torch and elastrain installed), whatever the name given.
+PYTHON_NAMES = frozenset({"python", "python3"})
+
 # "package.module:factory" (dotted module path, one colon, a Python identifier).
 _ENTRYPOINT_RE = re.compile(
     r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
@@ -129,6 +138,14 @@ class WorkloadSpec(_Strict):
         default=None,
         description='A custom workload factory, "package.module:factory" (exactly one of name/entrypoint).',
     )
+    command: list[CommandArg] | None = Field(
+        default=None,
+        max_length=MAX_COMMAND_ARGS,
+        description="A script to run on every rank as under torchrun, e.g. ['python', "
+        "'train.py', '--lr', '3e-4'] (exclusive with name/entrypoint): it gets RANK, "
+        "WORLD_SIZE, MASTER_ADDR, ... and ELASTRAIN_JOB_DIR; a file it names comes from "
+        "`package`. Its exit code ends the job; `elastrain.workers.user_api.report` charts points.",
+    )
     package: Annotated[str, StringConstraints(pattern=DIGEST_RE.pattern)] | None = Field(
         default=None,
         description="An uploaded working directory ('sha256:...' from POST /v1/packages, or "
@@ -160,11 +177,30 @@ class WorkloadSpec(_Strict):
         entrypoint). Modules, threads, patched functions or memory it leaves in a process
         could reach the next job that process serves, so such a process serves that job
         alone and is stopped when the job ends (`elastrain.workers.runtime.pool`). Built-in
-        workloads leave nothing but the job's state, dropped before another job runs there."""
+        workloads leave nothing but the job's state, dropped before another job runs there.
+        A command job's code runs in child processes stopped with their attempt
+        (`elastrain.workers.command`), never in the worker process itself: not its own code there."""
+        if self.command is not None:
+            return False
         return self.package is not None or self.entrypoint is not None
+
+    @property
+    def script_file(self) -> str | None:
+        """The file a command runs, relative to its package: `train.py` of `python train.py
+        ...`, or a program given as a path (`./run.sh`); None for a module (`python -m x`)
+        or a program on the PATH."""
+        if not self.command:
+            return None
+        program = self.command[0]
+        if program in PYTHON_NAMES:
+            first = self.command[1] if len(self.command) > 1 else None
+            return first if first is not None and not first.startswith("-") else None
+        return program if "/" in program or program.endswith((".py", ".sh")) else None
 
     @model_validator(mode="after")
     def _exactly_one_source(self, info: ValidationInfo) -> WorkloadSpec:
+        if self.command is not None:
+            return self._command_only()
         if (self.name is None) == (self.entrypoint is None):
             raise ValueError(
                 "workload: give exactly one of 'name' (a built-in: "
@@ -188,6 +224,36 @@ class WorkloadSpec(_Strict):
             raise ValueError(
                 "workload.package: needs workload.entrypoint, the 'module:factory' inside it "
                 "to train (a built-in workload does not use a package)"
+            )
+        return self
+
+    def _command_only(self) -> WorkloadSpec:
+        """A command job: the script is the whole workload (no factory, no params)."""
+        given = [f for f in ("name", "entrypoint") if getattr(self, f) is not None]
+        if given:
+            raise ValueError(
+                f"workload.command: exclusive with workload.{given[0]} (a command runs a "
+                "script; name/entrypoint build a workload for the built-in loop)"
+            )
+        if not self.command or not self.command[0]:
+            raise ValueError(
+                "workload.command: must be a non-empty list of strings starting with the "
+                "program, e.g. ['python', 'train.py']"
+            )
+        if self.params:
+            raise ValueError(
+                "workload.params: a command job takes its arguments in workload.command"
+            )
+        script = self.script_file
+        if script is not None and self.package is None:
+            raise ValueError(
+                f"workload.package: workload.command runs the file {script!r}, which comes "
+                "from the job's package: submit with --working-dir DIR (or set "
+                "workload.package to an uploaded digest)"
+            )
+        if script is not None and (script.startswith("/") or ".." in script.split("/")):
+            raise ValueError(
+                f"workload.command: {script!r} must be a path inside the job's package"
             )
         return self
 
@@ -528,6 +594,11 @@ class JobSpec(_Strict):
             raise ValueError(f"strategy.pipeline_stages: {why}")
         if self.strategy.tensor_parallel_degree > 1 and (why := self._no_tensor_parallel()):
             raise ValueError(f"strategy.tensor_parallel: {why}")
+        if self.workload.command is not None and self.strategy != StrategySpec():
+            raise ValueError(
+                "strategy: a command job's script does its own parallelism (every rank runs "
+                "it, as under torchrun); leave strategy out"
+            )
         if self.strategy.kind == StrategyKind.auto and self.workload.name in (
             None,
             "hf_causal_lm",  # its size is known once transformers has built it

@@ -5,6 +5,7 @@
     fence.json                            which attempt may write (elastrain.checkpoints.fence)
     checkpoints/step_<step>-a<attempt>/   one folder per checkpoint (elastrain.checkpoints.layout)
     logs/attempt-<NNN>-rank-<R>.log       one file per rank and attempt
+    files/                                a command job's own files (ELASTRAIN_JOB_DIR)
 ```
 
 The API reads logs from here, the scheduler fences attempts and deletes checkpoints here,
@@ -33,6 +34,11 @@ class JobStorage:
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
+
+    @property
+    def files(self) -> Path:
+        """A command job's own folder (`ELASTRAIN_JOB_DIR`): its script's checkpoints."""
+        return self.root / "files"
 
     @property
     def logs(self) -> Path:

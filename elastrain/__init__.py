@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from elastrain.workers.api import SampleDataset, Workload
+    from elastrain.workers.user_api import job_dir, report
 
 __version__ = "0.1.0"
 

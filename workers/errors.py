@@ -85,3 +85,22 @@ def _may_pass(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(w in text for w in _DEVICE_FAULT_WORDS)
+
+
+#: Exception names whose line ends a script's traceback when a peer of its collective
+#: went away.
+_PEER_GONE_TYPES = ("DistNetworkError", "DistBackendError", "DistStoreError")
+
+
+def script_error_kind(stderr_tail: str) -> ErrorKind:
+    """The kind of a command job's script that exited non-zero, from the last line of its
+    stderr (its traceback's): a collective broken by a peer that went away (PEER_LOST, an
+    echo of that peer's failure), else an error of the script's own (RAISED)."""
+    lines = [ln.strip() for ln in stderr_tail.splitlines() if ln.strip()]
+    last = lines[-1] if lines else ""
+    if last.split(":")[0].rsplit(".", 1)[-1] in _PEER_GONE_TYPES:
+        return ErrorKind.PEER_LOST
+    lowered = last.lower()
+    if "gloo" in lowered and any(marker in lowered for marker in _GLOO_PEER_GONE):
+        return ErrorKind.PEER_LOST
+    return ErrorKind.RAISED

@@ -190,6 +190,8 @@ class WorkerProcess:
         # `gpu` = the node-local index it owns for its lifetime) or none (a CPU process).
         from elastrain.workers.devices import pin_visible_gpu, warm_cuda
 
+        # What the raylet gave: a command job's script sees its node's ranks' GPUs.
+        self._inherited_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
         pin_visible_gpu(gpu)
         # The imports are the point: paid once, when the process starts, not per attempt.
         # torch._dynamo alone takes seconds (docs/bench-elastic.md): DistributedDataParallel
@@ -378,6 +380,71 @@ class WorkerProcess:
             details={"digest": workload.package, "node_id": self.node_id},
         )
 
+    def _run_command(self, a: Assignment, storage: JobStorage, log_path: Path) -> RunOutcome:
+        """A command job's rank: its script in a child process (`elastrain.workers.command`)."""
+        from elastrain.workers.command import ScriptRun
+        from elastrain.workers.devices import visible_devices_for
+        from elastrain.workers.errors import script_error_kind
+        from elastrain.workers.packages import materialize
+
+        key = AttemptKey(a.job_id, a.attempt)
+        package = a.spec.workload.package
+        cwd = materialize(Path(a.storage_path), package) if package else storage.files
+        store = self._take_hosted_store(a)
+        if a.rank == 0 and store is None:  # not hosted ahead (an older driver): host it now
+            import torch.distributed as dist
+
+            store = dist.TCPStore(
+                a.master_addr, a.master_port, a.world_size, is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=a.collective_timeout_s),
+            )  # fmt: skip
+        hooks: RuntimeHooks | None = None
+        if a.rank == 0:
+            runtime = ray.get_actor(a.runtime_name, namespace=a.namespace)
+            hooks = RuntimeHooks(runtime, key, lambda: Control.NONE)
+        gpus = None
+        if a.local_gpus:
+            gpus = ",".join(visible_devices_for(g, self._inherited_gpus) for g in a.local_gpus)
+        try:
+            script = ScriptRun(
+                a,
+                cwd=cwd,
+                job_dir=storage.files,
+                log_path=log_path,
+                send=hooks.send if hooks is not None else None,
+                abort=self._abort,
+                take_control=lambda: self._take_control(key),
+                visible_gpus=gpus,
+            )
+            if hooks is not None:
+                hooks.send(TimelineMark(phase=Phase.GROUP_FORMED, at=script.started_at,
+                                        detail="rank 0's script started"))  # fmt: skip
+            result = script.wait()
+        finally:
+            if hooks is not None:
+                hooks.flush()
+            del store  # rank 0's: open until every script has exited
+        if result.aborted:
+            return RunOutcome(rank=a.rank, final_step=result.last_step, aborted=True)
+        if result.stopped or result.returncode == 0:
+            return RunOutcome(
+                rank=a.rank, final_step=result.last_step, stopped_early=result.stopped
+            )
+        error = WorkerError(
+            type="ScriptFailed",
+            message=result.failure_line()[:500],
+            kind=script_error_kind(result.stderr_tail),
+            rank=a.rank,
+            node_id=self.node_id,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            step=result.last_step,
+            traceback=result.stderr_tail,
+        )
+        log.error("%s", error.summary())
+        return RunOutcome(rank=a.rank, final_step=result.last_step, error=error)
+
     def _run(self, a: Assignment) -> RunOutcome:
         import torch
         import torch.distributed as dist
@@ -415,6 +482,8 @@ class WorkerProcess:
         try:
             if scaling.use_gpu and self.gpu is None:
                 raise RuntimeError(f"{self.name} owns no GPU: a GPU rank reached a CPU process")
+            if a.spec.workload.command is not None:
+                return self._run_command(a, storage, log_path)
             package = self._use_package(a)
             timeout = datetime.timedelta(seconds=a.collective_timeout_s)
             store = self._take_hosted_store(a)

@@ -5,6 +5,7 @@ Kept light: importing it loads neither the service nor FastAPI.
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -131,6 +132,8 @@ def status(ctx: typer.Context, job_id: int) -> None:
     )
     workload = spec["workload"]
     code = workload.get("name") or workload.get("entrypoint")
+    if workload.get("command"):
+        code = shlex.join(workload["command"])
     typer.echo(f"{'workload:':<18}{cell(code)}")
     if workload.get("package"):
         typer.echo(f"{'package:':<18}{cell(workload['package'])}")

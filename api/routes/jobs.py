@@ -116,6 +116,9 @@ def check_workload_code(
     not restrict: it is the tenant's own code, shipped with the job). Another tenant's
     package is refused with the words used for a digest nobody uploaded."""
     workload = spec.workload
+    if workload.command is not None:
+        check_command_package(spec, settings, session, who)
+        return
     if workload.package is None or workload.entrypoint is None:
         check_entrypoint(spec, settings.allowed_entrypoints)
         return
@@ -148,6 +151,33 @@ def check_workload_code(
             f"(its modules: {have})",
         )
     touch(settings.storage_path, workload.package)  # in use: retention counts from now
+
+
+def check_command_package(
+    spec: JobSpec, settings: Settings, session: Session, who: Principal
+) -> None:
+    """A command job's package exists, is the caller's to use, and holds the file the
+    command runs (a typo is a 422 now, not a failed job later)."""
+    workload = spec.workload
+    if workload.package is None:
+        return  # runs a module or a program the workers have: nothing uploaded to check
+    manifest = load_manifest(settings.storage_path, workload.package)
+    if manifest is None or not package_access.visible(session, workload.package, who):
+        raise invalid(
+            ("body", "workload", "package"),
+            f"workload.package: no package {workload.package} on this service; upload the "
+            "directory first (POST /v1/packages, or `elastrain submit --working-dir DIR`)",
+        )
+    script = workload.script_file
+    paths = {f.path for f in manifest.files}
+    if script is not None and script.removeprefix("./") not in paths:
+        have = ", ".join(sorted(paths)[:20]) or "none"
+        raise invalid(
+            ("body", "workload", "command"),
+            f"workload.command: {script!r} is not in package {workload.package} (its "
+            f"files: {have})",
+        )
+    touch(settings.storage_path, workload.package)
 
 
 def check_data_paths(spec: JobSpec, storage_root: pathlib.Path, owner: str) -> None:
@@ -319,6 +349,11 @@ def checkpoint_now(job_id: JobId, session: SessionDep, who: CurrentPrincipal) ->
         raise Conflict(
             f"job {job_id} is {job.state.value}; a checkpoint can be requested only while "
             f"it is {_ACTIVE_NAMES}"
+        )
+    if (job.spec.get("workload") or {}).get("command") is not None:
+        raise Conflict(
+            f"job {job_id} runs its own script (workload.command), which saves its "
+            "checkpoints itself (in ELASTRAIN_JOB_DIR); the service cannot ask it for one"
         )
     if request_checkpoint(session, job):
         session.commit()

@@ -525,3 +525,17 @@ def test_packages_show_share_and_unshare(secured: str) -> None:
         runner.invoke(app, [*admin, "packages", "unshare", digest, "--tenant", "*"]).exit_code == 0
     )
     assert show("cli-b").exit_code == 1
+
+
+def test_the_example_command_job_submits_as_the_readme_says(cli) -> None:  # type: ignore[no-untyped-def]
+    """`elastrain submit examples/torchrun.yaml --working-dir examples/torchrun` (README,
+    "Bring your own script"): the folder is uploaded and the command shown by status."""
+    repo = Path(__file__).resolve().parents[2]
+    result = cli("submit", str(repo / "examples" / "torchrun.yaml"), "--working-dir",
+                 str(repo / "examples" / "torchrun"))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    job_id = result.stdout.split()[0]
+    status = cli("status", job_id)
+    assert status.exit_code == 0, status.output
+    assert "python train.py --steps 300" in status.stdout
+    assert "package:          sha256:" in status.stdout

@@ -45,7 +45,7 @@ from elastrain.contracts.messages import (
 )
 from elastrain.contracts.runtime import JobRef, LaunchRequest
 from elastrain.contracts.spec import JobSpec
-from elastrain.workers.runtime.layout import Slot, rank_order
+from elastrain.workers.runtime.layout import Slot, local_layout, rank_order
 from elastrain.workers.runtime.pool import PooledWorker, WorkerPool, choose_worker
 
 log = logging.getLogger("elastrain.driver")
@@ -102,6 +102,8 @@ class AttemptDriver:
         self._stopping = False
         self._released = threading.Event()
         self._marks: dict[Phase, TimelineMark] = {}
+        self._command = request.spec.workload.command is not None
+        self._ranks: list[Any] = []  # every rank's process, once handed its rank
         self.workers: list[PooledWorker] = []
         self.holders: list[PooledWorker] = []
         """Pooled GPU processes whose GPU a private process of this attempt uses."""
@@ -118,6 +120,14 @@ class AttemptDriver:
                 self._marks.setdefault(message.phase, message)
                 if message.phase == Phase.FIRST_STEP:
                     self._append(self._timeline())
+                if (
+                    message.phase == Phase.GROUP_FORMED
+                    and self._command
+                    and self._status == DriverStatus.STARTING
+                ):
+                    # A command job's script may never report a step: running from the
+                    # moment rank 0's script started (`elastrain.workers.command`).
+                    self._status = DriverStatus.RUNNING
                 return
             self._append(message)
             if isinstance(message, StepMetrics) and self._status == DriverStatus.STARTING:
@@ -157,7 +167,10 @@ class AttemptDriver:
         rank 0 at once. Rank 0's process keeps requests by attempt, so one that arrives
         before its rank has started is not lost."""
         if self._rank0 is not None and self._control:
-            self._rank0.control.remote(self.key, self._control)
+            # A command job's scripts cannot agree on a step to stop at: each rank's
+            # process stops its own script (`elastrain.workers.command.ScriptRun.wait`).
+            for handle in self._ranks if self._command else [self._rank0]:
+                handle.control.remote(self.key, self._control)
             self._control = []
 
     def drain(self, ack: int) -> DriverReport:
@@ -224,6 +237,7 @@ class AttemptDriver:
             timeout=30,
         )
         assert rank0.info is not None
+        layout = local_layout([w.node_id for w in self.workers])
         refs = [
             w.handle.run.remote(
                 Assignment(
@@ -239,12 +253,15 @@ class AttemptDriver:
                     runtime_name=self.runtime_name,
                     namespace=self.namespace,
                     collective_timeout_s=self.collective_timeout_s,
+                    local_gpus=self._local_gpus(rank),
+                    **layout[rank],
                 )
             )
             for rank, w in enumerate(self.workers)
         ]
         with self._lock:
             self._rank0 = rank0.handle
+            self._ranks = [w.handle for w in self.workers]
             self._send_controls()
         self.push(
             Placement(
@@ -254,6 +271,14 @@ class AttemptDriver:
             )
         )
         return self._collect(refs)
+
+    def _local_gpus(self, rank: int) -> tuple[int, ...]:
+        """The GPUs of the ranks on `rank`'s node, by local rank (a GPU job's)."""
+        node = self.workers[rank].node_id
+        gpus = [w.gpu for w in self.workers if w.node_id == node]
+        if not self.request.spec.scaling.use_gpu or any(g is None for g in gpus):
+            return ()
+        return tuple(g for g in gpus if g is not None)
 
     def _wait_for_old_group(self) -> tuple[float, str]:
         """Wait (a little) for this job's processes still running an older attempt: they
@@ -447,6 +472,11 @@ class AttemptDriver:
     ) -> tuple[DriverStatus, WorkerError | None]:
         errors = [o for o in outcomes if isinstance(o, WorkerError)]
         errors += [o.error for o in outcomes if isinstance(o, RunOutcome) and o.error is not None]
+        stopped = any(isinstance(o, RunOutcome) and o.stopped_early for o in outcomes)
+        if self._command and stopped and not any(e.kind == ErrorKind.PROCESS_DIED for e in errors):
+            # Asked to stop (a resize): a script that exited first broke its peers'
+            # collectives, and their exits are echoes of the stop, not failures.
+            return DriverStatus.STOPPED, None
         if errors:
             return DriverStatus.FAILED, cause_of(errors)
         if any(isinstance(o, RunOutcome) and o.aborted for o in outcomes):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +68,24 @@ def _cut(nodes: list[str], by_node: dict[str, list[int]], sizes: list[int]) -> l
 
 def _freshness(slot: Slot) -> int:
     return -1 if slot.held_step is None else slot.held_step
+
+
+def local_layout(nodes: list[str]) -> list[dict[str, Any]]:
+    """Per rank (ranks numbered node by node): its LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK
+    (the node's index, in order of first rank) and GROUP_WORLD_SIZE."""
+    order: dict[str, int] = {}
+    for node in nodes:
+        order.setdefault(node, len(order))
+    seen: dict[str, int] = {}
+    out = []
+    for node in nodes:
+        out.append(
+            {
+                "local_rank": seen.get(node, 0),
+                "local_world_size": nodes.count(node),
+                "group_rank": order[node],
+                "group_world_size": len(order),
+            }
+        )
+        seen[node] = seen.get(node, 0) + 1
+    return out

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import io
+import zipfile
+from collections.abc import Mapping
 from typing import Any
 
 _BASE: dict[str, Any] = {
@@ -26,3 +29,12 @@ def spec_dict(**overrides: Any) -> dict[str, Any]:
         else:
             spec[key] = value
     return spec
+
+
+def a_zip(files: Mapping[str, bytes | str], *, level: int | None = None) -> bytes:
+    """A package upload's body: a zip of `files` (path -> content)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=level) as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return buf.getvalue()

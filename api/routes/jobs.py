@@ -24,7 +24,7 @@ from elastrain.api.logs import read_logs
 from elastrain.api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, MetricOut
 from elastrain.contracts.bounds import entrypoint_refusal, in_standard_library, private_part
 from elastrain.contracts.datasets import data_path_problems
-from elastrain.contracts.packages import OWN_PACKAGES, modules_of
+from elastrain.contracts.packages import OWN_PACKAGES, Manifest, modules_of
 from elastrain.contracts.plan import AUTO_CHOICES, plan, shape_of
 from elastrain.contracts.spec import JobSpec, StrategyKind
 from elastrain.contracts.storage import JobStorage
@@ -128,13 +128,7 @@ def check_workload_code(
             f"workload.entrypoint: {private!r} is private (it starts with '_'); only public "
             "factories can run",
         )
-    manifest = load_manifest(settings.storage_path, workload.package)
-    if manifest is None or not package_access.visible(session, workload.package, who):
-        raise invalid(
-            ("body", "workload", "package"),
-            f"workload.package: no package {workload.package} on this service; upload the "
-            "directory first (POST /v1/packages, or `elastrain submit --working-dir DIR`)",
-        )
+    manifest = _visible_package(workload.package, settings, session, who)
     module = workload.entrypoint.partition(":")[0]
     where = ("body", "workload", "entrypoint")
     if in_standard_library(module) or module.split(".")[0] in OWN_PACKAGES:
@@ -153,6 +147,21 @@ def check_workload_code(
     touch(settings.storage_path, workload.package)  # in use: retention counts from now
 
 
+def _visible_package(
+    digest: str, settings: Settings, session: Session, who: Principal
+) -> Manifest:
+    """The package's manifest, when it exists and is the caller's to use; else the one 422
+    for both (another tenant's package reads as a missing one)."""
+    manifest = load_manifest(settings.storage_path, digest)
+    if manifest is None or not package_access.visible(session, digest, who):
+        raise invalid(
+            ("body", "workload", "package"),
+            f"workload.package: no package {digest} on this service; upload the "
+            "directory first (POST /v1/packages, or `elastrain submit --working-dir DIR`)",
+        )
+    return manifest
+
+
 def check_command_package(
     spec: JobSpec, settings: Settings, session: Session, who: Principal
 ) -> None:
@@ -161,13 +170,7 @@ def check_command_package(
     workload = spec.workload
     if workload.package is None:
         return  # runs a module or a program the workers have: nothing uploaded to check
-    manifest = load_manifest(settings.storage_path, workload.package)
-    if manifest is None or not package_access.visible(session, workload.package, who):
-        raise invalid(
-            ("body", "workload", "package"),
-            f"workload.package: no package {workload.package} on this service; upload the "
-            "directory first (POST /v1/packages, or `elastrain submit --working-dir DIR`)",
-        )
+    manifest = _visible_package(workload.package, settings, session, who)
     script = workload.script_file
     paths = {f.path for f in manifest.files}
     if script is not None and script.removeprefix("./") not in paths:

@@ -7,10 +7,9 @@ inflates to is bounded (absolute size, expansion ratio, quota) while it is unpac
 
 from __future__ import annotations
 
-import io
 import logging
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,19 +19,11 @@ from pydantic import SecretStr
 
 from elastrain.api.main import create_app
 from elastrain.service.settings import Settings
-from tests.factories import spec_dict
+from tests.factories import a_zip, spec_dict
 
 ADMIN = "operator-admin-token-0123456789"
 ZIP = {"Content-Type": "application/zip"}
 CODE = {"secret_model.py": "def build(): ...\n", "helpers.py": "KEY = 'tenant a only'\n"}
-
-
-def a_zip(files: Mapping[str, bytes | str], *, level: int | None = None) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=level) as zf:
-        for name, data in files.items():
-            zf.writestr(name, data)
-    return buf.getvalue()
 
 
 @dataclass

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.server import serve_argv, start_server
+from tests.factories import a_zip
 from tests.integration.ray_service import wait_terminal
 
 pytestmark = [pytest.mark.ray]
@@ -30,13 +31,6 @@ def build(out: str):
         json.dump(dict(os.environ), f)
     raise ValueError("probe done")
 """
-
-
-def _zip() -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        zf.writestr("env_probe.py", PROBE)
-    return buf.getvalue()
 
 
 def test_tenant_code_sees_no_admin_token_nor_database_url(tmp_path: Path) -> None:
@@ -58,7 +52,9 @@ def test_tenant_code_sees_no_admin_token_nor_database_url(tmp_path: Path) -> Non
     try:
         with server.http() as client:
             upload = client.post(
-                "/v1/packages", content=_zip(), headers={"Content-Type": "application/zip"}
+                "/v1/packages",
+                content=a_zip({"env_probe.py": PROBE}),
+                headers={"Content-Type": "application/zip"},
             )
             assert upload.status_code == 201, upload.text
             spec = {

@@ -4,13 +4,11 @@ real local Ray the job's own `import service` gets the job's module, and the job
 
 from __future__ import annotations
 
-import io
-import zipfile
 from pathlib import Path
 
 import pytest
 
-from tests.factories import spec_dict
+from tests.factories import a_zip, spec_dict
 from tests.integration.ray_service import ray_service, submit, wait_terminal
 
 pytestmark = [pytest.mark.ray]
@@ -43,18 +41,10 @@ def build():
 }
 
 
-def _zip() -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        for name, text in FILES.items():
-            zf.writestr(name, text)
-    return buf.getvalue()
-
-
 def test_a_project_with_modules_named_like_elastrains_parts_trains(tmp_path: Path) -> None:
     with ray_service(tmp_path, num_cpus=2, warm_workers_per_node=1) as client:
         upload = client.post(
-            "/v1/packages", content=_zip(), headers={"Content-Type": "application/zip"}
+            "/v1/packages", content=a_zip(FILES), headers={"Content-Type": "application/zip"}
         )
         assert upload.status_code == 201, upload.text
         spec = spec_dict(

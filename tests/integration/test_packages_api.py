@@ -6,10 +6,8 @@ tests/integration/test_working_dir.py.
 
 from __future__ import annotations
 
-import io
 import random
 import re
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +16,9 @@ from fastapi.testclient import TestClient
 
 from elastrain.api.main import create_app
 from elastrain.service.settings import Settings
-from tests.factories import spec_dict
+from tests.factories import a_zip, spec_dict
 
 ZIP = {"Content-Type": "application/zip"}
-
-
-def a_zip(files: dict[str, bytes | str]) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-        for name, data in files.items():
-            zf.writestr(name, data)
-    return buf.getvalue()
 
 
 MODEL = {"my_model.py": "def build(): ...\n", "my_lib/__init__.py": "", "my_lib/layers.py": ""}

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import io
 import socket
 import threading
 import time
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ from elastrain.api.cli import app
 from elastrain.api.main import create_app
 from elastrain.contracts.storage import JobStorage
 from elastrain.service.settings import Settings
-from tests.factories import spec_dict
+from tests.factories import a_zip, spec_dict
 
 
 def _free_port() -> int:
@@ -461,14 +459,6 @@ def test_drain_cluster_undrain_from_the_cli(server) -> None:  # type: ignore[no-
     assert unknown.exit_code == 1 and "error 404" in unknown.output
 
 
-def _zip(files: dict[str, str]) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        for name, text in files.items():
-            zf.writestr(name, text)
-    return buf.getvalue()
-
-
 def test_packages_show_share_and_unshare(secured: str) -> None:
     """An admin shares team-a's package with team-b and takes the share back; team-b sees
     it only in between; team-a's own access stays; non-admins cannot share."""
@@ -481,7 +471,7 @@ def test_packages_show_share_and_unshare(secured: str) -> None:
         tokens[tenant] = made.stdout.strip()
     upload = httpx.post(
         f"{secured}/v1/packages",
-        content=_zip({"shared_model.py": "def build(): ...\n"}),
+        content=a_zip({"shared_model.py": "def build(): ...\n"}),
         headers={"Content-Type": "application/zip", "Authorization": f"Bearer {tokens['cli-a']}"},
     )
     assert upload.status_code == 201, upload.text

@@ -26,12 +26,15 @@ small ones (`.metadata`, the rank extras) on rank 0 before the load starts.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import mmap
 import os
+import struct
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from typing import IO, Any, cast
 
 import torch
@@ -41,7 +44,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future as TorchFuture
 
-from elastrain.checkpoints.digest import new_hasher
+from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
 from elastrain.checkpoints.integrity import CHUNK_BYTES, CorruptCheckpoint, digest_mismatch
 from elastrain.checkpoints.manifest import FileEntry
 
@@ -52,6 +55,22 @@ try:  # torch.load's decoder, usable on bytes already in memory (torch 2.13's la
     IN_PLACE_DECODE = callable(_torch_zip_load) and hasattr(torch._C, "PyTorchFileReader")
 except ImportError:  # pragma: no cover - another torch layout: decode with torch.load
     IN_PLACE_DECODE = False
+
+
+@dataclass(frozen=True, slots=True)
+class HashDuty:
+    """What one rank hashes in a verified load, chosen by the coordinator from every
+    rank's load plan (`VerifyingReader.prepare_global_plan`): each file any rank reads is
+    hashed whole by exactly one rank, the one that reads most of it. `shared`: for each of
+    those files, the records (offset, length) other ranks read from it; their digests
+    (taken from the same verified map) are what those ranks check their own reads
+    against."""
+
+    files: tuple[str, ...]
+    shared: dict[str, tuple[tuple[int, int], ...]]
+
+
+RecordKey = tuple[str, int, int]  # (file, offset, length)
 
 
 class VerifyingReader(FileSystemReader):
@@ -74,7 +93,43 @@ class VerifyingReader(FileSystemReader):
         super().__init__(path)
         self.expected = expected
         self.process_group = process_group
-        self.in_place_decodes = 0  # tensors decoded from the mapped bytes (tests)
+        self.in_place_decodes = 0  # tensors decoded from the loaded bytes, not copied (tests)
+        self.layout_hits = 0  # of those, decoded from a remembered layout (tests)
+        self.hashed_bytes = 0  # bytes this rank hashed (tests)
+        # Record layouts seen in this load: the bytes of a record's zip entries other than
+        # its tensor data -> the tensor they decode to (dtype, size, stride, offset) and
+        # where its data lies. Records that agree on every such byte decode alike.
+        self._layouts: dict[bytes, tuple[torch.dtype, torch.Size, tuple[int, ...], int]] = {}
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """(Coordinator.) Give each rank its HashDuty. Without this a rank reading a few
+        small records of another rank's file (the replicated optimizer scalars DCP stores
+        once) would read and hash that whole file too: twice the bytes on that rank."""
+        plans = super().prepare_global_plan(plans)
+        if self.expected is None:
+            return plans
+        read: dict[str, dict[int, int]] = {}  # file -> rank -> bytes it reads
+        records: dict[str, dict[int, set[tuple[int, int]]]] = {}
+        for rank, plan in enumerate(plans):
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                by_rank = read.setdefault(info.relative_path, {})
+                by_rank[rank] = by_rank.get(rank, 0) + info.length
+                records.setdefault(info.relative_path, {}).setdefault(rank, set()).add(
+                    (info.offset, info.length)
+                )
+        hasher = {name: min(by_rank, key=lambda r: (-by_rank[r], r)) for name, by_rank in read.items()}
+        out = []
+        for rank, plan in enumerate(plans):
+            files = tuple(sorted(name for name, h in hasher.items() if h == rank))
+            shared = {
+                name: tuple(
+                    sorted({rec for r, recs in records[name].items() if r != rank for rec in recs})
+                )
+                for name in files
+            }
+            out.append(dataclasses.replace(plan, storage_data=HashDuty(files=files, shared=shared)))
+        return out
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         per_file: dict[str, list[ReadItem]] = {}
@@ -82,17 +137,76 @@ class VerifyingReader(FileSystemReader):
             name = self.storage_data[item.storage_index].relative_path
             per_file.setdefault(name, []).append(item)
 
-        with _mapped_files(os.fspath(self.path), sorted(per_file)) as mapped:
-            problem = self._check(mapped) if self.expected is not None else None
-            self._agree(problem)
+        duty = plan.storage_data if isinstance(plan.storage_data, HashDuty) else None
+        if self.expected is None or duty is None:
+            # Not verifying, or no duty from the coordinator: map (and hash) every file
+            # this rank reads.
+            whole_files, foreign = sorted(per_file), []
+        else:
+            whole_files = list(duty.files)
+            foreign = sorted(set(per_file) - set(duty.files))
+        with _mapped_files(os.fspath(self.path), whole_files) as mapped:
+            records: dict[RecordKey, memoryview] = {}
+            problem: str | None = None
+            shared: dict[RecordKey, str] = {}
+            mine: dict[RecordKey, str] = {}
+            if foreign:
+                problem = self._read_foreign(
+                    {name: per_file[name] for name in foreign}, records
+                )
+            if self.expected is not None:
+                if problem is None:
+                    problem = self._check(mapped, duty, shared)
+                if problem is None:
+                    mine = self._record_digests(records)
+                self._agree(problem, shared, mine)
             for name, items in per_file.items():
-                self._copy_out(mapped[name], items, planner)
+                if name in mapped:
+                    self._copy_out(mapped[name], items, planner)
+                else:
+                    self._copy_out_records(name, records, items, planner)
         done: TorchFuture[None] = TorchFuture()
         done.set_result(None)
         return done
 
-    def _check(self, mapped: Mapping[str, memoryview | Exception]) -> str | None:
-        """Why this rank's files are not what the manifest says, or None."""
+    def _read_foreign(
+        self, per_file: Mapping[str, list[ReadItem]], out: dict[RecordKey, memoryview]
+    ) -> str | None:
+        """Read the records this rank needs from files another rank hashes, each into
+        its own buffer (no read-ahead: they are usually a few small records scattered
+        through a large file). Why not, or None."""
+        for name, items in per_file.items():
+            try:
+                fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
+            except OSError as e:
+                return f"cannot read {name}: {e}"
+            try:
+                with suppress(OSError):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    key = (name, info.offset, info.length)
+                    if key in out:
+                        continue
+                    buf = bytearray(info.length)
+                    got = os.preadv(fd, [buf], info.offset) if info.length else 0
+                    if got != info.length:
+                        return f"cannot read {name}: {got} of {info.length} bytes at {info.offset}"
+                    out[key] = memoryview(buf)
+            except OSError as e:
+                return f"cannot read {name}: {e}"
+            finally:
+                os.close(fd)
+        return None
+
+    def _check(
+        self,
+        mapped: Mapping[str, memoryview | Exception],
+        duty: HashDuty | None,
+        shared: dict[RecordKey, str],
+    ) -> str | None:
+        """Why this rank's files are not what the manifest says, or None. Fills `shared`
+        with the digests of the records other ranks read from them."""
         assert self.expected is not None
         for name, data in mapped.items():
             if isinstance(data, Exception):
@@ -105,22 +219,65 @@ class VerifyingReader(FileSystemReader):
             hasher = new_hasher(entry["algorithm"])
             for start in range(0, len(data), CHUNK_BYTES):
                 hasher.update(data[start : start + CHUNK_BYTES])
+            self.hashed_bytes += len(data)
             mismatch = digest_mismatch(name, entry, hasher.hexdigest())
             if mismatch is not None:
                 return mismatch
+            for offset, length in duty.shared.get(name, ()) if duty is not None else ():
+                if offset + length > len(data):
+                    return f"{name} has no bytes {offset}..{offset + length}"
+                shared[(name, offset, length)] = _digest(
+                    entry["algorithm"], data[offset : offset + length]
+                )
         return None
 
-    def _agree(self, problem: str | None) -> None:
-        """Raise CorruptCheckpoint on every rank when any rank found a problem; return on
-        every rank otherwise. Every rank reaches this (an error reading a file is a
-        problem found, not an exception), so the all-reduce always completes."""
-        if self.process_group is not None and self.expected is not None:
-            flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-            if problem is None and int(flag.item()) != 0:
-                problem = "another rank found one of its shard files corrupt"
-        if problem is not None:
-            raise CorruptCheckpoint(self.path, problem)
+    def _record_digests(self, records: Mapping[RecordKey, memoryview]) -> dict[RecordKey, str]:
+        assert self.expected is not None
+        out = {}
+        for key, data in records.items():
+            entry = self.expected.get(key[0])
+            algorithm = entry["algorithm"] if entry is not None else DEFAULT_ALGORITHM
+            out[key] = _digest(algorithm, data)
+            self.hashed_bytes += len(data)
+        return out
+
+    def _agree(
+        self,
+        problem: str | None,
+        shared: dict[RecordKey, str],
+        mine: dict[RecordKey, str],
+    ) -> None:
+        """Raise CorruptCheckpoint on every rank when any rank found a problem, or read a
+        record of another rank's file that is not the bytes that rank verified; return
+        on every rank otherwise. Every rank reaches this (an error reading a file is a
+        problem found, not an exception), so the all-gather always completes, and every
+        rank judges the same gathered facts, so all decide alike."""
+        views: list[Any] = [(problem, shared, mine)]
+        me = 0
+        if self.process_group is not None:
+            views = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(views, (problem, shared, mine), group=self.process_group)
+            me = dist.get_rank(self.process_group)
+        verified: dict[RecordKey, str] = {}
+        for _problem, their_shared, _mine in views:
+            verified.update(their_shared)
+        problems: dict[int, str] = {}
+        for rank, (their_problem, _shared, their_reads) in enumerate(views):
+            if their_problem is None:
+                for (name, offset, length), digest in sorted(their_reads.items()):
+                    if verified.get((name, offset, length)) != digest:
+                        their_problem = (
+                            f"record mismatch: {name} bytes {offset}..{offset + length} as "
+                            f"rank {rank} read them are not the bytes its hashing rank verified"
+                        )
+                        break
+            if their_problem is not None:
+                problems[rank] = their_problem
+        if problems:
+            raise CorruptCheckpoint(
+                self.path,
+                problems.get(me, "another rank found one of its shard files corrupt"),
+            )
 
     def _copy_out(
         self, data: memoryview | Exception, items: list[ReadItem], planner: LoadPlanner
@@ -131,31 +288,154 @@ class VerifyingReader(FileSystemReader):
         for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
             info = self.storage_data[item.storage_index]
             record = data[info.offset : info.offset + info.length]
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(bytes(record)))
-                continue
-            if IN_PLACE_DECODE and not info.transform_descriptors:
-                if whole is None:
-                    whole = _as_tensor(data)
-                storage = whole.untyped_storage()[info.offset : info.offset + info.length]
-                tensor = _decode_in_place(record, storage)
-                self.in_place_decodes += 1
-            else:  # compressed or otherwise transformed records: DCP's own path
-                stream = self.transforms.transform_load_stream(
-                    item, info.transform_descriptors or (), io.BytesIO(bytes(record))
-                )
-                tensor = torch.load(
-                    io.BytesIO(stream.read(-1)), map_location="cpu", weights_only=True
-                )
-            tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            if target.size() != tensor.size():
-                raise AssertionError(
-                    f"req {item.storage_index} mismatch sizes {target.size()} vs {tensor.size()}"
-                )
-            target.copy_(tensor)
-            planner.commit_tensor(item, target)
-            del tensor, record
+            if item.type != LoadItemType.BYTE_IO and whole is None:
+                whole = _as_tensor(data)
+            self._load_item(item, record, whole, info.offset, planner)
+            del record
+
+    def _copy_out_records(
+        self,
+        name: str,
+        records: Mapping[RecordKey, memoryview],
+        items: list[ReadItem],
+        planner: LoadPlanner,
+    ) -> None:
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            record = records[(name, info.offset, info.length)]
+            whole = _as_tensor(record) if item.type != LoadItemType.BYTE_IO else None
+            self._load_item(item, record, whole, 0, planner)
+
+    def _load_item(
+        self,
+        item: ReadItem,
+        record: memoryview,
+        whole: torch.Tensor | None,
+        base: int,
+        planner: LoadPlanner,
+    ) -> None:
+        """Decode one record (`record`: its bytes, which are `whole[base:]`) and copy it
+        into the state."""
+        info = self.storage_data[item.storage_index]
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(bytes(record)))
+            return
+        if IN_PLACE_DECODE and not info.transform_descriptors and len(record):
+            assert whole is not None
+            tensor = self._decode(record, whole, base)
+            self.in_place_decodes += 1
+        else:  # compressed or otherwise transformed records: DCP's own path
+            stream = self.transforms.transform_load_stream(
+                item, info.transform_descriptors or (), io.BytesIO(bytes(record))
+            )
+            tensor = torch.load(io.BytesIO(stream.read(-1)), map_location="cpu", weights_only=True)
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise AssertionError(
+                f"req {item.storage_index} mismatch sizes {target.size()} vs {tensor.size()}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+    def _decode(self, record: memoryview, whole: torch.Tensor, base: int) -> torch.Tensor:
+        """The tensor a torch.save record holds, its data left in place. The first record
+        of each layout goes through torch's decoder (its pickle unpickled, weights only);
+        a later record whose every zip entry but the data is byte for byte the same
+        decodes to the same dtype, shape and strides over its own data, so it is viewed
+        directly: no pickle, no zip reader (most of the time DCP's records took)."""
+        layout = _zip_layout(record)
+        if layout is not None:
+            key, data_start, data_len = layout
+            known = self._layouts.get(key)
+            if known is not None:
+                dtype, size, stride, storage_offset = known
+                start = base + data_start
+                storage = whole.untyped_storage()[start : start + data_len]
+                self.layout_hits += 1
+                return torch.empty((0,), dtype=dtype).set_(storage, storage_offset, size, stride)
+        storage = whole.untyped_storage()[base : base + len(record)]
+        tensor = _decode_in_place(record, storage)
+        if layout is not None and _plain_view_of(tensor, storage, layout[1], layout[2]):
+            self._layouts[layout[0]] = (
+                tensor.dtype,
+                tensor.size(),
+                tuple(tensor.stride()),
+                tensor.storage_offset(),
+            )
+        return tensor
+
+
+def _digest(algorithm: str, data: memoryview) -> str:
+    hasher = new_hasher(algorithm)
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
+def _plain_view_of(
+    tensor: torch.Tensor, record_storage: torch.UntypedStorage, data_start: int, data_len: int
+) -> bool:
+    """Whether `tensor` is a plain strided CPU tensor over exactly the record's data
+    entry: what a remembered layout can rebuild (not a subclass, quantized, conjugated
+    or negated view, whose state a layout would not carry)."""
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+        return False
+    if tensor.is_quantized or tensor.is_conj() or tensor.is_neg() or tensor.device.type != "cpu":
+        return False
+    storage = tensor.untyped_storage()
+    return (
+        storage.data_ptr() - record_storage.data_ptr() == data_start
+        and storage.nbytes() == data_len
+    )
+
+
+_EOCD = struct.Struct("<4s4H2LH")  # end of central directory record
+_CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory file header
+_LOCAL = struct.Struct("<4s5H3L2H")  # local file header
+_ZIP64 = 0xFFFFFFFF
+
+
+def _zip_layout(record: memoryview) -> tuple[bytes, int, int] | None:
+    """For a torch.save zip of one storage (stored, not compressed): a key made of every
+    entry's name and bytes except the storage's data (and the per-save serialization
+    id, which decoding does not use), the offset of the data in the record, and its
+    length. None for anything else (zip64 fields, compression, several storages): such
+    records always take torch's decoder."""
+    size = len(record)
+    if size < _EOCD.size:
+        return None
+    sig, _d, _cd, _n, count, cd_size, cd_offset, _c = _EOCD.unpack_from(record, size - _EOCD.size)
+    if sig != b"PK\x05\x06" or _ZIP64 in (cd_size, cd_offset) or cd_offset + cd_size > size:
+        return None
+    key = bytearray()
+    data: tuple[int, int] | None = None
+    at = cd_offset
+    for _ in range(count):
+        if at + _CENTRAL.size > size:
+            return None
+        (sig, _v, _vn, _f, method, _t, _dt, _crc, csize, usize, nlen, xlen, clen, *_rest, local) = (
+            _CENTRAL.unpack_from(record, at)
+        )
+        if sig != b"PK\x01\x02" or method != 0 or csize != usize or _ZIP64 in (csize, local):
+            return None
+        name = bytes(record[at + _CENTRAL.size : at + _CENTRAL.size + nlen])
+        at += _CENTRAL.size + nlen + xlen + clen
+        if local + _LOCAL.size > size:
+            return None
+        lsig, *_l, lnlen, lxlen = _LOCAL.unpack_from(record, local)
+        start = local + _LOCAL.size + lnlen + lxlen
+        if lsig != b"PK\x03\x04" or start + csize > size:
+            return None
+        if b"/data/" in name and not name.endswith(b".pkl"):
+            if data is not None or not name.endswith(b"/data/0"):
+                return None  # several storages: not this simple layout
+            data = (start, csize)
+            key += b"D%d:%d;" % (len(name), csize) + name
+        elif not name.endswith(b"/.data/serialization_id"):
+            key += b"E%d:%d;" % (len(name), csize) + name + record[start : start + csize]
+    if data is None:
+        return None
+    return bytes(key), data[0], data[1]
 
 
 def _as_tensor(data: memoryview) -> torch.Tensor:

@@ -30,10 +30,12 @@ import dataclasses
 import io
 import mmap
 import os
+import re
 import struct
 import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Collection, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
@@ -72,6 +74,12 @@ class HashDuty:
 
 RecordKey = tuple[str, int, int]  # (file, offset, length)
 
+# Records of another rank's file up to this size are sent by the rank that verified the
+# file, in the agreement's all-gather, instead of read here: they are usually the
+# replicated optimizer scalars and param groups, a few bytes each at scattered offsets,
+# whose cold reads (one disk round trip each) cost more than the whole exchange.
+SHIP_BYTES = 256 * 1024
+
 
 class VerifyingReader(FileSystemReader):
     """FileSystemReader that reads each shard file once, through a map, checks it against
@@ -100,6 +108,40 @@ class VerifyingReader(FileSystemReader):
         # its tensor data -> the tensor they decode to (dtype, size, stride, offset) and
         # where its data lies. Records that agree on every such byte decode alike.
         self._layouts: dict[bytes, tuple[torch.dtype, torch.Size, tuple[int, ...], int]] = {}
+        self._zips = _ZipLayouts()
+        # Maps open for this load (closed by close()), and the background verification
+        # started by prefetch(): file -> (its map or the error opening it, the problem
+        # found in it or None).
+        self._open = ExitStack()
+        self._pool: ThreadPoolExecutor | None = None
+        self._prefetched: Future[dict[str, tuple[memoryview | Exception, str | None]]] | None = None
+
+    def prefetch(self, names: Collection[str]) -> None:
+        """Start mapping and verifying `names` in a background thread while DCP plans
+        the load (the reads and the hash release the GIL, the planning is CPU work): the
+        files this rank's plan will most likely make it hash, i.e. its own shard at an
+        unchanged world size. A guess: a prefetched file the plan does not give this
+        rank is only unmapped at close()."""
+        if self.expected is None or self._pool is not None:
+            return
+        known = sorted(name for name in names if name in self.expected)
+        if known:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify")
+            self._prefetched = self._pool.submit(self._map_and_check, known)
+
+    def close(self) -> None:
+        """Wait for any background verification and unmap every file. Idempotent."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._prefetched = None
+        self._open.close()
+
+    def _map_and_check(
+        self, names: list[str]
+    ) -> dict[str, tuple[memoryview | Exception, str | None]]:
+        views = self._open.enter_context(_mapped_files(os.fspath(self.path), names))
+        return {name: (view, self._file_problem(name, view)) for name, view in views.items()}
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """(Coordinator.) Give each rank its HashDuty. Without this a rank reading a few
@@ -118,15 +160,33 @@ class VerifyingReader(FileSystemReader):
                 records.setdefault(info.relative_path, {}).setdefault(rank, set()).add(
                     (info.offset, info.length)
                 )
-        hasher = {name: min(by_rank, key=lambda r: (-by_rank[r], r)) for name, by_rank in read.items()}
+        hashers: dict[str, set[int]] = {}
+        primary: dict[str, int] = {}
+        for name, by_rank in read.items():
+            writer = _writer_rank(name)
+            primary[name] = min(by_rank, key=lambda r: (-by_rank[r], r != writer, r))
+            entry = self.expected.get(name)
+            size = entry["size"] if entry is not None else 0
+            # Whoever reads half the file or more hashes it itself (e.g. every rank of a
+            # DDP load reads every file whole); the others get their records from the
+            # primary hasher.
+            hashers[name] = {primary[name]} | {r for r, n in by_rank.items() if 2 * n >= size}
         out = []
         for rank, plan in enumerate(plans):
-            files = tuple(sorted(name for name, h in hasher.items() if h == rank))
+            files = tuple(sorted(name for name, ranks in hashers.items() if rank in ranks))
             shared = {
                 name: tuple(
-                    sorted({rec for r, recs in records[name].items() if r != rank for rec in recs})
+                    sorted(
+                        {
+                            rec
+                            for r, recs in records[name].items()
+                            if r not in hashers[name]
+                            for rec in recs
+                        }
+                    )
                 )
                 for name in files
+                if primary[name] == rank
             }
             out.append(dataclasses.replace(plan, storage_data=HashDuty(files=files, shared=shared)))
         return out
@@ -145,29 +205,52 @@ class VerifyingReader(FileSystemReader):
         else:
             whole_files = list(duty.files)
             foreign = sorted(set(per_file) - set(duty.files))
-        with _mapped_files(os.fspath(self.path), whole_files) as mapped:
+        try:
+            mapped, known = self._map(whole_files)
             records: dict[RecordKey, memoryview] = {}
             problem: str | None = None
             shared: dict[RecordKey, str] = {}
+            shipped: dict[RecordKey, bytes] = {}
             mine: dict[RecordKey, str] = {}
             if foreign:
-                problem = self._read_foreign(
-                    {name: per_file[name] for name in foreign}, records
-                )
+                problem = self._read_foreign({name: per_file[name] for name in foreign}, records)
             if self.expected is not None:
                 if problem is None:
-                    problem = self._check(mapped, duty, shared)
+                    problem = self._check(mapped, known, duty, shared, shipped)
                 if problem is None:
                     mine = self._record_digests(records)
-                self._agree(problem, shared, mine)
+                received = self._agree(problem, shared, shipped, mine)
+                for name in foreign:
+                    for item in per_file[name]:
+                        info = self.storage_data[item.storage_index]
+                        key = (name, info.offset, info.length)
+                        if key not in records:
+                            records[key] = memoryview(received[key])
             for name, items in per_file.items():
                 if name in mapped:
                     self._copy_out(mapped[name], items, planner)
                 else:
                     self._copy_out_records(name, records, items, planner)
+        finally:
+            self.close()
         done: TorchFuture[None] = TorchFuture()
         done.set_result(None)
         return done
+
+    def _map(
+        self, names: list[str]
+    ) -> tuple[dict[str, memoryview | Exception], dict[str, str | None]]:
+        """`names` mapped (by prefetch() or now), and the verdicts prefetch() reached."""
+        prefetched: dict[str, tuple[memoryview | Exception, str | None]] = {}
+        if self._prefetched is not None:
+            with suppress(Exception):  # whatever went wrong there is found again here
+                prefetched = self._prefetched.result()
+        views = {name: prefetched[name][0] for name in names if name in prefetched}
+        known = {name: prefetched[name][1] for name in names if name in prefetched}
+        rest = [name for name in names if name not in prefetched]
+        if rest:
+            views.update(self._open.enter_context(_mapped_files(os.fspath(self.path), rest)))
+        return views, known
 
     def _read_foreign(
         self, per_file: Mapping[str, list[ReadItem]], out: dict[RecordKey, memoryview]
@@ -186,7 +269,7 @@ class VerifyingReader(FileSystemReader):
                 for item in items:
                     info = self.storage_data[item.storage_index]
                     key = (name, info.offset, info.length)
-                    if key in out:
+                    if key in out or info.length <= SHIP_BYTES:  # sent by its hashing rank
                         continue
                     buf = bytearray(info.length)
                     got = os.preadv(fd, [buf], info.offset) if info.length else 0
@@ -202,34 +285,48 @@ class VerifyingReader(FileSystemReader):
     def _check(
         self,
         mapped: Mapping[str, memoryview | Exception],
+        known: Mapping[str, str | None],
         duty: HashDuty | None,
         shared: dict[RecordKey, str],
+        shipped: dict[RecordKey, bytes],
     ) -> str | None:
-        """Why this rank's files are not what the manifest says, or None. Fills `shared`
-        with the digests of the records other ranks read from them."""
+        """Why this rank's files are not what the manifest says, or None (`known`: the
+        verdicts already reached in the background). For the records other ranks read
+        from them, fills `shipped` with the bytes of the small ones and `shared` with
+        the digests of the others."""
         assert self.expected is not None
         for name, data in mapped.items():
-            if isinstance(data, Exception):
-                return f"cannot read {name}: {data}"
-            entry = self.expected.get(name)
-            if entry is None:
-                return f"{name} is not in the manifest"
-            if len(data) != entry["size"]:
-                return f"size mismatch: {name} is {len(data)} bytes, manifest says {entry['size']}"
-            hasher = new_hasher(entry["algorithm"])
-            for start in range(0, len(data), CHUNK_BYTES):
-                hasher.update(data[start : start + CHUNK_BYTES])
-            self.hashed_bytes += len(data)
-            mismatch = digest_mismatch(name, entry, hasher.hexdigest())
-            if mismatch is not None:
-                return mismatch
+            problem = known[name] if name in known else self._file_problem(name, data)
+            if problem is not None:
+                return problem
+            assert isinstance(data, memoryview)
+            entry = self.expected[name]
             for offset, length in duty.shared.get(name, ()) if duty is not None else ():
                 if offset + length > len(data):
                     return f"{name} has no bytes {offset}..{offset + length}"
-                shared[(name, offset, length)] = _digest(
-                    entry["algorithm"], data[offset : offset + length]
-                )
+                if length <= SHIP_BYTES:
+                    shipped[(name, offset, length)] = bytes(data[offset : offset + length])
+                else:
+                    shared[(name, offset, length)] = _digest(
+                        entry["algorithm"], data[offset : offset + length]
+                    )
         return None
+
+    def _file_problem(self, name: str, data: memoryview | Exception) -> str | None:
+        """Why one mapped file is not what the manifest says, or None."""
+        assert self.expected is not None
+        if isinstance(data, Exception):
+            return f"cannot read {name}: {data}"
+        entry = self.expected.get(name)
+        if entry is None:
+            return f"{name} is not in the manifest"
+        if len(data) != entry["size"]:
+            return f"size mismatch: {name} is {len(data)} bytes, manifest says {entry['size']}"
+        hasher = new_hasher(entry["algorithm"])
+        for start in range(0, len(data), CHUNK_BYTES):
+            hasher.update(data[start : start + CHUNK_BYTES])
+        self.hashed_bytes += len(data)
+        return digest_mismatch(name, entry, hasher.hexdigest())
 
     def _record_digests(self, records: Mapping[RecordKey, memoryview]) -> dict[RecordKey, str]:
         assert self.expected is not None
@@ -245,24 +342,30 @@ class VerifyingReader(FileSystemReader):
         self,
         problem: str | None,
         shared: dict[RecordKey, str],
+        shipped: dict[RecordKey, bytes],
         mine: dict[RecordKey, str],
-    ) -> None:
+    ) -> dict[RecordKey, bytes]:
         """Raise CorruptCheckpoint on every rank when any rank found a problem, or read a
         record of another rank's file that is not the bytes that rank verified; return
-        on every rank otherwise. Every rank reaches this (an error reading a file is a
-        problem found, not an exception), so the all-gather always completes, and every
-        rank judges the same gathered facts, so all decide alike."""
-        views: list[Any] = [(problem, shared, mine)]
+        on every rank otherwise, with every small record any rank sent. Every rank
+        reaches this (an error reading a file is a problem found, not an exception), so
+        the all-gather always completes, and every rank judges the same gathered facts,
+        so all decide alike."""
+        views: list[Any] = [(problem, shared, shipped, mine)]
         me = 0
         if self.process_group is not None:
             views = [None] * dist.get_world_size(self.process_group)
-            dist.all_gather_object(views, (problem, shared, mine), group=self.process_group)
+            dist.all_gather_object(
+                views, (problem, shared, shipped, mine), group=self.process_group
+            )
             me = dist.get_rank(self.process_group)
         verified: dict[RecordKey, str] = {}
-        for _problem, their_shared, _mine in views:
+        received: dict[RecordKey, bytes] = {}
+        for _problem, their_shared, their_shipped, _mine in views:
             verified.update(their_shared)
+            received.update(their_shipped)
         problems: dict[int, str] = {}
-        for rank, (their_problem, _shared, their_reads) in enumerate(views):
+        for rank, (their_problem, _shared, _shipped, their_reads) in enumerate(views):
             if their_problem is None:
                 for (name, offset, length), digest in sorted(their_reads.items()):
                     if verified.get((name, offset, length)) != digest:
@@ -278,6 +381,7 @@ class VerifyingReader(FileSystemReader):
                 self.path,
                 problems.get(me, "another rank found one of its shard files corrupt"),
             )
+        return received
 
     def _copy_out(
         self, data: memoryview | Exception, items: list[ReadItem], planner: LoadPlanner
@@ -344,7 +448,7 @@ class VerifyingReader(FileSystemReader):
         a later record whose every zip entry but the data is byte for byte the same
         decodes to the same dtype, shape and strides over its own data, so it is viewed
         directly: no pickle, no zip reader (most of the time DCP's records took)."""
-        layout = _zip_layout(record)
+        layout = self._zips.key(record)
         if layout is not None:
             key, data_start, data_len = layout
             known = self._layouts.get(key)
@@ -364,6 +468,12 @@ class VerifyingReader(FileSystemReader):
                 tensor.storage_offset(),
             )
         return tensor
+
+
+def _writer_rank(name: str) -> int | None:
+    """The rank that wrote a DCP shard file (`__<rank>_<n>.distcp`), or None."""
+    match = re.fullmatch(r"__(\d+)_\d+\.distcp", name)
+    return int(match.group(1)) if match else None
 
 
 def _digest(algorithm: str, data: memoryview) -> str:
@@ -394,26 +504,61 @@ _CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory file header
 _LOCAL = struct.Struct("<4s5H3L2H")  # local file header
 _ZIP64 = 0xFFFFFFFF
 
+# Where a record's storage data and serialization id lie: (data start, data length,
+# [(start, end) of the bytes a layout key leaves out]).
+_Places = tuple[int, int, tuple[tuple[int, int], ...]]
 
-def _zip_layout(record: memoryview) -> tuple[bytes, int, int] | None:
-    """For a torch.save zip of one storage (stored, not compressed): a key made of every
-    entry's name and bytes except the storage's data (and the per-save serialization
-    id, which decoding does not use), the offset of the data in the record, and its
-    length. None for anything else (zip64 fields, compression, several storages): such
-    records always take torch's decoder."""
+
+class _ZipLayouts:
+    """Keys of torch.save records by layout, for one load.
+
+    A record's key is all its bytes except its storage's data and its per-save
+    serialization id (which decoding never reads): two records with the same key decode
+    to tensors of the same dtype, shape and strides, each over its own data. Finding
+    those two byte ranges means parsing the zip's directory; records with the same
+    directory bytes (names, sizes, offsets: same-shaped tensors) have them in the same
+    places, so each distinct directory is parsed once."""
+
+    def __init__(self) -> None:
+        self._places: dict[bytes, _Places | None] = {}
+
+    def key(self, record: memoryview) -> tuple[bytes, int, int] | None:
+        """(key, data start, data length) of `record`, or None when it is not a stored
+        (uncompressed, non-zip64) zip of exactly one storage: such records always take
+        torch's decoder."""
+        size = len(record)
+        if size < _EOCD.size:
+            return None
+        sig, _d, _cd, _n, _count, cd_size, cd_offset, _c = _EOCD.unpack_from(
+            record, size - _EOCD.size
+        )
+        if sig != b"PK\x05\x06" or _ZIP64 in (cd_size, cd_offset) or cd_offset >= size:
+            return None
+        directory = bytes(record[cd_offset:])
+        if directory not in self._places:
+            self._places[directory] = _parse_places(record, cd_offset, _count)
+        places = self._places[directory]
+        if places is None:
+            return None
+        data_start, data_len, left_out = places
+        key = bytearray()
+        at = 0
+        for start, end in left_out:
+            key += record[at:start]
+            at = end
+        key += record[at:]
+        return bytes(key), data_start, data_len
+
+
+def _parse_places(record: memoryview, cd_offset: int, count: int) -> _Places | None:
     size = len(record)
-    if size < _EOCD.size:
-        return None
-    sig, _d, _cd, _n, count, cd_size, cd_offset, _c = _EOCD.unpack_from(record, size - _EOCD.size)
-    if sig != b"PK\x05\x06" or _ZIP64 in (cd_size, cd_offset) or cd_offset + cd_size > size:
-        return None
-    key = bytearray()
     data: tuple[int, int] | None = None
+    left_out: list[tuple[int, int]] = []
     at = cd_offset
     for _ in range(count):
         if at + _CENTRAL.size > size:
             return None
-        (sig, _v, _vn, _f, method, _t, _dt, _crc, csize, usize, nlen, xlen, clen, *_rest, local) = (
+        (sig, _v, _vn, _f, method, _t, _dt, _crc, csize, usize, nlen, xlen, clen, *_r, local) = (
             _CENTRAL.unpack_from(record, at)
         )
         if sig != b"PK\x01\x02" or method != 0 or csize != usize or _ZIP64 in (csize, local):
@@ -424,18 +569,18 @@ def _zip_layout(record: memoryview) -> tuple[bytes, int, int] | None:
             return None
         lsig, *_l, lnlen, lxlen = _LOCAL.unpack_from(record, local)
         start = local + _LOCAL.size + lnlen + lxlen
-        if lsig != b"PK\x03\x04" or start + csize > size:
+        if lsig != b"PK\x03\x04" or start + csize > cd_offset:
             return None
-        if b"/data/" in name and not name.endswith(b".pkl"):
+        if b"/data/" in name:
             if data is not None or not name.endswith(b"/data/0"):
                 return None  # several storages: not this simple layout
             data = (start, csize)
-            key += b"D%d:%d;" % (len(name), csize) + name
-        elif not name.endswith(b"/.data/serialization_id"):
-            key += b"E%d:%d;" % (len(name), csize) + name + record[start : start + csize]
+            left_out.append((start, start + csize))
+        elif name.endswith(b"/.data/serialization_id"):
+            left_out.append((start, start + csize))
     if data is None:
         return None
-    return bytes(key), data[0], data[1]
+    return data[0], data[1], tuple(sorted(left_out))
 
 
 def _as_tensor(data: memoryview) -> torch.Tensor:

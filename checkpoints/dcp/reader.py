@@ -104,6 +104,8 @@ class VerifyingReader(FileSystemReader):
         self.in_place_decodes = 0  # tensors decoded from the loaded bytes, not copied (tests)
         self.layout_hits = 0  # of those, decoded from a remembered layout (tests)
         self.hashed_bytes = 0  # bytes this rank hashed (tests)
+        self.received_records: list[RecordKey] = []  # sent by their file's hashing rank
+        self.self_read_records: list[RecordKey] = []  # of others' files, read and checked here
         # Record layouts seen in this load: the bytes of a record's zip entries other than
         # its tensor data -> the tensor they decode to (dtype, size, stride, offset) and
         # where its data lies. Records that agree on every such byte decode alike.
@@ -219,6 +221,7 @@ class VerifyingReader(FileSystemReader):
                     problem = self._check(mapped, known, duty, shared, shipped)
                 if problem is None:
                     mine = self._record_digests(records)
+                self.self_read_records = sorted(records)
                 received = self._agree(problem, shared, shipped, mine)
                 for name in foreign:
                     for item in per_file[name]:
@@ -226,6 +229,7 @@ class VerifyingReader(FileSystemReader):
                         key = (name, info.offset, info.length)
                         if key not in records:
                             records[key] = memoryview(received[key])
+                            self.received_records.append(key)
             for name, items in per_file.items():
                 if name in mapped:
                     self._copy_out(mapped[name], items, planner)
@@ -465,7 +469,7 @@ class VerifyingReader(FileSystemReader):
                 tensor.dtype,
                 tensor.size(),
                 tuple(tensor.stride()),
-                tensor.storage_offset(),
+                int(tensor.storage_offset()),
             )
         return tensor
 

@@ -2,26 +2,34 @@
 
 DCP's own `FileSystemReader` runs one `torch.load` per tensor through a file view (a read
 into a fresh tensor, then a copy into the state's tensor), and verifying the checkpoint
-first means a second pass over every byte. Here each rank, for each shard file its load
-plan reads:
+first means a second pass over every byte. Here:
 
-1. maps the file (`mmap`, read-only): the kernel reads it in, nothing is copied into a
-   user buffer;
-2. with digests expected, hashes the mapped bytes in file order (XXH3-128 by default,
-   `elastrain.checkpoints.digest`, at memory speed; these are the same pages steps 3-4 then read);
-3. agrees with every other rank that all of them found their files intact (one
-   all-reduce) before any byte reaches the state, so a corrupt checkpoint leaves every
-   rank's state untouched and the caller falls back to an older one, as it would after a
-   verification pass on one rank;
-4. decodes each tensor record of the file in place (`torch.load`'s own decoder, given the
-   mapped bytes as the record's storage, as `torch.load(mmap=True)` does for a whole file)
-   and copies it into the state's tensor: one copy, from the page cache.
+1. the coordinator, seeing every rank's load plan, gives each file that any rank reads
+   one hashing rank (`HashDuty`: the rank that reads most of it; also any rank that reads
+   half of it or more). Without that, a rank reading a few replicated optimizer values
+   from another rank's shard (DCP stores them once) read and hashed that whole file too;
+2. each rank maps the files it hashes (`mmap`, read-only: the kernel reads them in,
+   nothing is copied into a user buffer) and hashes them in file order (XXH3-128 by
+   default, `elastrain.checkpoints.digest`, at memory speed). Its own shard is mapped and
+   hashed in a thread while DCP plans the load (`prefetch`);
+3. the records a rank reads from a file another rank hashes: small ones (`SHIP_BYTES`)
+   are sent by that rank, from its verified map; larger ones are read here and their
+   digests compared with the ones that rank took from its verified map;
+4. every rank agrees with every other (one all-gather of verdicts, digests and small
+   records) that all files and records are intact before any byte reaches the state,
+   so a corrupt checkpoint leaves every rank's state untouched and the caller falls back
+   to an older one, as it would after a verification pass on one rank;
+5. each tensor record is decoded in place (`torch.load`'s own decoder, given the mapped
+   bytes as the record's storage, as `torch.load(mmap=True)` does for a whole file; a
+   record laid out as one seen before, byte for byte but its data, is viewed from that
+   layout without the pickle) and copied into the state's tensor: one copy, from the
+   page cache.
 
 So a verified load costs about one read of the files plus one copy into the state, and
 the hash (~29 GB/s per core) is close to free (docs/bench-checkpoint.md).
 
-Files not read by any rank's plan are not hashed here; `elastrain.checkpoints.catalog` checks the
-small ones (`.metadata`, the rank extras) on rank 0 before the load starts.
+Files not read by any rank's plan are not hashed here; `elastrain.checkpoints.catalog` checks
+the small ones (`.metadata`, the rank extras) on rank 0 before the load starts.
 """
 
 from __future__ import annotations
@@ -449,9 +457,10 @@ class VerifyingReader(FileSystemReader):
     def _decode(self, record: memoryview, whole: torch.Tensor, base: int) -> torch.Tensor:
         """The tensor a torch.save record holds, its data left in place. The first record
         of each layout goes through torch's decoder (its pickle unpickled, weights only);
-        a later record whose every zip entry but the data is byte for byte the same
-        decodes to the same dtype, shape and strides over its own data, so it is viewed
-        directly: no pickle, no zip reader (most of the time DCP's records took)."""
+        a later record whose bytes, but its data and serialization id, are those of an
+        earlier one decodes to the same dtype, shape and strides over its own data, so
+        it is viewed directly: no pickle, no zip reader. (Those were 1-1.5 ms a record,
+        most of the decoding time of a load, on the bench's 2 busy cores.)"""
         layout = self._zips.key(record)
         if layout is not None:
             key, data_start, data_len = layout

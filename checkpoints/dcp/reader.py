@@ -132,9 +132,9 @@ class VerifyingReader(FileSystemReader):
         files this rank's plan will most likely make it hash, i.e. its own shard at an
         unchanged world size. A guess: a prefetched file the plan does not give this
         rank is only unmapped at close()."""
-        if self.expected is None or self._pool is not None:
+        if self._pool is not None:
             return
-        known = sorted(name for name in names if name in self.expected)
+        known = sorted(name for name in names if self.expected is None or name in self.expected)
         if known:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify")
             self._prefetched = self._pool.submit(self._map_and_check, known)
@@ -151,6 +151,11 @@ class VerifyingReader(FileSystemReader):
         self, names: list[str]
     ) -> dict[str, tuple[memoryview | Exception, str | None]]:
         views = self._open.enter_context(_mapped_files(os.fspath(self.path), names))
+        if self.expected is None:  # not verifying: only fault the pages in, in order
+            for view in views.values():
+                if isinstance(view, memoryview):
+                    _touch(view)
+            return {name: (view, None) for name, view in views.items()}
         return {name: (view, self._file_problem(name, view)) for name, view in views.items()}
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -158,8 +163,6 @@ class VerifyingReader(FileSystemReader):
         small records of another rank's file (the replicated optimizer scalars DCP stores
         once) would read and hash that whole file too: twice the bytes on that rank."""
         plans = super().prepare_global_plan(plans)
-        if self.expected is None:
-            return plans
         read: dict[str, dict[int, int]] = {}  # file -> rank -> bytes it reads
         records: dict[str, dict[int, set[tuple[int, int]]]] = {}
         for rank, plan in enumerate(plans):
@@ -175,8 +178,8 @@ class VerifyingReader(FileSystemReader):
         for name, by_rank in read.items():
             writer = _writer_rank(name)
             primary[name] = min(by_rank, key=lambda r: (-by_rank[r], r != writer, r))
-            entry = self.expected.get(name)
-            size = entry["size"] if entry is not None else 0
+            entry = self.expected.get(name) if self.expected is not None else None
+            size = entry["size"] if entry is not None else _size(self.path, name)
             # Whoever reads half the file or more hashes it itself (e.g. every rank of a
             # DDP load reads every file whole); the others get their records from the
             # primary hasher.
@@ -208,9 +211,7 @@ class VerifyingReader(FileSystemReader):
             per_file.setdefault(name, []).append(item)
 
         duty = plan.storage_data if isinstance(plan.storage_data, HashDuty) else None
-        if self.expected is None or duty is None:
-            # Not verifying, or no duty from the coordinator: map (and hash) every file
-            # this rank reads.
+        if duty is None:  # no duty from the coordinator: map (and hash) every file read
             whole_files, foreign = sorted(per_file), []
         else:
             whole_files = list(duty.files)
@@ -224,6 +225,8 @@ class VerifyingReader(FileSystemReader):
             mine: dict[RecordKey, str] = {}
             if foreign:
                 problem = self._read_foreign({name: per_file[name] for name in foreign}, records)
+                if problem is not None and self.expected is None:
+                    raise OSError(problem)  # not verifying: reported, as DCP's reader would
             if self.expected is not None:
                 if problem is None:
                     problem = self._check(mapped, known, duty, shared, shipped)
@@ -281,7 +284,8 @@ class VerifyingReader(FileSystemReader):
                 for item in items:
                     info = self.storage_data[item.storage_index]
                     key = (name, info.offset, info.length)
-                    if key in out or info.length <= SHIP_BYTES:  # sent by its hashing rank
+                    if key in out or (self.expected is not None and info.length <= SHIP_BYTES):
+                        # Verifying, a small record is sent by the file's hashing rank.
                         continue
                     buf = bytearray(info.length)
                     got = os.preadv(fd, [buf], info.offset) if info.length else 0
@@ -481,6 +485,20 @@ class VerifyingReader(FileSystemReader):
                 int(tensor.storage_offset()),
             )
         return tensor
+
+
+def _touch(data: memoryview) -> None:
+    """Fault every page of a map in, in order: hashing is the cheapest full read."""
+    hasher = new_hasher(DEFAULT_ALGORITHM)
+    for start in range(0, len(data), CHUNK_BYTES):
+        hasher.update(data[start : start + CHUNK_BYTES])
+
+
+def _size(root: str | os.PathLike[str], name: str) -> int:
+    try:
+        return os.path.getsize(os.path.join(root, name))
+    except OSError:
+        return 0
 
 
 def _writer_rank(name: str) -> int | None:

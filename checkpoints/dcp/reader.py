@@ -228,10 +228,13 @@ class VerifyingReader(FileSystemReader):
                 if problem is not None and self.expected is None:
                     raise OSError(problem)  # not verifying: reported, as DCP's reader would
             if self.expected is not None:
-                if problem is None:
-                    problem = self._check(mapped, known, duty, shared, shipped)
-                if problem is None:
-                    mine = self._record_digests(records)
+                try:
+                    if problem is None:
+                        problem = self._check(mapped, known, duty, shared, shipped)
+                    if problem is None:
+                        mine = self._record_digests(records)
+                except Exception as e:  # a problem found: the peers wait in the all-gather
+                    problem = f"verification failed: {e!r}"
                 self.self_read_records = sorted(records)
                 received = self._agree(problem, shared, shipped, mine)
                 for name in foreign:

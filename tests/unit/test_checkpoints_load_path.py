@@ -25,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 
 from elastrain.checkpoints.dcp import ShardedCheckpointer
 from elastrain.checkpoints.dcp import reader as reader_module
+from elastrain.checkpoints.dcp.records import ZipLayouts
 from elastrain.checkpoints.dcp.writer import without_zip_crc32
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (
@@ -81,7 +82,7 @@ def test_remembered_layouts_decode_exactly_what_torch_load_does() -> None:
     assert reader.layout_hits == 2 * len(kinds)
 
     # Same layout, other values: same key; another shape: another key.
-    layouts = reader_module._ZipLayouts()
+    layouts = ZipLayouts()
     a = layouts.key(memoryview(_record(torch.randn(3, 4))))
     b = layouts.key(memoryview(_record(torch.randn(3, 4))))
     c = layouts.key(memoryview(_record(torch.randn(4, 3))))

@@ -332,6 +332,16 @@ class ShardedCheckpointer:
                 expected=info.manifest.files if self.verify_digests else None,
                 process_group=self._pg,
             )
+            if info.world_size == self.world_size:
+                # This rank's own shard is what its plan will most likely have it verify:
+                # read and hash it while DCP plans (reader.prefetch).
+                reader.prefetch(
+                    [
+                        name
+                        for name in info.manifest.files
+                        if name.startswith(f"__{self.rank}_") and name.endswith(SHARD_SUFFIX)
+                    ]
+                )
             try:
                 dcp.load(
                     state,
@@ -347,6 +357,8 @@ class ShardedCheckpointer:
                 # rank makes this choice; rank 0 picks again without this folder.
                 refused[str(info.path)] = corrupt
                 continue
+            finally:
+                reader.close()
             break
         rank_extra = None
         extra_path = info.path / rank_extra_name(self.rank)

@@ -147,9 +147,7 @@ def check_workload_code(
     touch(settings.storage_path, workload.package)  # in use: retention counts from now
 
 
-def _visible_package(
-    digest: str, settings: Settings, session: Session, who: Principal
-) -> Manifest:
+def _visible_package(digest: str, settings: Settings, session: Session, who: Principal) -> Manifest:
     """The package's manifest, when it exists and is the caller's to use; else the one 422
     for both (another tenant's package reads as a missing one)."""
     manifest = load_manifest(settings.storage_path, digest)

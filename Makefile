@@ -27,10 +27,12 @@ test-deps:
 
 # The whole suite: unit, integration (real Ray, real PostgreSQL), chaos, browser; then every
 # bench script in its quick mode (bench-quick), so a bench that breaks fails CI too.
+# --durations: every run lists its slowest tests, the ones to look at when CI nears its
+# 40-minute budget.
 test: test-deps $(BIN)/elastrain
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 	$(BIN)/python bench/all.py --quick
 
 test-fast: $(BIN)/elastrain

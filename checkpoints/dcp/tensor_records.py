@@ -78,7 +78,8 @@ def storage_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of `tensor`'s whole storage (what torch.save writes as its data record),
     without a copy."""
     as_bytes = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
-    return memoryview(as_bytes.numpy()).cast("B")
+    array: Any = as_bytes.numpy()  # a buffer; numpy's stubs do not say so to mypy
+    return memoryview(array).cast("B")
 
 
 def _template_from(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
@@ -90,7 +91,7 @@ def _template_from(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
     reader = torch._C.PyTorchFileReader(io.BytesIO(raw))
     if set(reader.get_all_records()) & {"data/1", "data/2"}:
         return None  # more than one storage: not a lone plain tensor
-    start = reader.get_record_offset(_DATA_RECORD)
+    start = reader.get_record_offset(_DATA_RECORD)  # type: ignore[attr-defined]  # not in torch's stubs
     data = storage_bytes(tensor)
     end = start + len(data)
     if end > len(raw) or raw[start:end] != data:

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -309,7 +309,7 @@ class DigestingWriter(FileSystemWriter):
                 offset = stream.tell()
                 parts = record_parts(tensor, settings)
                 if parts is None:
-                    torch.save(tensor, stream)
+                    torch.save(tensor, cast(IO[bytes], stream))
                 else:
                     for part in parts:
                         stream.write(part)

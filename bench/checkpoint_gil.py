@@ -160,7 +160,7 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
     ratio = whole("async") / whole("sync")
     ratio_old = whole("async, torch.save per tensor") / whole("sync, torch.save per tensor")
     lines = [
-        "# One rank with a spare core (the GPU host's regime, on CPU)",
+        "## One rank with a spare core (the GPU host's regime, on CPU)",
         "",
         f"`{cfg['command']}`: one gloo rank, `torch.set_num_threads(1)` on "
         f"{os.cpu_count()} cores (torch {torch.__version__}): 12-layer GPT (n_embd 64, "

@@ -2,7 +2,10 @@
 throughput against plain sequential file I/O of the same bytes (issue 14 part 2, issue 25
 item 5).
 
-    .venv/bin/python bench/checkpoint_bench.py [--quick] [--strategy fsdp|ddp]
+    .venv/bin/python bench/checkpoint_bench.py [--quick] [--strategy fsdp|ddp] [--only ...]
+
+A second report (`--only gil`, run after the first by default): one rank with a spare core,
+the GPU host's regime, where an async save's cost is the GIL (bench/checkpoint_gil.py).
 
 Two gloo ranks (spawned), a stack of nn.Linear layers + AdamW state of ~400 MB in total
 (`--quick`: ~60 MB, 3 repeats). Every figure is the median of `--repeats` runs, and every
@@ -52,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+from bench import checkpoint_gil  # noqa: E402
 from bench.report_blocks import write_block  # noqa: E402
 from elastrain.checkpoints.dcp import ShardedCheckpointer  # noqa: E402
 from tests.unit.dist_utils import run_distributed  # noqa: E402
@@ -340,7 +344,45 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: tmp)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench-checkpoint.md")
+    parser.add_argument(
+        "--only",
+        choices=["two-ranks", "gil"],
+        default=None,
+        help="one of the two reports (default: both)",
+    )
     args = parser.parse_args()
+    if args.only != "gil":
+        two_ranks(args)
+    if args.only != "two-ranks":
+        gil_proxy(args)
+
+
+def gil_proxy(args: argparse.Namespace) -> None:
+    """One rank, one torch thread, a spare core (bench/checkpoint_gil.py)."""
+    frozen_mb, frozen_tensors, steps = (160, 4, 10) if not args.quick else (8, 2, 3)
+    scratch = Path(tempfile.mkdtemp(prefix="ckpt-gil-bench-", dir=args.dir))
+    cfg = {
+        "frozen_mb": frozen_mb,
+        "frozen_tensors": frozen_tensors,
+        "steps": steps,
+        "repeats": args.repeats or (2 if args.quick else 7),
+        "dir": str(scratch),
+        "command": " ".join([".venv/bin/python", "bench/checkpoint_bench.py", *sys.argv[1:]]),
+        "load_before": os.getloadavg(),
+    }
+    try:
+        out = run_distributed(checkpoint_gil.body, 1, cfg, timeout_s=3600, pg_timeout_s=600)[0]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    cfg["load_after"] = os.getloadavg()
+    table = checkpoint_gil.render(cfg, out)
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_block(args.out, "checkpoint-gil-report", table)
+
+
+def two_ranks(args: argparse.Namespace) -> None:
+    """The first report: two gloo ranks on busy cores."""
 
     # Parameters x 3 (weights, exp_avg, exp_avg_sq) x 4 bytes: 32 x 1024^2 -> ~400 MB.
     width, layers = (1024, 32) if not args.quick else (512, 20)

@@ -79,6 +79,7 @@ class ShardedCheckpointer:
         verify_digests: bool = True,
         owner: str = "",
         digest: str = DEFAULT_ALGORITHM,
+        template_records: bool = True,
     ) -> None:
         """`process_group`: the group DCP and the load broadcast use. None creates a
         dedicated gloo group, so every rank must construct the checkpointer at the same
@@ -95,6 +96,10 @@ class ShardedCheckpointer:
         `checkpoint.digest` setting, 'xxh3' or 'sha256', or a `elastrain.checkpoints.digest` name).
         Loads verify each file by the algorithm its manifest names, whatever this is.
 
+        `template_records`: write tensor records from per-layout templates rather than
+        one torch.save per tensor (`DigestingWriter`; the same bytes). Off only to compare
+        (bench/checkpoint_gil_bench.py).
+
         Retention is not done here: the service prunes (`elastrain.checkpoints.retention`).
         """
         if async_staging and not async_save:
@@ -106,6 +111,7 @@ class ShardedCheckpointer:
         self.async_staging = async_staging
         self.verify_digests = verify_digests
         self.digest_algorithm = algorithm_for_setting(digest)
+        self.template_records = template_records
         self.owner = owner  # the database whose job this is: commits check the fence names it
         self._distributed = dist.is_available() and dist.is_initialized()
         if self._distributed:
@@ -233,7 +239,9 @@ class ShardedCheckpointer:
             atomic_write_bytes(path / rank_extra_name(self.rank), extra)
         if isinstance(state, Future):
             state = state.result()
-        writer = DigestingWriter(path, algorithm=self.digest_algorithm)
+        writer = DigestingWriter(
+            path, algorithm=self.digest_algorithm, template_records=self.template_records
+        )
         # Looked up on the module at call time (tests hold the write by patching it).
         state_dict_saver.save(
             state, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed

@@ -31,15 +31,23 @@ import threading
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystem,
+    FileSystemWriter,
+    SerializationFormat,
+    _item_size,
+    _StorageInfo,
+)
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
+from elastrain.checkpoints.dcp.tensor_records import record_parts, serialization_settings
 from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
 from elastrain.checkpoints.manifest import FileEntry
 
@@ -216,13 +224,26 @@ class DigestingWriter(FileSystemWriter):
     """FileSystemWriter (one file per rank, fsync per file) whose shard files are hashed
     as they are written. After a save, on the coordinator, `shard_digests` maps every
     shard file name (relative to the checkpoint folder) to its size and digest (by
-    `algorithm`, a `elastrain.checkpoints.digest` name)."""
+    `algorithm`, a `elastrain.checkpoints.digest` name).
 
-    def __init__(self, path: str | os.PathLike[str], *, algorithm: str = DEFAULT_ALGORITHM) -> None:
+    `template_records` (default): the shard is written by `_write_shard`, which writes
+    each plain CPU tensor's torch.save record from a per-layout template
+    (`tensor_records`) instead of running torch.save for it: the same bytes, a fraction
+    of the Python. Off: DCP's own writer loop (kept for comparison, bench/checkpoint_gil_bench.py).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        algorithm: str = DEFAULT_ALGORITHM,
+        template_records: bool = True,
+    ) -> None:
         # The staging copy is made by the checkpointer's own stager (checkpointer.py), so
         # no staging options here; sync_files: a file is durable before the manifest
         # names it.
         super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self.template_records = template_records
         self._digesting_fs = DigestingFileSystem(algorithm)
         self.fs = self._digesting_fs
         self.shard_digests: dict[str, FileEntry] = {}
@@ -234,12 +255,69 @@ class DigestingWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         with without_zip_crc32():
-            written = super().write_data(plan, planner)
-            results = list(written.wait())
+            shard = self._write_shard(plan, planner) if self._one_plain_shard() else None
+            results = shard if shard is not None else list(super().write_data(plan, planner).wait())
         results.extend(_digest_result(d) for d in self._digesting_fs.take_digests())
         out: TorchFuture[list[WriteResult]] = TorchFuture()
         out.set_result(results)
         return out
+
+    def _one_plain_shard(self) -> bool:
+        """Whether DCP's writer would write this rank's items into one file by one thread,
+        untransformed, with torch.save: the case `_write_shard` reproduces."""
+        return (
+            self.template_records
+            and self.single_file_per_rank
+            and self.thread_count == 1
+            and not self.transforms.extensions
+            and self.serialization_format == SerializationFormat.TORCH_SAVE
+        )
+
+    def _write_shard(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult] | None:
+        """What `FileSystemWriter.write_data` does for one file written by one thread
+        (`_write_files_from_queue`): the same file name, the same order of items (byte
+        items first, then tensors, ordered by size where DCP's loader would copy them
+        from an accelerator), the same records and so the same offsets, lengths and
+        fsync; tensor records from templates where `record_parts` has one. None (nothing
+        written) when a tensor is not in host memory (a synchronous save of device
+        tensors): DCP's loader overlaps those copies, so its writer does that save."""
+        file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        path = self.fs.concat_path(self.path, file_name)
+        byte_items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
+        tensor_items = [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
+        if _dcp_overlapping_loader(self.per_thread_copy_ahead):
+            tensor_items.sort(key=_item_size)  # stable, as the loader's sort
+        tensors = []
+        for item in tensor_items:
+            tensor = planner.resolve_data(item)
+            assert isinstance(tensor, torch.Tensor)
+            if not tensor.is_cpu:
+                return None
+            tensors.append(tensor.detach())
+        settings = serialization_settings()
+        results: list[WriteResult] = []
+        with self.fs.create_stream(path, "wb") as stream:
+            for item in byte_items:
+                data = planner.resolve_data(item)
+                assert isinstance(data, io.BytesIO)
+                offset = stream.tell()
+                stream.write(data.getbuffer())
+                results.append(_result(item, file_name, offset, stream.tell() - offset))
+            for item, tensor in zip(tensor_items, tensors, strict=True):
+                if tensor.untyped_storage().size() != tensor.numel() * tensor.itemsize:
+                    tensor = tensor.clone()  # as DCP's loaders: minimal storage
+                offset = stream.tell()
+                parts = record_parts(tensor, settings)
+                if parts is None:
+                    torch.save(tensor, cast(IO[bytes], stream))
+                else:
+                    for part in parts:
+                        stream.write(part)
+                results.append(_result(item, file_name, offset, stream.tell() - offset))
+            stream.flush()
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         digests, dcp_results = split_digest_results(results)
@@ -277,6 +355,23 @@ def without_zip_crc32() -> Generator[None, None, None]:
             _crc32_off_depth -= 1
             if _crc32_off_depth == 0:
                 torch.serialization.set_crc32_options(_crc32_saved)
+
+
+def _dcp_overlapping_loader(copy_ahead: int) -> bool:
+    """Whether DCP's one-thread writer loads tensors with its overlapping (accelerator)
+    loader, which writes them smallest first, rather than in plan order."""
+    backend = getattr(torch, torch._C._get_privateuse1_backend_name(), None)
+    return copy_ahead > 0 and (
+        torch.cuda.is_available() or bool(backend and backend.is_available())
+    )
+
+
+def _result(item: WriteItem, file_name: str, offset: int, length: int) -> WriteResult:
+    return WriteResult(
+        index=item.index,
+        size_in_bytes=length,
+        storage_data=_StorageInfo(file_name, offset, length, transform_descriptors=None),
+    )
 
 
 def _digest_result(digest: StreamedDigest) -> WriteResult:

@@ -98,7 +98,7 @@ class ShardedCheckpointer:
 
         `template_records`: write tensor records from per-layout templates rather than
         one torch.save per tensor (`DigestingWriter`; the same bytes). Off only to compare
-        (bench/checkpoint_gil_bench.py).
+        (bench/checkpoint_gil.py).
 
         Retention is not done here: the service prunes (`elastrain.checkpoints.retention`).
         """

@@ -229,7 +229,7 @@ class DigestingWriter(FileSystemWriter):
     `template_records` (default): the shard is written by `_write_shard`, which writes
     each plain CPU tensor's torch.save record from a per-layout template
     (`tensor_records`) instead of running torch.save for it: the same bytes, a fraction
-    of the Python. Off: DCP's own writer loop (kept for comparison, bench/checkpoint_gil_bench.py).
+    of the Python. Off: DCP's own writer loop (kept for comparison, bench/checkpoint_gil.py).
     """
 
     def __init__(

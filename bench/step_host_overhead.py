@@ -78,8 +78,9 @@ def service_step(
         # the model as it would for bf16 on a GPU (DDP: autocast; FSDP2: its policy).
         wrap = strategy.wrap  # type: ignore[attr-defined]
         strategy.wrap = lambda model, _mp: wrap(model, torch.bfloat16)  # type: ignore[attr-defined]
-    ctx = TrainContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), job_id=1,
-                       attempt=1, checkpoint_root=Path("unused"))  # fmt: skip
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ctx = TrainContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"),
+                       job_id=1, attempt=1, checkpoint_root=Path("unused"))  # fmt: skip
     strategy.setup(workload, ctx, spec)
     strategy.activations.armed = False  # as the loop leaves it between measured steps
     if gpu_optimizer:

@@ -19,7 +19,7 @@ kernel launch each on a GPU), the ops that differ, and the host time per step
 (bfloat16), as the service does on a GPU (the product refuses mixed precision on a CPU;
 this bench bypasses that for its own strategy only).
 
-    .venv/bin/python bench/step_host_overhead.py --strategy ddp --bf16 [--steps 60]
+    .venv/bin/python bench/step_host_overhead.py [--strategies ddp,fsdp] [--precisions fp32,bf16]\n        [--steps 30] [--out report.md]
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ from elastrain.workers.workloads import load_workload
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def spec_of(args: argparse.Namespace) -> JobSpec:
+def spec_of(args: argparse.Namespace, strategy: str) -> JobSpec:
     return JobSpec.model_validate({
         "name": "host-overhead",
         "workload": {"name": "gpt", "params": json.loads(args.params)},
-        "strategy": {"kind": args.strategy},
+        "strategy": {"kind": strategy},
         "training": {
             "global_batch_size": args.micro_batch * args.micro_batches,
             "micro_batch_size": args.micro_batch,
@@ -167,31 +167,11 @@ def op_counts(step: Callable[[MicroBatches], Any], mbs: MicroBatches) -> collect
     return counter.counts
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument(
-        "--params", default='{"n_layer": 12, "n_embd": 64, "n_head": 4, "seq_len": 32}'
-    )
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=60, help="measured steps per side")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument(
-        "--cpu-optimizer", action="store_true",
-        help="AdamW as torch picks it on a CPU (single-tensor on both sides); default: as "
-        "it would pick it on a GPU (`as_on_a_gpu`)",
-    )  # fmt: skip
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    spec = spec_of(args)
-    service, strategy = service_step(spec, args.bf16, not args.cpu_optimizer)
-    plain = plain_step(spec, args.bf16, not args.cpu_optimizer)
+def measure(args: argparse.Namespace, strategy: str, bf16: bool) -> dict[str, Any]:
+    """One configuration: both sides' op counts (one step) and host times (median)."""
+    spec = spec_of(args, strategy)
+    service, strategy_obj = service_step(spec, bf16, not args.cpu_optimizer)
+    plain = plain_step(spec, bf16, not args.cpu_optimizer)
     collate = Collator(load_workload(spec.workload).dataset)
     n = args.micro_batch
 
@@ -212,16 +192,12 @@ def main() -> None:
             t0 = time.perf_counter()
             fn(mbs)
             times[name].append(time.perf_counter() - t0)
-    dist.destroy_process_group()
-
+    del strategy_obj
     med = {name: statistics.median(ts) for name, ts in times.items()}
     total = {name: sum(c.values()) for name, c in counts.items()}
-    mode = f"{args.strategy} {'bf16 autocast' if args.bf16 else 'fp32'}, AdamW as on a " + (
-        "CPU" if args.cpu_optimizer else "GPU"
-    )
-    print(
-        f"# {mode}, {args.params}, {args.micro_batches} x {n} samples, load {os.getloadavg()[0]:.2f}"
-    )
+    label = f"{strategy} {'bf16 autocast' if bf16 else 'fp32'}"
+    print(f"# {label}, AdamW as on a {'CPU' if args.cpu_optimizer else 'GPU'}, {args.params}, "
+          f"{args.micro_batches} x {n} samples, load {os.getloadavg()[0]:.2f}")  # fmt: skip
     for name in sides:
         print(f"{name:8s} host {med[name] * 1e3:8.2f} ms/step (median of {args.steps}), "
               f"{total[name]:6d} ops dispatched/step")  # fmt: skip
@@ -229,14 +205,72 @@ def main() -> None:
           f"extra ops: {total['service'] - total['plain']:+d}")  # fmt: skip
     names = set(counts["service"]) | set(counts["plain"])
     diff = sorted(
-        ((counts["service"][k] - counts["plain"][k], k) for k in names),
-        key=lambda d: -abs(d[0]),
+        ((counts["service"][k] - counts["plain"][k], k) for k in names), key=lambda d: -abs(d[0])
     )
     print("op                                   service   plain    diff")
     for d, k in diff:
         if d:
             print(f"{k:36s} {counts['service'][k]:7d} {counts['plain'][k]:7d} {d:+7d}")
-    del strategy
+    return {"label": label, "ms": med, "ops": total}
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        "# Host overhead of the step (CPU proxy of a launch-bound GPU step)",
+        "",
+        f"`python bench/step_host_overhead.py --steps {args.steps}` — "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+        f"{os.getloadavg()[0]:.1f}; gpt {args.params}, {args.micro_batches} micro-batches of "
+        f"{args.micro_batch}, one process (gloo, world size 1), AdamW counted as torch runs it "
+        f"on a {'CPU' if args.cpu_optimizer else 'GPU'}. What it shows and what it does not: "
+        "docs/bench-gpu.md, last section.",
+        "",
+        "| configuration | ops/step: service | plain | extra | host ms/step: service | plain "
+        "| plain / service |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        ops, ms = r["ops"], r["ms"]
+        lines.append(
+            f"| {r['label']} | {ops['service']:,} | {ops['plain']:,} | "
+            f"{ops['service'] - ops['plain']:+,} | {ms['service'] * 1e3:.1f} | "
+            f"{ms['plain'] * 1e3:.1f} | {ms['plain'] / ms['service']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--strategies", default="ddp,fsdp", help="of ddp, fsdp")
+    parser.add_argument("--precisions", default="fp32,bf16", help="of fp32, bf16 (autocast)")
+    parser.add_argument(
+        "--params", default='{"n_layer": 12, "n_embd": 64, "n_head": 4, "seq_len": 32}'
+    )
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=30, help="measured steps per side")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--cpu-optimizer", action="store_true",
+        help="AdamW as torch picks it on a CPU (single-tensor on both sides); default: as "
+        "it would pick it on a GPU (`as_on_a_gpu`)",
+    )  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="a markdown report")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rows = [
+            measure(args, strategy, precision == "bf16")
+            for strategy in args.strategies.split(",")
+            for precision in args.precisions.split(",")
+        ]
+    finally:
+        dist.destroy_process_group()
+    if args.out is not None:
+        args.out.write_text(report(rows, args))
 
 
 if __name__ == "__main__":

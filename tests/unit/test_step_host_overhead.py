@@ -34,10 +34,8 @@ def _count(rank: int, world: int, strategy: str) -> dict[str, Any]:
     from elastrain.workers.loop import Collator
     from elastrain.workers.workloads import load_workload
 
-    args = argparse.Namespace(
-        strategy=strategy, params=PARAMS, micro_batch=2, micro_batches=MICRO_BATCHES
-    )
-    spec = spec_of(args)
+    args = argparse.Namespace(params=PARAMS, micro_batch=2, micro_batches=MICRO_BATCHES)
+    spec = spec_of(args, strategy)
     service, strategy_obj = service_step(spec, bf16=False, gpu_optimizer=True)
     plain = plain_step(spec, bf16=False, gpu_optimizer=True)
     collate = Collator(load_workload(spec.workload).dataset)

@@ -12,7 +12,7 @@ reads top to bottom: zero-grad, the micro-batches, clipping, the update.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,25 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def adamw(params: Iterable[torch.Tensor], spec: JobSpec) -> torch.optim.AdamW:
+    """The optimizer of every strategy (so a job's loss curve does not depend on the
+    strategy): AdamW at the spec's learning rate and weight decay.
+
+    Neither `foreach` nor `fused` is passed, on purpose: only then does torch choose the
+    implementation by device (torch/optim/adam.py), multi-tensor (foreach) on a GPU and
+    single-tensor on a CPU. Passing `fused=False`, as this did, also turned foreach off:
+    on a GPU each step then ran AdamW one parameter at a time, about 9 kernel launches
+    per parameter (~1,350 for the 12-layer gpt, over a third of its step's launches;
+    under FSDP2 each one a DTensor dispatch), on a step bound by the host's launches
+    (docs/bench-gpu.md). Both are deterministic; fused stays off (torch's default).
+    """
+    return torch.optim.AdamW(
+        params,
+        lr=spec.training.learning_rate,
+        weight_decay=spec.training.weight_decay,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

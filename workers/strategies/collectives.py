@@ -14,7 +14,17 @@ BUCKET_BYTES = 32 * 1024 * 1024
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds: a DTensor's local shard (a view), else `t`."""
+    """The tensor this rank holds: a DTensor's local shard, else `t`. Callers change it in
+    place (gradients, synced values), so it must share the DTensor's storage.
+
+    The shard itself (`_local_tensor`), not `to_local()`: that is an autograd function
+    call, ~13 us of host time each on a CPU (measured: bench/step_host_overhead.py's
+    notes in docs/bench-gpu.md), and the clipping of an FSDP2 step made two per parameter
+    (~300 a step for the 12-layer gpt), on a step bound by the host. `to_local()` stays the
+    fallback should torch rename the attribute."""
+    shard = getattr(t, "_local_tensor", None)
+    if isinstance(shard, torch.Tensor):
+        return shard
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 

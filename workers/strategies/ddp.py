@@ -31,6 +31,7 @@ from elastrain.workers.strategies.base import (
     MicroBatch,
     StepResult,
     Strategy,
+    adamw,
     microbatch_loss,
     no_staging_wait,
     to_device,
@@ -75,14 +76,7 @@ class DataParallelStrategy(Strategy):
         if precision is MixedPrecision.fp16:
             # fp16 gradients underflow without loss scaling; bf16 has fp32's range.
             self.scaler = torch.amp.GradScaler(ctx.device.type)
-        # The default AdamW implementation (single-tensor on CPU, foreach on CUDA) is
-        # deterministic; `fused` is left off for the same reason.
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=spec.training.learning_rate,
-            weight_decay=spec.training.weight_decay,
-            fused=False,
-        )
+        self.optimizer = adamw(self.model.parameters(), spec)
         self.grad_clip = grad_clip_of(spec, self._grad_clip_override)
 
     def make_layout(self, ctx: TrainContext, spec: JobSpec) -> Layout:

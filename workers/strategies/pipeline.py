@@ -43,7 +43,7 @@ the loop passes `loss_scale = layout.dp / global_batch_size`
 the loss changes nothing but rounding, and keeps the unscaled loss for the agreement.
 Then, like the ddp/fsdp strategies, gradients are clipped to a global norm of
 `training.grad_clip` (the norm spans all stages: one scalar all-reduce over the pipeline
-group) and AdamW (`fused=False`, deterministic) steps.
+group) and AdamW (`elastrain.workers.strategies.base.adamw`) steps.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ from elastrain.workers.strategies.base import (
     MicroBatch,
     StepResult,
     Strategy,
+    adamw,
     no_staging_wait,
     to_device,
 )
@@ -181,12 +182,7 @@ class PipelineStrategy(Strategy):
         self.is_last = self.layout.pp_rank == opts.stages - 1
         self._broadcast_params()
         # Same optimizer as ddp/fsdp, so a job's loss curve does not depend on the strategy.
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=opts.learning_rate,
-            weight_decay=spec.training.weight_decay,
-            fused=False,
-        )
+        self.optimizer = adamw(self.model.parameters(), spec)
         self.grad_clip = grad_clip_of(spec, self._grad_clip_override)
         self._workload_loss = workload.loss_fn
         # One (stage, schedule) per micro-batch shape; usually one or two entries.

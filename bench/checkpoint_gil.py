@@ -20,6 +20,7 @@ CPU time of the background write-and-commit thread (the staging thread's not inc
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import statistics
@@ -110,6 +111,30 @@ class TrainingClock:
             self.inside_sleep += (t1 - t) - (cpu1 - cpu) / 1e9 - (queued1 - queued) / 1e9
 
 
+class GcClock:
+    """Seconds spent in garbage collections, by whether the training thread ran them (a
+    collection runs in whichever thread's allocation triggers it, holding the GIL)."""
+
+    def __init__(self, training_tid: int) -> None:
+        self.training_tid = training_tid
+        self.seconds = {"training": 0.0, "others": 0.0}
+        self._started: dict[int, float] = {}
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        tid = threading.get_native_id()
+        if phase == "start":
+            self._started[tid] = time.perf_counter()
+        elif tid in self._started:
+            who = "training" if tid == self.training_tid else "others"
+            self.seconds[who] += time.perf_counter() - self._started.pop(tid)
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.seconds)
+        self.seconds = {"training": 0.0, "others": 0.0}
+        return out
+
+
 def others_cpu(exclude: int) -> dict[int, int]:
     """ns on CPU of every thread of this process but `exclude` (the training thread)."""
     return {tid: schedstat(tid)[0] for tid in thread_ids() if tid != exclude}
@@ -152,6 +177,7 @@ def body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     steps_after = cfg["steps"]
 
     clock = TrainingClock()
+    gc_clock = GcClock(clock.tid)
 
     def step(ckpt: ShardedCheckpointer | None = None) -> float:
         x = torch.randint(0, VOCAB, (8, 65))
@@ -184,15 +210,19 @@ def body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for _ in range(cfg["repeats"] + 1):  # the first round warms every mode up, unrecorded
         warm = saved == 0
         clock.reset()
+        gc_clock.take()
         for _ in range(steps_after):
             step()
         if not warm:
             for key, value in clock.stop().items():
                 record(f"baseline.{key}", value)
+            for who, value in gc_clock.take().items():
+                record(f"baseline.gc_{who}", value)
         for i, (mode, ckpt) in enumerate(ckpts.items()):
             saved += 1
             before = others_cpu(clock.tid)
             clock.reset()
+            gc_clock.take()
             blocked = clock.inside(
                 ckpt.save, step=saved, attempt=0, state=state(), manifest_fields={}
             )
@@ -209,6 +239,8 @@ def body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 record(f"{mode}.blocked", blocked)
                 for key, value in split.items():  # less the baseline's, in render
                     record(f"{mode}.{key}", value)
+                for who, value in gc_clock.take().items():
+                    record(f"{mode}.gc_{who}", value)
                 record(f"{mode}.tail", tail)
                 record(f"{mode}.cpu", ckpt.write_cpu[-1])
                 others = sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9
@@ -271,6 +303,11 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
         lambda m: extra(m, "sleep"),
         bold=True,
     )
+    row(
+        "garbage collections run by the training thread, extra (s)",
+        lambda m: extra(m, "gc_training"),
+    )
+    row("garbage collections run by the other threads (s)", lambda m: r[f"{m}.gc_others"])
     row("CPU of the write and commit (s)", lambda m: r[f"{m}.cpu"])
     row(
         "CPU of the process's other threads (staging, the write, gloo) (s)",

@@ -14,8 +14,12 @@ that bring the checkpoint to a realistic size.
 Every mode runs save() at the first of K steps then finalize(), interleaved with K steps
 without a save (the baseline) in each repeat; figures are medians. Whole cost = (save() +
 K steps + finalize()) - K steps without a save: blocked time, the training thread's
-slowdown while the background runs, and the wait at finalize. `background CPU` is the
-CPU time of the background write-and-commit thread (the staging thread's not included).
+slowdown while the background runs, and the wait at finalize. On a shared machine that
+wall time mixes CPU contention with GIL waits, so the training thread's time is split
+(`TrainingClock`, Linux schedstat): on a CPU, runnable but not running, asleep inside the
+save's own blocking calls, and asleep elsewhere: the GIL wait, what a GPU host with idle
+cores pays too. Background CPU: the write-and-commit thread's, and all other threads'
+(the stager's, gloo's); garbage-collection time by thread.
 """
 
 from __future__ import annotations

@@ -350,6 +350,11 @@ def main() -> None:
         default=None,
         help="one of the two reports (default: both)",
     )
+    parser.add_argument(
+        "--gil-modes",
+        default="",
+        help="comma-separated modes of the GIL proxy (default: all; bench/checkpoint_gil.py)",
+    )
     args = parser.parse_args()
     if args.only != "gil":
         two_ranks(args)
@@ -366,6 +371,7 @@ def gil_proxy(args: argparse.Namespace) -> None:
         "frozen_tensors": frozen_tensors,
         "steps": steps,
         "repeats": args.repeats or (2 if args.quick else 7),
+        "modes": [m for m in args.gil_modes.split(",") if m],
         "dir": str(scratch),
         "command": " ".join([".venv/bin/python", "bench/checkpoint_bench.py", *sys.argv[1:]]),
         "load_before": os.getloadavg(),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,14 @@ from elastrain.checkpoints.integrity import CorruptCheckpoint
 from elastrain.checkpoints.layout import rank_extra_name, step_dir
 from elastrain.checkpoints.manifest import Manifest
 from elastrain.contracts.messages import CheckpointCommitted
+
+# DCP warns at every save without collectives that it assumes a single process: that is
+# what a group of one is (ShardedCheckpointer._save_alone), not a mistake to report.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -119,11 +128,18 @@ class ShardedCheckpointer:
                 process_group if process_group is not None else dist.new_group(backend="gloo")
             )
             self._coordinator = dist.get_rank(self._pg) == 0
+            # A group of one saves without DCP's collectives: they pickle every plan and
+            # write result (and unpickle them, garbage-collecting as they go) only to
+            # hand them to this same rank, all while holding the GIL that a training
+            # thread beside an async save waits for (docs/bench-checkpoint.md, "GIL
+            # wait"). The plans, files and `.metadata` are the same.
+            self._save_alone = dist.get_world_size(self._pg) == 1
         else:
             if world_size != 1:
                 raise ValueError("world_size > 1 needs an initialised torch.distributed")
             self._pg = None
             self._coordinator = True
+            self._save_alone = True
         # One background thread: it writes (after the staging copy is made), then (rank 0)
         # commits. Saves never overlap because save() waits for the previous one first.
         self._executor: ThreadPoolExecutor | None = None
@@ -244,7 +260,7 @@ class ShardedCheckpointer:
         )
         # Looked up on the module at call time (tests hold the write by patching it).
         state_dict_saver.save(
-            state, storage_writer=writer, process_group=self._pg, no_dist=not self._distributed
+            state, storage_writer=writer, process_group=self._pg, no_dist=self._save_alone
         )
         if not self._coordinator:
             return None

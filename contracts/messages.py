@@ -70,6 +70,7 @@ class ErrorKind(str, Enum):
     CONFIGURATION = "configuration"  # the workload cannot be built from the spec: not retried
     PEER_LOST = "peer_lost"  # a collective failed because a peer went away: an echo, not a cause
     PROCESS_DIED = "process_died"  # the rank's process died (the driver saw it go)
+    NODE_DIED = "node_died"  # the process died with its node (its raylet is gone): a node loss
     STUCK = "stuck"  # the rank did not return in the grace after another rank failed
     ABORTED = "aborted"  # the attempt was released while it ran
     DRIVER_LOST = "driver_lost"  # the runtime no longer knows the attempt

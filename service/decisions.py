@@ -323,6 +323,10 @@ def decide(job: JobView, facts: Facts) -> list[Action]:
     lost = lost_ranks(nodes, facts.alive_nodes)
     if lost and report.status != DriverStatus.SUCCEEDED:
         return actions + _on_node_loss(job, facts, report, lost)
+    dead = _died_with_node(report)
+    died_with = lost_ranks(nodes, facts.alive_nodes - {dead}) if dead is not None else {}
+    if died_with:
+        return actions + _on_node_death_first(job, facts, report, died_with)
     # Acted on once the attempt trains (an attempt placed before the drain leaves after
     # its first step) and was not asked to stop already (a grow, or this drain).
     draining = draining_ranks(nodes, facts.draining)
@@ -330,6 +334,29 @@ def decide(job: JobView, facts: Facts) -> list[Action]:
     if draining and trains and not attempt.stop_requested:
         return actions + _on_drain(job, attempt, facts, report, draining)
     return actions + _on_driver_status(job, attempt, facts, report)
+
+
+def _died_with_node(report: DriverReport) -> str | None:
+    """The node of a failed attempt whose cause is a process that died with its node (the
+    driver found the node's raylet gone), else None."""
+    error = report.error
+    if report.status != DriverStatus.FAILED or error is None or error.kind != ErrorKind.NODE_DIED:
+        return None
+    return error.node_id or None
+
+
+def _on_node_death_first(
+    job: JobView, facts: Facts, report: DriverReport, lost: dict[str, list[int]]
+) -> list[Action]:
+    """A node loss the driver saw (its raylet gone) before Ray declared the node dead: the
+    same as any node loss (no restart counted), except that the relaunch waits out the
+    restart backoff, by when Ray has usually declared the node dead, so that the new size
+    leaves it out rather than place a rank on it."""
+    until = facts.now + facts.policy.restart_backoff_s
+    return [
+        DelayRelaunch(until=until),
+        *_on_node_loss(job, replace(facts, relaunch_not_before=until), report, lost),
+    ]
 
 
 def give_up(state: JobState, *, live_attempt: bool, reason: str) -> list[Action]:

@@ -133,6 +133,10 @@ def report(status: DriverStatus = DriverStatus.RUNNING, **kw: Any) -> DriverRepo
 
 
 BOOM = WorkerError(type="ValueError", message="boom", rank=1, node_id="b", step=30)
+DIED_ALONE = WorkerError(
+    type="ActorDiedError", message="died", rank=1, node_id="b", kind=ErrorKind.PROCESS_DIED
+)
+DIED_WITH_B = replace(DIED_ALONE, kind=ErrorKind.NODE_DIED)
 METRICS = (StepMetrics(step=31, loss=1.0, world_size=2),)
 COMMIT = CheckpointCommitted(step=30, attempt=1, world_size=2, path="/c/30", bytes=10)
 
@@ -271,6 +275,35 @@ ROWS: list[Any] = [
             ),
         ],
         id="running+worker-error+backoff",
+    ),
+    # Rank 1's process died with node b (the driver found b's raylet gone) before Ray
+    # declared b dead: a node loss, no restart counted; the relaunch waits out the backoff,
+    # by when Ray has declared b dead, so the new size leaves it out.
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "b"), report=report(DriverStatus.FAILED, error=DIED_WITH_B)),
+        [
+            DelayRelaunch(until=NOW + 1),
+            node_b_lost,
+            EndAttempt(outcome=AttemptOutcome.NODE_LOST, error=DIED_WITH_B, step=30),
+            Transition(to=S.RECOVERING, reason="node lost (b)", world_size=2),
+        ],
+        id="running+process-died-with-its-node+no-restart-counted",
+    ),
+    # The same death with b's raylet still answering: the process alone died, a failure.
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "b"), report=report(DriverStatus.FAILED, error=DIED_ALONE)),
+        [
+            EndAttempt(
+                outcome=AttemptOutcome.FAILED, error=DIED_ALONE, step=30, count_restart=True
+            ),
+            DelayRelaunch(until=NOW + 1),
+            Transition(
+                to=S.RECOVERING, reason=f"restart 1/2 after: {DIED_ALONE.summary()}", world_size=2
+            ),
+        ],
+        id="running+process-died-alone+restart-counted",
     ),
     pytest.param(
         job(S.RUNNING),

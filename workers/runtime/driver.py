@@ -46,6 +46,7 @@ from elastrain.contracts.messages import (
 from elastrain.contracts.runtime import JobRef, LaunchRequest
 from elastrain.contracts.spec import JobSpec
 from elastrain.workers.runtime.layout import Slot, local_layout, rank_order
+from elastrain.workers.runtime.liveness import raylet_gone
 from elastrain.workers.runtime.pool import PooledWorker, WorkerPool, choose_worker
 
 log = logging.getLogger("elastrain.driver")
@@ -442,9 +443,12 @@ class AttemptDriver:
                 bad = outcome.error is not None or outcome.aborted
             except ray.exceptions.RayActorError as exc:
                 self.pool.give_back(worker, None, alive=False)
+                # Its node's raylet gone too: the node died, not the process alone
+                # (`elastrain.workers.runtime.liveness`).
+                gone = raylet_gone(worker.node_id)
                 outcomes[rank] = WorkerError(
                     type=type(exc).__name__,
-                    kind=ErrorKind.PROCESS_DIED,
+                    kind=ErrorKind.NODE_DIED if gone else ErrorKind.PROCESS_DIED,
                     message=f"the process of rank {rank} died: {str(exc).splitlines()[0][:300]}",
                     rank=rank,
                     node_id=worker.node_id,
@@ -473,7 +477,7 @@ class AttemptDriver:
         errors = [o for o in outcomes if isinstance(o, WorkerError)]
         errors += [o.error for o in outcomes if isinstance(o, RunOutcome) and o.error is not None]
         stopped = any(isinstance(o, RunOutcome) and o.stopped_early for o in outcomes)
-        if self._command and stopped and not any(e.kind == ErrorKind.PROCESS_DIED for e in errors):
+        if self._command and stopped and not any(e.kind in _DIED for e in errors):
             # Asked to stop (a resize): a script that exited first broke its peers'
             # collectives, and their exits are echoes of the stop, not failures.
             return DriverStatus.STOPPED, None
@@ -540,13 +544,15 @@ def private_worker_options(spec: JobSpec) -> dict[str, Any] | None:
 def cause_of(errors: Sequence[WorkerError]) -> WorkerError:
     """The error that explains the failure: a process that died, else an error that is not
     merely a survivor's broken collective (nor a rank stuck behind one), else the first."""
-    died = [e for e in errors if e.kind == ErrorKind.PROCESS_DIED]
+    died = [e for e in errors if e.kind in _DIED]
     if died:
         return died[0]
     own = [e for e in errors if e.kind not in _ECHOES]
     return (own or list(errors))[0]
 
 
+#: A rank's process died (alone, or with its node).
+_DIED = frozenset({ErrorKind.PROCESS_DIED, ErrorKind.NODE_DIED})
 #: Kinds that follow from another rank's failure rather than explain it.
 _ECHOES = frozenset({ErrorKind.PEER_LOST, ErrorKind.STUCK})
 

@@ -1,0 +1,52 @@
+"""Whether a node's raylet is gone, asked directly rather than waiting for Ray to say so.
+
+When a node's raylet dies (kill -9, a crashed host agent) its worker processes exit at once,
+so an attempt's driver sees its ranks' processes die seconds before Ray's health checks
+declare the node dead (`health_check_period_ms` x `health_check_failure_threshold`: 15 s
+and more by default). Told only "the process died", the scheduler would count a node loss
+as the job's failure. So the driver asks the node's raylet itself: a refused connection to
+its node-manager port means nothing listens there any more, the node is lost; an answer,
+or no answer in time (a partition: Ray's own verdict will come), leaves it a process death.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+#: How long a probe may wait for the raylet's port to answer.
+PROBE_TIMEOUT_S = 0.5
+
+
+def raylet_gone(
+    node_id: str | None,
+    nodes: Callable[[], list[dict[str, Any]]] = ray.nodes,
+    timeout_s: float = PROBE_TIMEOUT_S,
+) -> bool:
+    """True when `node_id`'s raylet is known dead to Ray or refuses connections. False when
+    it answers, cannot be reached in time, or the node is not known: only a certain death
+    turns a process death into a node loss."""
+    if not node_id:
+        return False
+    try:
+        known = [n for n in nodes() if n.get("NodeID") == node_id]
+    except Exception:  # the GCS is unreachable: no verdict from here
+        return False
+    if not known:
+        return False
+    node = known[0]
+    if not node.get("Alive", True):
+        return True
+    address, port = node.get("NodeManagerAddress"), node.get("NodeManagerPort")
+    if not address or not port:
+        return False
+    try:
+        with socket.create_connection((address, int(port)), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # a timeout or an unreachable network: not a verdict
+        return False

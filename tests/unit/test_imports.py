@@ -91,6 +91,7 @@ def test_service_does_not_load_torch() -> None:
     loaded = _loaded_by("elastrain.service.runtime_client", "elastrain.workers")
     assert loaded == ["elastrain.workers", "elastrain.workers.runtime", "elastrain.workers.runtime.actor",
                       "elastrain.workers.runtime.driver", "elastrain.workers.runtime.layout",
+                      "elastrain.workers.runtime.liveness",
                       "elastrain.workers.runtime.notice", "elastrain.workers.runtime.pool",
                       "elastrain.workers.runtime.reconcile"]  # fmt: skip
 

@@ -435,7 +435,6 @@ def test_spec_defaults_and_errors() -> None:
     spec = JobSpec(name="p", workload=workload, strategy={"kind": "pipeline"})
     opts = PipelineOptions.from_spec(spec)
     assert (opts.stages, opts.microbatches, opts.schedule) == (2, 4, "1f1b")
-    assert opts.learning_rate == spec.training.learning_rate
     gpu = {
         "name": "p",
         "workload": workload,

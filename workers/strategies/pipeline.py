@@ -116,7 +116,6 @@ class PipelineOptions:
     stages: int
     microbatches: int
     schedule: PipelineSchedule
-    learning_rate: float
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> PipelineOptions:
@@ -129,7 +128,6 @@ class PipelineOptions:
             stages=strategy.stages,
             microbatches=strategy.n_microbatches,
             schedule=strategy.pipeline_schedule,
-            learning_rate=spec.training.learning_rate,
         )
 
 

@@ -426,6 +426,7 @@ class AttemptDriver:
         """Every rank's outcome; once one ended badly, the others get a grace period."""
         by_ref = dict(zip(refs, range(len(refs)), strict=True))
         outcomes: dict[int, RunOutcome | WorkerError] = {}
+        node_gone: dict[str | None, bool] = {}  # one raylet probe per node, not per rank
         pending = list(refs)
         deadline: float | None = None
         while pending:
@@ -445,7 +446,9 @@ class AttemptDriver:
                 self.pool.give_back(worker, None, alive=False)
                 # Its node's raylet gone too: the node died, not the process alone
                 # (`elastrain.workers.runtime.liveness`).
-                gone = raylet_gone(worker.node_id)
+                if worker.node_id not in node_gone:
+                    node_gone[worker.node_id] = raylet_gone(worker.node_id)
+                gone = node_gone[worker.node_id]
                 outcomes[rank] = WorkerError(
                     type=type(exc).__name__,
                     kind=ErrorKind.NODE_DIED if gone else ErrorKind.PROCESS_DIED,

@@ -25,15 +25,15 @@ demo: $(BIN)/elastrain
 test-deps:
 	@.ci/setup-system
 
-# The whole suite: unit, integration (real Ray, real PostgreSQL), chaos, browser; then every
+# The whole suite: unit, integration (real Ray, real PostgreSQL), chaos, browser; and every
 # bench script in its quick mode (bench-quick), so a bench that breaks fails CI too.
-# --durations: every run lists its slowest tests, the ones to look at when CI nears its
-# 40-minute budget.
+# tests/lanes.py runs them in two lanes at once: the tests that start Ray one after
+# another in one; the other tests, then bench-quick, in the other. --durations: each
+# pytest lists its slowest tests, the ones to look at when CI nears its 40-minute budget.
 test: test-deps $(BIN)/elastrain
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q --durations=30
-	$(BIN)/python bench/all.py --quick
+	$(BIN)/python -m tests.lanes -q --durations=30
 
 test-fast: $(BIN)/elastrain
 	@.ci/setup-system postgresql
@@ -49,9 +49,9 @@ bench: $(BIN)/elastrain
 	@.ci/setup-system postgresql
 	$(BIN)/python bench/all.py $(if $(PARTS),--parts $(PARTS))
 
-# The same scripts on small sizes with few repeats, baselines included (5-6 minutes on
+# The same scripts on small sizes with few repeats, baselines included (~10 minutes on
 # 2 cores): checks that each still runs; reports go to a temp dir, not docs/. `make test`
-# ends with it.
+# runs it beside the Ray tests (tests/lanes.py).
 bench-quick: $(BIN)/elastrain
 	@.ci/setup-system postgresql
 	$(BIN)/python bench/all.py --quick $(if $(PARTS),--parts $(PARTS))

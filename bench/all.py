@@ -53,7 +53,7 @@ class Part:
 
 PARTS = (
     Part("step-overhead", "1. Step time vs plain torchrun", "step_overhead_bench.py",
-         ("--repeats", "5", "--steps", "300"), ("--repeats", "1", "--steps", "20", "--warmup", "5")),
+         ("--repeats", "5", "--steps", "300"), ("--repeats", "1", "--steps", "20", "--warmup", "5", "--strategies", "ddp")),
     Part("checkpoint", "2. Checkpoint stall and throughput", "checkpoint_bench.py",
          ("--repeats", "9"), ("--quick",)),
     Part("scheduler", "3. Scheduler pass, 1,000 PENDING + 100 RUNNING", "scheduler_bench.py",

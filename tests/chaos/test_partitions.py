@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.chaos]
 
 # Long enough (16 micro-batches a step) that the job is still training after the node's loss
 # is detected, the resume at 1, the node's return and the grow back to 2.
-MAX_STEPS = 1000
+MAX_STEPS = 600
 SPEC = tiny_gpt_spec(
     "netns",
     scaling={"min_workers": 1, "max_workers": 2, "cpus_per_worker": 1},

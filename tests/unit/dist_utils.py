@@ -7,13 +7,18 @@
     results = run_distributed(body, 2, str(tmp_path))  # [rank 0's return, rank 1's return]
 
 `fn` must be importable by name from a fresh interpreter (a module-level function), because
-the processes are spawned, not forked (forking a process that holds torch threads or Ray
-state is unsafe). Arguments and return values must be picklable.
+the ranks are not forked from the caller (forking a process that holds torch threads or Ray
+state is unsafe) but from a forkserver: a clean process that has only imported what every
+rank imports (PRELOAD), so a group starts in ~0.1 s instead of the 2-4 s each spawned rank
+spent importing torch on 2 cores (most of the unit suite's distributed tests' time). Each
+rank gets the caller's environment as it is at the call, as a spawned one would. Arguments
+and return values must be picklable.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import pickle
 import tempfile
@@ -29,6 +34,10 @@ import torch.multiprocessing as mp
 
 from elastrain.workers.rendezvous import host_store
 
+#: Imported once by the forkserver; every rank starts with them loaded. Only imports: the
+#: server runs no torch op, so it holds no thread pool a fork could break.
+PRELOAD = ["torch", "torch.distributed", "elastrain.workers.loop", "tests.unit.dist_utils"]
+
 
 def _entry(
     rank: int,
@@ -40,7 +49,11 @@ def _entry(
     num_threads: int,
     pg_timeout_s: float,
     args: tuple[Any, ...],
+    environ: dict[str, str],
 ) -> None:
+    # The caller's environment now, not the forkserver's from when it started.
+    os.environ.clear()
+    os.environ.update(environ)
     # Loopback only: tests must not depend on the machine's network setup.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -90,13 +103,26 @@ def run_distributed(
     # taken meanwhile (gloo's own connections use ports of the same ephemeral range).
     store = host_store("127.0.0.1", world_size, timedelta(seconds=pg_timeout_s))
     port = store.port
+    # Takes effect when the server starts (the first call); later calls reuse it.
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    environ = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="dist_utils-") as result_dir:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world_size, port, result_dir, backend, num_threads, pg_timeout_s, args),
+            args=(
+                fn,
+                world_size,
+                port,
+                result_dir,
+                backend,
+                num_threads,
+                pg_timeout_s,
+                args,
+                environ,
+            ),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=0.5):

@@ -49,7 +49,7 @@ bench: $(BIN)/elastrain
 	@.ci/setup-system postgresql
 	$(BIN)/python bench/all.py $(if $(PARTS),--parts $(PARTS))
 
-# The same scripts on small sizes with few repeats, baselines included (~10 minutes on
+# The same scripts on small sizes with few repeats, baselines included (~11 minutes on
 # 2 cores): checks that each still runs; reports go to a temp dir, not docs/. `make test`
 # runs it beside the Ray tests (tests/lanes.py).
 bench-quick: $(BIN)/elastrain

@@ -25,14 +25,13 @@ demo: $(BIN)/elastrain
 test-deps:
 	@.ci/setup-system
 
-# The whole suite: unit, integration (real Ray, real PostgreSQL), chaos, browser; and every
-# bench script in its quick mode (bench-quick), so a bench that breaks fails CI too.
-# tests/lanes.py runs them in two lanes at once: the tests that start Ray one after
-# another in one; the other tests, then bench-quick, in the other. --durations: each
-# pytest lists its slowest tests, the ones to look at when CI nears its 40-minute budget.
+# Lint (ruff, mypy), the whole suite: unit, integration (real Ray, real PostgreSQL), chaos,
+# browser; and every bench script in its quick mode (bench-quick), so a bench that breaks
+# fails CI too. tests/lanes.py runs them in three lanes at once: the tests that start a
+# shared Ray cluster one after another in one; the other tests, then bench-quick, in the
+# second; lint in the third. --durations: each pytest lists its slowest tests, the ones to
+# look at when CI nears its 40-minute budget.
 test: test-deps $(BIN)/elastrain
-	$(BIN)/ruff check .
-	$(BIN)/mypy
 	$(BIN)/python -m tests.lanes -q --durations=30
 
 test-fast: $(BIN)/elastrain

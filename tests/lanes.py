@@ -1,15 +1,18 @@
-"""`make test` after lint: the suite and every bench's quick mode in two lanes at once, so
-CI stays in its budget on 2 cores.
+"""`make test` after set-up: lint, the suite and every bench's quick mode in three lanes at
+once, so CI stays in its budget on 2 cores.
 
     .venv/bin/python -m tests.lanes [pytest args...]
 
-Lane `ray` runs every test marked `ray` (they start Ray clusters), one after another as a
+Lane `ray` runs the tests marked `ray` (they start Ray clusters), one after another as a
 plain `pytest -m ray` would: two of these at once on 2 cores would race each other's
 health checks and timeouts, and the chaos tests' network namespaces have fixed names.
-Lane `rest` runs the other tests (unit, API, browser, contract), mostly while the Ray
+Lane `rest` runs the other tests (unit, API, browser, contract) and the Ray tests marked
+`beside` (each on a local Ray of its own, asserting no timing), mostly while the Ray
 tests wait on Ray, then `bench/all.py --quick` (checks that every bench script still runs;
-its figures are not the point there). The benches that start Ray do so under a Ray temp
-dir of their own, so an address-less `ray.init()` cannot find the tests' cluster.
+its figures are not the point there). Everything in it that starts Ray does so under a Ray
+temp dir of its own, so an address-less `ray.init()` cannot find the Ray lane's cluster.
+Lane `lint` runs ruff and mypy (about two minutes of one core, cold), beside the others
+rather than before them.
 
 Each command's output goes to a file and is printed whole when it ends; the exit status
 is the first failing command's. (pytest-xdist's `--dist loadgroup` could split the suite
@@ -26,14 +29,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-PYTEST_NO_TESTS = 5  # a selection that matches nothing is not a failure
+PYTEST_NO_TESTS = 5  # pytest's status when a selection matches nothing: not a failure
+
+
+@dataclass(frozen=True)
+class Command:
+    argv: list[str]
+    ok: frozenset[int] = frozenset({0})  # exit statuses that are not a failure
+
+
+def pytest_command(*args: str) -> Command:
+    return Command([sys.executable, "-m", "pytest", *args], frozenset({0, PYTEST_NO_TESTS}))
 
 
 @dataclass
 class Lane:
     name: str
-    commands: list[list[str]]
+    commands: list[Command]
     env: dict[str, str]
+    current: Command = Command([])
     started: float = 0.0
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
@@ -41,15 +55,27 @@ class Lane:
 
 
 def lanes(pytest_args: list[str], tmp: Path) -> list[Lane]:
-    py = sys.executable
-    bench_ray = tmp / "ray"  # short: Ray's socket paths must fit in 107 bytes
-    bench_ray.mkdir()
+    bin_dir = Path(sys.executable).parent
+    own_ray = tmp / "ray"  # short: Ray's socket paths must fit in 107 bytes
+    own_ray.mkdir()
     return [
-        Lane("ray", [[py, "-m", "pytest", "-m", "ray", *pytest_args]], dict(os.environ)),
+        Lane("ray", [pytest_command("-m", "ray and not beside", *pytest_args)], dict(os.environ)),
         Lane(
             "rest",
-            [[py, "-m", "pytest", "-m", "not ray", *pytest_args], [py, "bench/all.py", "--quick"]],
-            {**os.environ, "RAY_TMPDIR": str(bench_ray)},
+            [
+                pytest_command("-m", "not ray or beside", *pytest_args),
+                Command([sys.executable, "bench/all.py", "--quick"]),
+            ],
+            {**os.environ, "RAY_TMPDIR": str(own_ray)},
+        ),
+        Lane(
+            "lint",
+            [
+                Command([str(bin_dir / "ruff"), "check", "."]),
+                Command([str(bin_dir / "ruff"), "format", "--check", "."]),
+                Command([str(bin_dir / "mypy")]),
+            ],
+            dict(os.environ),
         ),
     ]
 
@@ -64,14 +90,15 @@ def advance(lane: Lane, tmp: Path) -> bool:
         print(f"== {lane.name}: exit {code} after {time.monotonic() - lane.started:.0f} s")
         sys.stdout.write(lane.log.read_text(errors="replace"))
         sys.stdout.flush()
-        if code not in (0, PYTEST_NO_TESTS) and lane.status == 0:
+        if code not in lane.current.ok and lane.status == 0:
             lane.status = code
         lane.proc = None
     if not lane.commands:
         return False
-    argv = lane.commands.pop(0)
+    lane.current = lane.commands.pop(0)
+    argv = lane.current.argv
     lane.log = tmp / f"{lane.name}-{len(lane.commands)}.log"
-    print(f"== {lane.name}: {' '.join(argv[1:])}", flush=True)
+    print(f"== {lane.name}: {' '.join([Path(argv[0]).name, *argv[1:]])}", flush=True)
     lane.started = time.monotonic()
     with open(lane.log, "wb") as out:
         lane.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=lane.env)

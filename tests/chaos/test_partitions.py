@@ -2,8 +2,8 @@
 live on, a true zombie), a node frozen (SIGSTOP: a hung kernel, a long GC pause), a raylet
 killed. On real network namespaces (tests/chaos/netns_cluster.py), for each: the job resumes
 at the smaller size, nothing the old attempt does afterwards reaches the database or a
-committed checkpoint, the node comes back and the job grows back, and the loss curve is
-the one an uninterrupted run gives.
+committed checkpoint, the node comes back and the job grows back, and the loss curve up
+to some steps after the grow is the one an uninterrupted run gives.
 
 Topology: the head (GCS, the service's runtime actor; 0 CPUs) on a bridge in the root
 namespace; `big` (2 CPUs) and `small` (1 CPU) each in their own namespace. The job (DDP,
@@ -42,7 +42,8 @@ from tests.waiting import exited, wait_until
 pytestmark = [pytest.mark.ray, pytest.mark.chaos]
 
 # Long enough (16 micro-batches a step) that the job is still training after the node's loss
-# is detected, the resume at 1, the node's return and the grow back to 2.
+# is detected, the resume at 1, the node's return and the grow back to 2 (about step 260
+# of 600 on a quiet machine).
 MAX_STEPS = 600
 SPEC = tiny_gpt_spec(
     "netns",
@@ -52,6 +53,9 @@ SPEC = tiny_gpt_spec(
     failure={"max_restarts": 3},
 )
 NAMESPACE = "elastrain-netns"
+#: The faulted job is compared with the uninterrupted one up to this many steps after it
+#: grew back to 2, then cancelled.
+AFTER_GROW_STEPS = 20
 
 
 @pytest.fixture(scope="module")
@@ -179,18 +183,27 @@ def test_the_job_survives_the_node_and_the_zombie_writes_nothing(
                 what="grow back to 2", timeout=300,
             )  # fmt: skip
             assert grown["attempt"] >= 3
-            final = wait_terminal(client, job_id, timeout=600)
-            assert final["state"] == "SUCCEEDED", final
+            # Some steps at 2 after the grow, then stop: the rest of the run (most of the
+            # test's time, ~40 s alone) is an uninterrupted job, which other tests finish.
+            wait_for(
+                client, job_id, lambda j: j["step"] >= grown["step"] + AFTER_GROW_STEPS,
+                what=f"{AFTER_GROW_STEPS} steps after the grow", timeout=300,
+            )  # fmt: skip
+            client.post(f"/v1/jobs/{job_id}/cancel")
+            final = wait_terminal(client, job_id, timeout=120)
             story = [
                 (e["kind"], e["to_state"], e["attempt"], e["reason"])
                 for e in client.get(f"/v1/jobs/{job_id}/events").json()
             ]
+            assert final["state"] == "CANCELLED", story  # it never failed on its own
             assert final["restarts"] == 0, story  # losing a node is not the job's fault
 
             _assert_no_zombie_writes(client, job_id, tmp_path / "storage")
             losses = per_step(client, job_id, "loss")
-            assert losses.keys() == baseline.keys() == set(range(1, MAX_STEPS + 1))
-            worst = max(abs(losses[s] - v) / abs(v) for s, v in baseline.items())
+            last = max(losses)
+            assert last >= grown["step"] + AFTER_GROW_STEPS
+            assert losses.keys() == set(range(1, last + 1)) <= baseline.keys()
+            worst = max(abs(v - baseline[s]) / abs(baseline[s]) for s, v in losses.items())
             assert worst < 1e-3, f"largest relative loss difference {worst:.2e}"
     finally:
         for node in (big, small):

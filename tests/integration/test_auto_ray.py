@@ -10,7 +10,8 @@ from elastrain.contracts.plan import HEADROOM, plan, shape_of
 from elastrain.contracts.spec import JobSpec
 from tests.integration.ray_service import ray_service, submit, tiny_gpt_spec, wait_terminal
 
-pytestmark = pytest.mark.ray
+# On a local Ray of its own, no timing asserted: `make test` runs it beside the other Ray tests.
+pytestmark = [pytest.mark.ray, pytest.mark.beside]
 
 
 def test_auto_runs_fsdp_where_ddp_does_not_fit(tmp_path: Path) -> None:

@@ -30,7 +30,8 @@ from tests.integration.ray_service import (
     wait_terminal,
 )
 
-pytestmark = pytest.mark.ray
+# On a local Ray of its own, no timing asserted: `make test` runs it beside the other Ray tests.
+pytestmark = [pytest.mark.ray, pytest.mark.beside]
 
 LLAMA: dict[str, Any] = {
     "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,

@@ -17,7 +17,8 @@ from tests.integration.ray_service import (
     wait_terminal,
 )
 
-pytestmark = pytest.mark.ray
+# On a local Ray of its own, no timing asserted: `make test` runs it beside the other Ray tests.
+pytestmark = [pytest.mark.ray, pytest.mark.beside]
 
 
 @pytest.fixture(scope="module")

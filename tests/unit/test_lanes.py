@@ -1,4 +1,4 @@
-"""`make test`'s two lanes (tests/lanes.py): each lane's commands run in order, the lanes
+"""`make test`'s lanes (tests/lanes.py): each lane's commands run in order, the lanes
 side by side; every output is printed; a failure anywhere fails the whole."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.lanes import Lane, run
+from tests.lanes import PYTEST_NO_TESTS, Command, Lane, lanes, run
 
 
-def _py(code: str) -> list[str]:
-    return [sys.executable, "-c", code]
+def _py(code: str, ok: frozenset[int] = frozenset({0})) -> Command:
+    return Command([sys.executable, "-c", code], ok)
 
 
 def test_lanes_run_side_by_side_in_order_and_the_first_failure_is_the_status(
@@ -35,5 +35,26 @@ def test_lanes_run_side_by_side_in_order_and_the_first_failure_is_the_status(
     assert "broken here" in out and "== b: exit 3" in out
 
 
-def test_no_tests_collected_is_not_a_failure(tmp_path: Path) -> None:
-    assert run([Lane("a", [_py("import sys; sys.exit(5)")], dict(os.environ))], tmp_path) == 0
+def test_no_tests_collected_is_not_a_failure_of_pytest_but_is_of_anything_else(
+    tmp_path: Path,
+) -> None:
+    exits_5 = "import sys; sys.exit(5)"
+    pytest_like = _py(exits_5, frozenset({0, PYTEST_NO_TESTS}))
+    assert run([Lane("a", [pytest_like], dict(os.environ))], tmp_path) == 0
+    assert run([Lane("a", [_py(exits_5)], dict(os.environ))], tmp_path) == 5
+
+
+def test_the_lanes_split_the_suite_by_marker_and_lint_runs_too(tmp_path: Path) -> None:
+    by_name = {lane.name: lane for lane in lanes(["-q"], tmp_path)}
+    selections = {
+        name: [c.argv[c.argv.index("-m", 2) + 1] for c in lane.commands if "pytest" in c.argv]
+        for name, lane in by_name.items()
+    }
+    # Complements: a test is in one selection or the other, never both, never neither.
+    assert selections["ray"] == ["ray and not beside"]
+    assert selections["rest"] == ["not ray or beside"]
+    assert all(PYTEST_NO_TESTS in c.ok for c in by_name["rest"].commands if "pytest" in c.argv)
+    assert by_name["rest"].commands[-1].argv[1:] == ["bench/all.py", "--quick"]
+    assert by_name["rest"].env["RAY_TMPDIR"] == str(tmp_path / "ray")
+    linters = [Path(c.argv[0]).name for c in by_name["lint"].commands]
+    assert linters == ["ruff", "ruff", "mypy"]

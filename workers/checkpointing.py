@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from elastrain.contracts.messages import SavedTraining, StepMetrics
 from elastrain.contracts.spec import JobSpec
 from elastrain.workers.api import TrainContext
+from elastrain.workers.comm_release import group_forming
 from elastrain.workers.rng import get_rng_states
 from elastrain.workers.strategies import Strategy
 
@@ -25,16 +26,17 @@ log = logging.getLogger("elastrain.workers.checkpointing")
 def make_checkpointer(ctx: TrainContext, spec: JobSpec) -> ShardedCheckpointer:
     from elastrain.checkpoints.dcp import ShardedCheckpointer
 
-    return ShardedCheckpointer(
-        ctx.checkpoint_root,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        async_save=spec.checkpoint.async_save,
-        # Every step waits for the staging copy before its update (`Strategy.step`).
-        async_staging=spec.checkpoint.async_save,
-        owner=ctx.database,
-        digest=spec.checkpoint.digest.value,
-    )
+    with group_forming():  # the checkpointer's own gloo group: released with the attempt's
+        return ShardedCheckpointer(
+            ctx.checkpoint_root,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            async_save=spec.checkpoint.async_save,
+            # Every step waits for the staging copy before its update (`Strategy.step`).
+            async_staging=spec.checkpoint.async_save,
+            owner=ctx.database,
+            digest=spec.checkpoint.digest.value,
+        )
 
 
 def save_checkpoint(

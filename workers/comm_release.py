@@ -12,7 +12,11 @@ process frees itself here:
   blocked read then fails as if the peer had closed them ("Connection closed by peer"), the
   collective raises, and the loop stops as on any peer loss, keeping its state. Which
   connections are the group's is recorded when the group forms (`GroupSockets.opened`):
-  the sockets that appeared then and have a peer, less the rendezvous store's.
+  the sockets that appeared then and have a peer, less the rendezvous store's. Every
+  gloo group has connections of its own, so the groups an attempt forms later (a device
+  mesh's dimensions, peer memory's, the checkpointer's) are recorded into the same record
+  as they form (`group_forming`): a pipeline stage blocked in a send to a lost stage, or
+  a rank blocked in a peer-memory exchange, is freed like one blocked on the default group.
 
 Shutting a connection down (not closing it) leaves the file descriptor to its owner, so
 gloo later closes its own descriptors as usual and none can be reused under it.
@@ -81,8 +85,10 @@ def _ends(fd: int) -> tuple[int, int] | None:
 
 @dataclass
 class GroupSockets:
-    """The TCP connections of one process group (gloo) in this process."""
+    """The TCP connections of an attempt's process groups (gloo) in this process: the
+    default group's, and those of the groups formed after it (`group_forming`)."""
 
+    store_port: int | None = None
     connections: dict[int, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _released: bool = False
@@ -90,32 +96,90 @@ class GroupSockets:
     @classmethod
     @contextlib.contextmanager
     def opened(cls, *, store_port: int | None) -> Iterator[GroupSockets]:
-        """Around the group's creation (gloo connects every pair as the group forms):
-        yields the record, filled when the block ends."""
-        group = cls()
+        """Around the default group's creation (gloo connects every pair as the group
+        forms): yields the record, filled when the block ends, and the one that later
+        groups of this attempt join while it is `current` (see `attempt_groups`)."""
+        group = cls(store_port=store_port)
+        with group.recording():
+            yield group
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """The connections opened during the block are this record's."""
         before = open_sockets()
-        yield group
-        group.connections = new_connections(before, open_sockets(), store_port=store_port)
+        try:
+            yield
+        finally:
+            self.add(new_connections(before, open_sockets(), store_port=self.store_port))
+
+    def add(self, connections: dict[int, str]) -> None:
+        """Record more connections; shut at once if the record was already released
+        (a group formed after the release would otherwise block its rank anew)."""
+        with self._lock:
+            self.connections.update(connections)
+            released = self._released
+        if released:
+            self._shut(connections)
 
     def release(self) -> int:
-        """Shut the group's connections down (once); how many were. Any thread."""
+        """Shut the recorded connections down (once); how many were. Any thread."""
         with self._lock:
             if self._released:
                 return 0
             self._released = True
-            done = 0
-            current = open_sockets()
-            for fd, inode in self.connections.items():
-                if current.get(fd) != inode:
-                    continue  # closed meanwhile (and maybe reused): not ours any more
-                with contextlib.suppress(OSError):
-                    sock = socket.socket(fileno=fd)
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                        done += 1
-                    finally:
-                        sock.detach()
-            return done
+            return self._shut(self.connections)
+
+    @staticmethod
+    def _shut(connections: dict[int, str]) -> int:
+        done = 0
+        current = open_sockets()
+        for fd, inode in connections.items():
+            if current.get(fd) != inode:
+                continue  # closed meanwhile (and maybe reused): not ours any more
+            with contextlib.suppress(OSError):
+                sock = socket.socket(fileno=fd)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    done += 1
+                finally:
+                    sock.detach()
+        return done
+
+
+# The record of the attempt running in this process (a pooled process runs one at a time),
+# for the groups its loop forms after the default one.
+_current: GroupSockets | None = None
+_current_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def attempt_groups(sockets: GroupSockets) -> Iterator[None]:
+    """While the attempt runs: the groups it forms join `sockets` (`group_forming`)."""
+    global _current
+    with _current_lock:
+        _current = sockets
+    try:
+        yield
+    finally:
+        with _current_lock:
+            if _current is sockets:
+                _current = None
+
+
+@contextlib.contextmanager
+def group_forming() -> Iterator[None]:
+    """Around the creation of a group after the default one (every rank of the attempt
+    calls it at the same point, as group creation requires): its connections join the
+    running attempt's record, so a release frees a collective blocked on it too. Outside
+    an attempt run by the launcher glue (a test calling the loop directly) it records
+    nothing."""
+    with _current_lock:
+        current = _current
+    if current is None:
+        yield
+        return
+    with current.recording():
+        yield
 
 
 def release_group(sockets: GroupSockets | None) -> str:

@@ -46,7 +46,7 @@ from elastrain.contracts.messages import (
 )
 from elastrain.contracts.runtime import AttemptKey, JobRef
 from elastrain.contracts.storage import JobStorage
-from elastrain.workers.comm_release import GroupSockets, release_group
+from elastrain.workers.comm_release import GroupSockets, attempt_groups, release_group
 
 if TYPE_CHECKING:  # torch is imported when the process starts, not by the runtime
     from torch.distributed import TCPStore
@@ -513,7 +513,8 @@ class WorkerProcess:
                 if package is not None:
                     hooks.send(package)
             try:
-                result = train(ctx, a.spec, hooks, self.memory)
+                with attempt_groups(sockets):  # the groups the loop forms are released too
+                    result = train(ctx, a.spec, hooks, self.memory)
             finally:
                 if isinstance(hooks, RuntimeHooks):
                     hooks.flush()

@@ -40,6 +40,7 @@ from elastrain.checkpoints.dcp.in_memory import (
 )
 from elastrain.contracts.spec import JobSpec
 from elastrain.workers.api import TrainContext
+from elastrain.workers.comm_release import group_forming
 from elastrain.workers.memory.buddy import buddies, wards
 from elastrain.workers.memory.pacing import RefreshPacer, overhead
 from elastrain.workers.memory.sources import Generation
@@ -125,7 +126,8 @@ class PeerRefresher:
     def join(cls, ctx: TrainContext, spec: JobSpec) -> PeerRefresher:
         """Collective (every rank, same point): a gloo group for peer memory (host
         tensors, whatever the training backend) and every rank's node."""
-        group = dist.new_group(backend="gloo")
+        with group_forming():  # a rank blocked in an exchange is freed by a release too
+            group = dist.new_group(backend="gloo")
         nodes: list[str] = [""] * ctx.world_size
         dist.all_gather_object(nodes, ctx.node or socket.gethostname(), group=group)
         buddy_of = buddies(nodes)

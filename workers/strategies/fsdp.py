@@ -32,6 +32,7 @@ from torch.distributed.fsdp import (
 
 from elastrain.contracts.spec import JobSpec
 from elastrain.workers.api import TrainContext
+from elastrain.workers.comm_release import group_forming
 from elastrain.workers.strategies.base import Layout
 from elastrain.workers.strategies.ddp import DataParallelStrategy
 from elastrain.workers.strategies.mesh import grid_layout, grid_mesh
@@ -49,7 +50,8 @@ class FSDPStrategy(DataParallelStrategy):
             parallelize(model, grid["tp"])
             mesh = grid["dp"]
         else:
-            mesh = init_device_mesh(self.device.type, (self.layout.dp,))
+            with group_forming():
+                mesh = init_device_mesh(self.device.type, (self.layout.dp,))
         # Compute in low precision, but reduce gradients (and keep the sharded master
         # parameters and optimizer state) in fp32 so accumulation does not lose bits.
         mp_policy = (

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from elastrain.workers.comm_release import group_forming
 from elastrain.workers.strategies.base import Layout
 
 MESH_DIMS = ("dp", "pp", "tp")
@@ -47,6 +48,7 @@ def grid_layout(rank: int, world_size: int, *, pp: int = 1, tp: int = 1) -> Layo
 def grid_mesh(device_type: str, layout: Layout) -> DeviceMesh:
     """The 3-D mesh (dp, pp, tp) over all ranks; slice it by name (`mesh["tp"]`). Every
     rank must call it, in the same order relative to other group creations."""
-    return init_device_mesh(
-        device_type, (layout.dp, layout.pp, layout.tp), mesh_dim_names=MESH_DIMS
-    )
+    with group_forming():  # a rank blocked on one of its groups is freed by a release
+        return init_device_mesh(
+            device_type, (layout.dp, layout.pp, layout.tp), mesh_dim_names=MESH_DIMS
+        )

@@ -9,11 +9,9 @@ $(BIN)/elastrain: pyproject.toml
 	@echo "installing into $(VENV)"
 	$(PY) -m venv $(VENV)
 	# torch first, pinned: on CPU machines 2.13.0 is a local CPU wheel; any other
-	# version would pull gigabytes of CUDA packages. --no-compile: Python compiles what is
-	# imported when it is first imported; compiling every module of torch, ray and the rest
-	# up front took half of the install (~100 of ~200 s on 2 cores).
-	$(BIN)/pip install -q --no-compile torch==2.13.0
-	$(BIN)/pip install -q --no-compile -e ".[test]"
+	# version would pull gigabytes of CUDA packages.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
 # Start the service on the embedded defaults (SQLite, local Ray, checkpoints under

@@ -9,7 +9,9 @@ $(BIN)/elastrain: pyproject.toml
 	@echo "installing into $(VENV)"
 	$(PY) -m venv $(VENV)
 	# torch first, pinned: on CPU machines 2.13.0 is a local CPU wheel; any other
-	# version would pull gigabytes of CUDA packages.
+	# version would pull gigabytes of CUDA packages. pip byte-compiles as it installs (half
+	# the install's time), and must: with PYTHONDONTWRITEBYTECODE=1, as on CI's machines,
+	# no .pyc is written at import, so every process would compile torch and ray anew.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@

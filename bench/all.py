@@ -71,7 +71,7 @@ PARTS = (
          "elastic_bench.py", (),
          ("--repeats", "1", "--baseline-repeats", "1", "--ray-train-start-timeout", "5")),
     Part("training", "Training throughput per strategy and world size (CPU, gloo)",
-         "training_bench.py", (), ("--steps", "8")),
+         "training_bench.py", (), ("--steps", "8", "--quick")),
     Part("packages", "Shipping a working directory", "package_bench.py",
          (), ("--repeats", "1", "--data-mb", "4")),
     Part("command", "Bring your own script: submit -> first step vs built-in loop and torchrun",

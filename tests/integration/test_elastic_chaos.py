@@ -22,6 +22,9 @@ ELASTIC = {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}
 MAX_STEPS = 400
 PHASES = [p.value for p in Phase]
 TRAINING = {"global_batch_size": 24, "micro_batch_size": 4, "max_steps": MAX_STEPS}
+#: The uninterrupted run is compared with the interrupted one up to this many steps past
+#: the grow back.
+AFTER_GROW_STEPS = 30
 
 
 def per_step(client, job_id: int, key: str) -> dict[int, float]:  # type: ignore[no-untyped-def]
@@ -112,12 +115,24 @@ def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
 
         # The same job without interruption, on the same cluster: same samples per step,
         # same losses up to float reduction order (different world sizes sum in a
-        # different order; Adam amplifies ~1e-7 differences over the steps).
+        # different order; Adam amplifies ~1e-7 differences over the steps). The steady
+        # run stops some steps past where the interrupted one grew back: its later steps
+        # are what both runs do uninterrupted at one size (the interrupted job itself runs
+        # to the end above).
+        compared = min(grown["step"] + AFTER_GROW_STEPS, MAX_STEPS)
         steady = submit(client, {**spec, "name": "steady"})
-        assert wait_terminal(client, steady, timeout=400)["state"] == "SUCCEEDED"
-        assert per_step(client, job_id, "batch_crc") == per_step(client, steady, "batch_crc")
+        wait_for(client, steady, lambda j: j["step"] >= compared, what=f"step {compared}",
+                 timeout=400)  # fmt: skip
+        client.post(f"/v1/jobs/{steady}/cancel")
+        wait_terminal(client, steady, timeout=120)
+        crcs, steady_crcs = (
+            per_step(client, job_id, "batch_crc"),
+            per_step(client, steady, "batch_crc"),
+        )
         interrupted, baseline = per_step(client, job_id, "loss"), per_step(client, steady, "loss")
-        assert interrupted.keys() == baseline.keys() == set(range(1, MAX_STEPS + 1))
+        assert interrupted.keys() == set(range(1, MAX_STEPS + 1))
+        assert set(range(1, compared + 1)) <= baseline.keys() <= interrupted.keys()
+        assert all(crcs[s] == c for s, c in steady_crcs.items())
         worst = max(abs(interrupted[s] - loss) / abs(loss) for s, loss in baseline.items())
         assert worst < 1e-3, f"largest relative loss difference {worst:.2e}"
 

@@ -11,7 +11,8 @@ import pytest
 from tests.factories import a_zip, spec_dict
 from tests.integration.ray_service import ray_service, submit, wait_terminal
 
-pytestmark = [pytest.mark.ray]
+# On a local Ray of its own, no timing asserted: `make test` runs it beside the other Ray tests.
+pytestmark = [pytest.mark.ray, pytest.mark.beside]
 
 #: The factory lives in the project's own `workers` package and imports the project's own
 #: `service` module and `checkpoints` package; each says whose it is.

@@ -19,7 +19,8 @@ from tests.integration.ray_service import losses, ray_service, submit, tiny_gpt_
 from tests.integration.ray_service import wait_terminal as wait_job
 from tests.integration.wandb_offline import read_run
 
-pytestmark = pytest.mark.ray
+# On a local Ray of its own, no timing asserted: `make test` runs it beside the other Ray tests.
+pytestmark = [pytest.mark.ray, pytest.mark.beside]
 
 STEPS = 12
 

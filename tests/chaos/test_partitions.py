@@ -36,7 +36,13 @@ from elastrain.checkpoints.manifest import ManifestError, read_manifest
 from elastrain.contracts.storage import JobStorage
 from elastrain.service.settings import Settings
 from tests.chaos.netns_cluster import HEALTH_CHECK_ENV, NetnsCluster, Node
-from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_terminal
+from tests.integration.ray_service import (
+    cancel_at_step,
+    submit,
+    tiny_gpt_spec,
+    wait_for,
+    wait_terminal,
+)
 from tests.waiting import exited, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos]
@@ -185,12 +191,7 @@ def test_the_job_survives_the_node_and_the_zombie_writes_nothing(
             assert grown["attempt"] >= 3
             # Some steps at 2 after the grow, then stop: the rest of the run (most of the
             # test's time, ~40 s alone) is an uninterrupted job, which other tests finish.
-            wait_for(
-                client, job_id, lambda j: j["step"] >= grown["step"] + AFTER_GROW_STEPS,
-                what=f"{AFTER_GROW_STEPS} steps after the grow", timeout=300,
-            )  # fmt: skip
-            client.post(f"/v1/jobs/{job_id}/cancel")
-            final = wait_terminal(client, job_id, timeout=120)
+            final = cancel_at_step(client, job_id, grown["step"] + AFTER_GROW_STEPS)
             story = [
                 (e["kind"], e["to_state"], e["attempt"], e["reason"])
                 for e in client.get(f"/v1/jobs/{job_id}/events").json()

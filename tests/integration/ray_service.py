@@ -99,6 +99,15 @@ def wait_for(
     raise AssertionError(f"job {job_id}: {what} not reached; job={job}\nevents={events}")
 
 
+def cancel_at_step(
+    client: httpx.Client, job_id: int, step: int, *, timeout: float = 300
+) -> dict[str, Any]:
+    """Let the job train to `step` (or end first), then cancel it; its final state."""
+    wait_for(client, job_id, lambda j: j["step"] >= step, what=f"step {step}", timeout=timeout)
+    client.post(f"/v1/jobs/{job_id}/cancel")  # 409 if it has just ended: fine
+    return wait_terminal(client, job_id, timeout=120)
+
+
 def wait_terminal(
     client: httpx.Client, job_id: int, timeout: float = 300, poll_s: float = 0.5
 ) -> dict[str, Any]:

@@ -12,7 +12,13 @@ from elastrain.contracts.messages import Phase
 from elastrain.service import jobs
 from tests.e2e.server import serve_argv, start_server
 from tests.integration.cluster_service import multi_node_service
-from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_terminal
+from tests.integration.ray_service import (
+    cancel_at_step,
+    submit,
+    tiny_gpt_spec,
+    wait_for,
+    wait_terminal,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos]
 
@@ -121,14 +127,9 @@ def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
         # to the end above).
         compared = min(grown["step"] + AFTER_GROW_STEPS, MAX_STEPS)
         steady = submit(client, {**spec, "name": "steady"})
-        wait_for(client, steady, lambda j: j["step"] >= compared, what=f"step {compared}",
-                 timeout=400)  # fmt: skip
-        client.post(f"/v1/jobs/{steady}/cancel")
-        wait_terminal(client, steady, timeout=120)
-        crcs, steady_crcs = (
-            per_step(client, job_id, "batch_crc"),
-            per_step(client, steady, "batch_crc"),
-        )
+        cancel_at_step(client, steady, compared, timeout=400)
+        crcs = per_step(client, job_id, "batch_crc")
+        steady_crcs = per_step(client, steady, "batch_crc")
         interrupted, baseline = per_step(client, job_id, "loss"), per_step(client, steady, "loss")
         assert interrupted.keys() == set(range(1, MAX_STEPS + 1))
         assert set(range(1, compared + 1)) <= baseline.keys() <= interrupted.keys()

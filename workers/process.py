@@ -92,7 +92,8 @@ class RuntimeHooks:
         self.take_control = take_control
         self.clock = clock
         self._wait = wait  # Ray's, or a test's
-        self._in_flight: list[tuple[Any, int]] = []  # (push, its last step or -1)
+        self._in_flight: list[tuple[Any, int]] = []  # (push, its last step or -1), in order
+        self._batches = 0  # pushes so far: the next one's number
         self._delivered = -1  # the newest step the runtime is known to have
         self._undelivered: deque[StepMetrics] = deque(maxlen=UNDELIVERED_KEPT)
         self._pending: list[WorkerMessage] = []
@@ -113,21 +114,27 @@ class RuntimeHooks:
         batch, self._pending = self._pending, []
         self._pushed_at = now
         last = max((m.step for m in batch if isinstance(m, StepMetrics)), default=-1)
-        self._in_flight.append((self.runtime.push_many.remote(self.key, batch), last))
+        # Numbered: the runtime actor is threaded, so it may run two calls in flight out of
+        # order; the driver puts them back in this order (`elastrain.workers.runtime.ordering`).
+        ref = self.runtime.push_many.remote(self.key, self._batches, batch)
+        self._batches += 1
+        self._in_flight.append((ref, last))
         self._forget_delivered()
 
     def _forget_delivered(self) -> None:
-        """Note which pushes the runtime has (a look, no waiting) and forget them. One
-        caller's calls run in order on an actor, so the newest delivered step is a bound."""
+        """Note which pushes the runtime has (a look, no waiting) and forget them. The
+        runtime applies them in number order, so only an unbroken run of answered pushes
+        from the oldest is known applied; its newest step is the bound."""
         refs = [ref for ref, _ in self._in_flight]
         ready, _ = self._wait(refs, num_returns=len(refs), timeout=0)
-        if not ready:
-            return
         done = set(ready)
+        applied = 0
         for ref, last in self._in_flight:
-            if ref in done:
-                self._delivered = max(self._delivered, last)
-        self._in_flight = [(ref, last) for ref, last in self._in_flight if ref not in done]
+            if ref not in done:
+                break
+            self._delivered = max(self._delivered, last)
+            applied += 1
+        self._in_flight = self._in_flight[applied:]
         while self._undelivered and self._undelivered[0].step <= self._delivered:
             self._undelivered.popleft()
 

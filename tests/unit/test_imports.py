@@ -92,7 +92,8 @@ def test_service_does_not_load_torch() -> None:
     assert loaded == ["elastrain.workers", "elastrain.workers.runtime", "elastrain.workers.runtime.actor",
                       "elastrain.workers.runtime.driver", "elastrain.workers.runtime.layout",
                       "elastrain.workers.runtime.liveness",
-                      "elastrain.workers.runtime.notice", "elastrain.workers.runtime.pool",
+                      "elastrain.workers.runtime.notice", "elastrain.workers.runtime.ordering",
+                      "elastrain.workers.runtime.pool",
                       "elastrain.workers.runtime.reconcile"]  # fmt: skip
 
 

@@ -46,6 +46,7 @@ class Runtime:
     def __init__(self) -> None:
         self.push_many = Method()
         self.ready = True
+        self.late: set[Any] = set()  # pushes not answered yet though `ready`
         self.controls: list[Control] = []
 
     def take_control(self) -> Control:
@@ -54,7 +55,9 @@ class Runtime:
 
 def hooks_for(runtime: Runtime, clock: Clock) -> RuntimeHooks:
     def wait(refs: list[Any], **_: Any) -> tuple[list[Any], list[Any]]:
-        return (list(refs), []) if runtime.ready else ([], list(refs))
+        if not runtime.ready:
+            return [], list(refs)
+        return [r for r in refs if r not in runtime.late], [r for r in refs if r in runtime.late]
 
     return RuntimeHooks(runtime, AttemptKey(7, 2), runtime.take_control, clock=clock, wait=wait)
 
@@ -64,7 +67,7 @@ def point(step: int) -> StepMetrics:
 
 
 def sent(runtime: Runtime) -> list[Any]:
-    return [m for _, batch in runtime.push_many.calls for m in batch]
+    return [m for _, _, batch in runtime.push_many.calls for m in batch]
 
 
 def test_metrics_go_in_batches_and_other_messages_at_once_in_order() -> None:
@@ -84,7 +87,9 @@ def test_metrics_go_in_batches_and_other_messages_at_once_in_order() -> None:
     hooks.send(point(21))
     hooks.flush()  # the end: nothing left behind
     assert [getattr(m, "step", None) for m in sent(runtime)][-2:] == [20, 21]
-    assert all(key == (7, 2) for key, _ in runtime.push_many.calls)
+    assert all(key == (7, 2) for key, _, _ in runtime.push_many.calls)
+    # Numbered from 0, for the runtime to apply in this order (its calls may run in any).
+    assert [number for _, number, _ in runtime.push_many.calls] == [0, 1, 2, 3]
 
 
 def test_a_control_costs_no_remote_call_and_flushes_metrics_first() -> None:
@@ -161,6 +166,24 @@ def test_rank_0_keeps_every_point_the_runtime_is_not_known_to_have() -> None:
     runtime.ready = True  # the network heals: the pending pushes arrive
     clock.now += 1.0
     hooks.send(point(6))
+    assert hooks.undelivered() == []
+
+
+def test_a_push_answered_before_an_earlier_one_proves_nothing_delivered() -> None:
+    """The runtime applies pushes in number order: while push 1 is unanswered, push 2's
+    answer does not mean its points are applied (they wait for push 1's)."""
+    runtime, clock = Runtime(), Clock()
+    hooks = hooks_for(runtime, clock)
+    hooks.send(point(1))  # push 0, answered
+    runtime.late = {("ref", 2)}  # push 1 (step 2) not answered yet
+    clock.now += 1.0
+    hooks.send(point(2))
+    clock.now += 1.0
+    hooks.send(point(3))  # push 2, answered
+    assert [p.step for p in hooks.undelivered()] == [2, 3]
+    runtime.late = set()
+    clock.now += 1.0
+    hooks.send(point(4))
     assert hooks.undelivered() == []
 
 

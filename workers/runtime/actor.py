@@ -150,12 +150,11 @@ class Runtime:
             ]
 
     # -- rank 0's calls ----------------------------------------------------------------------
-    def push_many(self, key: AttemptKey, messages: list[WorkerMessage]) -> None:
-        """Rank 0's messages, in order (what `RuntimeHooks` batches)."""
+    def push_many(self, key: AttemptKey, number: int, messages: list[WorkerMessage]) -> None:
+        """Rank 0's `number`th batch of messages (what `RuntimeHooks` batches, in order)."""
         driver = self._driver(key)
         if driver is not None:  # else a released attempt: fenced off
-            for message in messages:
-                driver.push(message)
+            driver.push_batch(number, messages)
 
     def _driver(self, key: AttemptKey) -> AttemptDriver | None:
         with self._lock:

@@ -47,6 +47,7 @@ from elastrain.contracts.runtime import JobRef, LaunchRequest
 from elastrain.contracts.spec import JobSpec
 from elastrain.workers.runtime.layout import Slot, local_layout, rank_order
 from elastrain.workers.runtime.liveness import raylet_gone
+from elastrain.workers.runtime.ordering import InOrder
 from elastrain.workers.runtime.pool import PooledWorker, WorkerPool, choose_worker
 
 log = logging.getLogger("elastrain.driver")
@@ -103,6 +104,7 @@ class AttemptDriver:
         self._stopping = False
         self._released = threading.Event()
         self._marks: dict[Phase, TimelineMark] = {}
+        self._batches: InOrder[WorkerMessage] = InOrder()  # rank 0's, by number
         self._command = request.spec.workload.command is not None
         self._ranks: list[Any] = []  # every rank's process, once handed its rank
         self.workers: list[PooledWorker] = []
@@ -115,28 +117,40 @@ class AttemptDriver:
         self._thread.start()
 
     # -- called by rank 0 of the worker group -------------------------------------------------
-    def push(self, message: WorkerMessage) -> None:
+    def push_batch(self, number: int, messages: Sequence[WorkerMessage]) -> None:
+        """Rank 0's `number`th batch (from 0): applied in number order, whatever order the
+        runtime's threads run the calls in (`elastrain.workers.runtime.ordering`); under one
+        hold of the lock, so a later batch's thread cannot slip in between."""
         with self._lock:
-            if isinstance(message, TimelineMark):
-                self._marks.setdefault(message.phase, message)
-                if message.phase == Phase.FIRST_STEP:
-                    self._append(self._timeline())
-                if (
-                    message.phase == Phase.GROUP_FORMED
-                    and self._command
-                    and self._status == DriverStatus.STARTING
-                ):
-                    # A command job's script may never report a step: running from the
-                    # moment rank 0's script started (`elastrain.workers.command`).
-                    self._status = DriverStatus.RUNNING
-                return
-            self._append(message)
-            if isinstance(message, StepMetrics) and self._status == DriverStatus.STARTING:
+            for message in self._batches.add(number, messages):
+                self._take(message)
+
+    def push(self, message: WorkerMessage) -> None:
+        """One message of the driver's own (its timeline marks, its placement)."""
+        with self._lock:
+            self._take(message)
+
+    def _take(self, message: WorkerMessage) -> None:
+        if isinstance(message, TimelineMark):
+            self._marks.setdefault(message.phase, message)
+            if message.phase == Phase.FIRST_STEP:
+                self._append(self._timeline())
+            if (
+                message.phase == Phase.GROUP_FORMED
+                and self._command
+                and self._status == DriverStatus.STARTING
+            ):
+                # A command job's script may never report a step: running from the
+                # moment rank 0's script started (`elastrain.workers.command`).
                 self._status = DriverStatus.RUNNING
-            elif isinstance(message, Placement):
-                self._placement = message
-            elif isinstance(message, Resumed):
-                self._resumed_from = message.step
+            return
+        self._append(message)
+        if isinstance(message, StepMetrics) and self._status == DriverStatus.STARTING:
+            self._status = DriverStatus.RUNNING
+        elif isinstance(message, Placement):
+            self._placement = message
+        elif isinstance(message, Resumed):
+            self._resumed_from = message.step
 
     def _append(self, message: WorkerMessage) -> None:
         self._seq += 1

@@ -119,6 +119,10 @@ class Reconciled:
     """Jobs whose state processes dropped for not being unfinished."""
     removed_groups: tuple[str, ...] = ()
     """Placement groups removed that no live attempt owned."""
+    ready_nodes: frozenset[str] | None = None
+    """The alive nodes (as of the pool's last upkeep) where a rank can start without
+    waiting for a process to start: one of the pool's has answered there, or the pool keeps
+    none there. None: not known (an older runtime)."""
 
 
 #: Where a node's preemption notice is kept in Ray's KV store (namespace, key prefix): the

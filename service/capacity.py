@@ -28,6 +28,11 @@ class NodeCapacity:
     """Host memory Ray may give to tasks on the node (its `memory` resource)."""
     draining: bool = False
     """Going away (`NodeDrain`): alive, its ranks not lost, but no worker is placed there."""
+    warming: bool = False
+    """Joined, but no warm worker process on it has answered yet (`warming_nodes`): a rank
+    placed there now waits for a process to start and import torch. Its capacity counts
+    (a start or recovery would wait for it anyway), but a running job does not stop to
+    grow onto it yet (`elastrain.service.decisions`)."""
 
 
 class DrainSource(str, Enum):
@@ -72,6 +77,14 @@ class ClusterCapacity:
     def alive_ids(self) -> frozenset[str]:
         return self._memoized(
             ("alive_ids",), lambda: frozenset(n.node_id for n in self.alive_nodes)
+        )
+
+    def without_warming(self) -> ClusterCapacity:
+        """This capacity less the nodes still warming up."""
+        if not any(n.warming for n in self.nodes):
+            return self
+        return self._memoized(
+            ("ready",), lambda: replace(self, nodes=tuple(n for n in self.nodes if not n.warming))
         )
 
     def worker_memory_bytes(self, cpus_per_worker: float) -> int | None:
@@ -274,3 +287,20 @@ class CapacityLedger:
             self._held.pop(job_id, None)
         else:
             self._held[job_id] = allocation
+
+
+def warming_nodes(
+    alive: Iterable[str],
+    ready: frozenset[str] | None,
+    first_seen: Mapping[str, float],
+    *,
+    now: float,
+    wait_s: float,
+) -> frozenset[str]:
+    """The alive nodes a running job should not stop to grow onto yet: those the runtime
+    has no answering worker process on (`ready`; None: it has not said yet, and nothing
+    is held back), for at most `wait_s` from when the node was first seen (a node whose
+    processes never start is grown onto anyway: the attempt then starts one there)."""
+    if ready is None:
+        return frozenset()
+    return frozenset(n for n in alive if n not in ready and now - first_seen.get(n, now) < wait_s)

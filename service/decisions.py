@@ -22,7 +22,7 @@ row by row in tests/unit/test_decisions.py.
 | any active | driver FAILED: the workload cannot run (built, imported or first used: `elastrain.workers.errors.configuration_errors`) | end the attempt -> FAILED at once (a configuration error is not retried) |
 | RECOVERING, RESIZING without an attempt | capacity for min workers | start the next attempt at the size that fits |
 | RECOVERING, RESIZING without an attempt | below min | wait (event, reason); -> FAILED after `below_min_timeout_s` |
-| RUNNING | a bigger size possible for `grow_interval_s`, nobody queued | ask the attempt to checkpoint and stop -> RESIZING |
+| RUNNING | a bigger size possible for `grow_interval_s`, nobody queued, the new nodes' warm processes up | ask the attempt to checkpoint and stop -> RESIZING |
 | RUNNING | user asked for a checkpoint | tell the driver |
 | RUNNING | a node of its ranks is draining, min workers fit elsewhere | ask the attempt to leave at the next step (no checkpoint: the state goes on in memory) -> RESIZING |
 | RUNNING | a node of its ranks is draining, min workers do not fit elsewhere | checkpoint now and train on there (reason says why); at the drain deadline checkpoint and stop -> RESIZING, then wait below min |
@@ -155,6 +155,10 @@ class Facts:
     def target(self, spec: JobSpec) -> int:
         """The world size the job could run at now (0: below its min)."""
         return target_world_size(spec, self.free, limit=self.worker_limit)
+
+    def warm_target(self, spec: JobSpec) -> int:
+        """The world size the job could run at on nodes with warm processes up."""
+        return target_world_size(spec, self.free.without_warming(), limit=self.worker_limit)
 
 
 # ---------------------------------------------------------------------------------------
@@ -528,6 +532,10 @@ def _consider_growth(job: JobView, attempt: AttemptView, facts: Facts) -> list[A
         grow_interval_s=facts.policy.grow_interval_s,
         others_waiting=facts.others_waiting,
     ):
+        return []
+    if facts.warm_target(job.spec) < possible:
+        # The new node's processes are still starting: the job trains on meanwhile rather
+        # than stop and wait for them (seconds of lost training per grow on a busy node).
         return []
     return [
         SendControl(control=Control.STOP),

@@ -24,7 +24,13 @@ from elastrain.contracts.runtime import (
     PreemptionNotice,
     Reconcile,
 )
-from elastrain.service.capacity import ClusterCapacity, DrainSource, NodeCapacity, NodeDrain
+from elastrain.service.capacity import (
+    ClusterCapacity,
+    DrainSource,
+    NodeCapacity,
+    NodeDrain,
+    warming_nodes,
+)
 from elastrain.service.settings import Settings
 from elastrain.service.worker_env import scrubbed_environ
 from elastrain.workers.runtime.actor import Runtime
@@ -35,6 +41,9 @@ log = logging.getLogger("elastrain.launcher")
 #: attempt reports its last known status; the pass goes on (it holds no DB lock meanwhile).
 _RECONCILE_TIMEOUT_S = 5.0
 _CALL_TIMEOUT_S = 30.0
+#: The longest a running job waits for a new node's warm processes before growing onto it
+#: anyway (its attempt then starts a process there itself).
+WARMING_WAIT_S = 60.0
 
 
 class RuntimeClient:
@@ -42,6 +51,8 @@ class RuntimeClient:
         self.settings = settings
         self.namespace = settings.ray_namespace
         self._last_status: dict[AttemptKey, DriverStatus] = {}
+        self._ready_nodes: frozenset[str] | None = None  # as the last reconcile said
+        self._first_seen: dict[str, float] = {}  # node id -> when capacity() first saw it
         self._connect()
 
     def _connect(self) -> None:
@@ -96,8 +107,17 @@ class RuntimeClient:
 
     # -- Launcher -----------------------------------------------------------------------------
     def capacity(self) -> ClusterCapacity:
+        now = time.monotonic()
+        listed = ray.nodes()
+        alive = [n["NodeID"] for n in listed if n.get("Alive")]
+        for node_id in alive:
+            self._first_seen.setdefault(node_id, now)
+        self._first_seen = {n: self._first_seen[n] for n in alive}
+        warming = warming_nodes(
+            alive, self._ready_nodes, self._first_seen, now=now, wait_s=WARMING_WAIT_S
+        )
         nodes = []
-        for n in ray.nodes():
+        for n in listed:
             res = n.get("Resources", {})
             nodes.append(
                 NodeCapacity(
@@ -107,6 +127,7 @@ class RuntimeClient:
                     cpus=float(res.get("CPU", 0.0)),
                     gpus=float(res.get("GPU", 0.0)),
                     memory_bytes=int(res.get("memory", 0)),
+                    warming=n["NodeID"] in warming,
                 )
             )
         return ClusterCapacity(
@@ -136,6 +157,7 @@ class RuntimeClient:
         except ray.exceptions.RayActorError as exc:
             self.runtime = self._runtime()
             return {k: _lost(f"runtime died: {str(exc)[-300:]}") for k in want.attempts}
+        self._ready_nodes = answer.ready_nodes
         for name in answer.released:
             log.warning("the runtime released %s: its attempt is not live in the database", name)
         for job_id in answer.forgotten_jobs:

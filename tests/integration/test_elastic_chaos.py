@@ -118,6 +118,11 @@ def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
         assert [r["source"] for r in resumed] == ["peer", "peer"], resumed
         assert resumed[0]["step"] >= lost[0]["details"]["step"] - 1, (resumed, lost)
         assert_timelines(events, ["submitted", "node lost", "resize"])
+        # The job did not stop to grow until the new node's warm process was up: every
+        # rank of the grown attempt ran in a process that had already started.
+        grow = [e["details"] for e in events if e["kind"] == "timeline"][-1]
+        placed = next(p for p in grow["phases"] if p["phase"] == "placed")
+        assert placed["detail"].startswith("3 processes: 3 warm"), grow
 
         # The same job without interruption, on the same cluster: same samples per step,
         # same losses up to float reduction order (different world sizes sum in a

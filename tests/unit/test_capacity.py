@@ -1,8 +1,11 @@
-"""The capacity ledger's shortcuts give the answers of computing from scratch."""
+"""The capacity ledger's shortcuts give the answers of computing from scratch; nodes still
+warming up."""
 
 from __future__ import annotations
 
 import random
+
+import pytest
 
 from elastrain.service.capacity import (
     Allocation,
@@ -11,6 +14,7 @@ from elastrain.service.capacity import (
     NodeCapacity,
     WorkerShape,
     free_capacity,
+    warming_nodes,
 )
 
 CPU = WorkerShape(cpus=1, gpus=0)
@@ -78,3 +82,29 @@ def test_counts_carried_over_to_a_copy_with_some_nodes_changed() -> None:
             assert after.workers_that_fit(shape.cpus, shape.gpus) == afresh.workers_that_fit(
                 shape.cpus, shape.gpus
             )
+
+
+@pytest.mark.parametrize(
+    ("ready", "first_seen", "expected"),
+    [
+        pytest.param(None, {}, set(), id="runtime-has-not-said"),
+        pytest.param(frozenset({"a", "b"}), {}, set(), id="all-ready"),
+        pytest.param(frozenset({"a"}), {"b": 95.0}, {"b"}, id="new-node-warming"),
+        pytest.param(frozenset({"a"}), {}, {"b"}, id="seen-this-pass"),
+        pytest.param(frozenset({"a"}), {"b": 30.0}, set(), id="waited-long-enough"),
+    ],
+)
+def test_warming_nodes(
+    ready: frozenset[str] | None, first_seen: dict[str, float], expected: set[str]
+) -> None:
+    got = warming_nodes(["a", "b"], ready, first_seen, now=100.0, wait_s=60.0)
+    assert got == expected
+
+
+def test_warming_nodes_count_for_starts_but_not_for_the_warm_size() -> None:
+    capacity = ClusterCapacity(
+        nodes=(NodeCapacity(node_id="a", cpus=2), NodeCapacity(node_id="b", cpus=2, warming=True))
+    )
+    assert capacity.workers_that_fit(1, 0) == 4
+    assert capacity.without_warming().workers_that_fit(1, 0) == 2
+    assert capacity.without_warming() is capacity.without_warming()  # memoized

@@ -86,10 +86,12 @@ SPEC = spec()
 MIN2 = spec(scaling={"min_workers": 2, "max_workers": 3})
 
 
-def nodes(*alive: str, dead: tuple[str, ...] = ()) -> ClusterCapacity:
+def nodes(
+    *alive: str, dead: tuple[str, ...] = (), warming: tuple[str, ...] = ()
+) -> ClusterCapacity:
     """One CPU per node: one worker each."""
     return ClusterCapacity(
-        nodes=tuple(NodeCapacity(node_id=n, cpus=1) for n in alive)
+        nodes=tuple(NodeCapacity(node_id=n, cpus=1, warming=n in warming) for n in alive)
         + tuple(NodeCapacity(node_id=n, cpus=1, alive=False) for n in dead)
     )
 
@@ -376,6 +378,18 @@ ROWS: list[Any] = [
             MarkSpare(since=None),
         ],
         id="running+grow",
+    ),
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "b", "c", warming=("c",)), report=report(), spare_since=NOW - 10),
+        [],
+        id="running+capacity-but-its-processes-still-start",
+    ),
+    pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "b", "c", warming=("c",)), report=report()),
+        [MarkSpare(since=NOW)],
+        id="running+warming-capacity-starts-the-grow-clock",
     ),
     pytest.param(
         job(S.RUNNING),

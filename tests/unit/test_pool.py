@@ -289,3 +289,23 @@ def test_when_the_job_ends_its_code_running_processes_stop_and_the_others_stay(
     assert [h.name for h in killed] == ["idle", "running"]
     workers.forget_job(JOB_B)
     assert set(workers.workers) == {"built-in"}  # a built-in job's process serves on
+
+
+def test_a_node_is_ready_once_a_process_answered_there(
+    pool: tuple[WorkerPool, list[Any]],
+) -> None:
+    workers, _ = pool
+    workers.node_gpus = {"cpu-new": 0.0, "cpu-up": 0.0, "gpu-new": 1.0, "gpu-up": 1.0}
+    for node, gpu, started in [
+        ("cpu-new", None, False),
+        ("cpu-up", None, True),
+        ("gpu-new", None, True),  # its CPU process answered, its GPU owner not yet
+        ("gpu-new", 0, False),
+        ("gpu-up", 0, True),
+    ]:
+        w = worker(f"{node}-{gpu}", started=started, gpu=gpu)
+        w.node_id = node
+        workers.workers[w.name] = w
+    assert workers.ready_nodes() == {"cpu-up", "gpu-up"}
+    workers.warm_per_node = 0  # no warm processes kept: nothing to wait for on CPU nodes
+    assert workers.ready_nodes() == {"cpu-new", "cpu-up", "gpu-up"}

@@ -122,6 +122,7 @@ class Runtime:
             released=tuple(d.request.name for d in doomed),
             forgotten_jobs=tuple(forgotten),
             removed_groups=tuple(removed),
+            ready_nodes=self.pool.ready_nodes(),
         )
 
     def request(self, key: AttemptKey, control: Control) -> None:

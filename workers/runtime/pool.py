@@ -331,6 +331,22 @@ class WorkerPool:
         for w in strays:
             w.handle.abort.remote()
 
+    def ready_nodes(self) -> frozenset[str]:
+        """The alive nodes (as of the last upkeep pass) where a rank need not wait for a
+        process to start: a process of the pool has answered there (on a node with GPUs,
+        one owning a GPU: what starts slowest), or the pool keeps none there."""
+        with self.lock:
+            answered = {w.node_id for w in self.workers.values() if w.info is not None}
+            answered_gpu = {
+                w.node_id for w in _owners(list(self.workers.values())) if w.info is not None
+            }
+            return frozenset(
+                node
+                for node, gpus in self.node_gpus.items()
+                if (node in answered_gpu if gpus > 0 else node in answered)
+                or (gpus <= 0 and self.warm_per_node <= 0)
+            )
+
     # -- upkeep --------------------------------------------------------------------------------
     def top_up(self, nodes: Sequence[dict[str, Any]]) -> None:
         """One upkeep pass: forget processes on dead nodes, notice started ones, keep

@@ -65,11 +65,13 @@ PARTS = (
          (), ("--jobs", "200", "--requests", "100", "--runs", "1")),
     Part("metrics", "4. Metrics of a 1,000,000-step job", "metrics_bench.py",
          (), ("--steps", "20000", "--repeats", "3")),
-    # Quick: one trial each, and Ray Train's worker-group start timeout at 5 s instead of
-    # 60 s, which its node-loss recovery waits out (its recovery path still runs, sooner).
+    # Quick: one trial each, Ray Train's worker-group start timeout at 5 s instead of 60 s,
+    # which its node-loss recovery waits out, and drains with a 10 s deadline instead of
+    # 30 s, most of which its drain waits out (both paths still run, sooner).
     Part("elastic", "Start, node loss, drain and node return vs Ray Train and torchrun",
          "elastic_bench.py", (),
-         ("--repeats", "1", "--baseline-repeats", "1", "--ray-train-start-timeout", "5")),
+         ("--repeats", "1", "--baseline-repeats", "1", "--ray-train-start-timeout", "5",
+          "--drain-deadline", "10")),
     Part("training", "Training throughput per strategy and world size (CPU, gloo)",
          "training_bench.py", (), ("--steps", "8", "--quick")),
     Part("packages", "Shipping a working directory", "package_bench.py",

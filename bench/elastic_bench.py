@@ -368,7 +368,7 @@ def _baseline_run(nodes: Nodes, folder: Path, result: dict[str, float]) -> None:
     thread.join(timeout=120)
 
 
-#: Both sides' drains give the node this long before it goes.
+#: Both sides' drains give the node this long before it goes (`--drain-deadline`).
 DRAIN_DEADLINE_S = 30.0
 
 
@@ -449,6 +449,7 @@ def timeline_table(timelines: list[dict[str, dict[str, float]]]) -> list[str]:
 
 
 def main() -> None:
+    global DRAIN_DEADLINE_S  # one setting the drain helpers of both sides read
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--baseline-repeats", type=int, default=5)
@@ -460,7 +461,14 @@ def main() -> None:
         default=None,
         help=f"seconds ({RAY_TRAIN_START_TIMEOUT_ENV}); unset: Ray's default, 60",
     )
+    parser.add_argument(
+        "--drain-deadline",
+        type=float,
+        default=DRAIN_DEADLINE_S,
+        help="seconds both sides' drains give the node (Ray Train waits out most of it)",
+    )
     args = parser.parse_args()
+    DRAIN_DEADLINE_S = args.drain_deadline
     if args.ray_train_start_timeout is not None:
         # Set before any cluster starts: the raylets, and so the Train controller, inherit it.
         os.environ[RAY_TRAIN_START_TIMEOUT_ENV] = f"{args.ray_train_start_timeout:g}"
@@ -559,7 +567,8 @@ def report(
         ),
         row("steps recomputed per node loss", "recomputed_steps", ".0f"),
         row(
-            "node drained (deadline 30 s) -> first step at the smaller size (s)", "drain_to_step_s"
+            f"node drained (deadline {DRAIN_DEADLINE_S:g} s) -> first step at the smaller size (s)",
+            "drain_to_step_s",
         ),
         row("steps recomputed per drain", "drain_recomputed_steps", ".0f"),
         row("restarts counted per drain", "drain_restarts", ".0f", ray_train=False),

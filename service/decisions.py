@@ -23,6 +23,7 @@ row by row in tests/unit/test_decisions.py.
 | RECOVERING, RESIZING without an attempt | capacity for min workers | start the next attempt at the size that fits |
 | RECOVERING, RESIZING without an attempt | below min | wait (event, reason); -> FAILED after `below_min_timeout_s` |
 | RUNNING | a bigger size possible for `grow_interval_s`, nobody queued, the new nodes' warm processes up | ask the attempt to checkpoint and stop -> RESIZING |
+| RUNNING | the same, a new node's processes still starting | train on (reason says so) |
 | RUNNING | user asked for a checkpoint | tell the driver |
 | RUNNING | a node of its ranks is draining, min workers fit elsewhere | ask the attempt to leave at the next step (no checkpoint: the state goes on in memory) -> RESIZING |
 | RUNNING | a node of its ranks is draining, min workers do not fit elsewhere | checkpoint now and train on there (reason says why); at the drain deadline checkpoint and stop -> RESIZING, then wait below min |
@@ -292,6 +293,8 @@ Action = (
 CANCELLED_BY_USER = "cancelled by user"
 #: How the reason of a job that waits to leave a draining node begins.
 DRAIN_WAIT = "waiting: "
+#: How the reason of a running job that waits for new nodes' processes to grow begins.
+GROW_WAIT = "growing once the new nodes' processes have started"
 
 
 # ---------------------------------------------------------------------------------------
@@ -518,6 +521,17 @@ def _on_running(
 
 
 def _consider_growth(job: JobView, attempt: AttemptView, facts: Facts) -> list[Action]:
+    actions = _growth(job, attempt, facts)
+    if any(isinstance(a, SetReason | Transition) for a in actions):
+        return [a for a in actions if a != SetReason(reason=job.state_reason or "")]
+    if (job.state_reason or "").startswith(GROW_WAIT):
+        # It said it would grow, and will not now (the capacity went, a queued job wants
+        # it): say so, once.
+        actions.append(SetReason(reason=f"training on at world size {attempt.world_size}"))
+    return actions
+
+
+def _growth(job: JobView, attempt: AttemptView, facts: Facts) -> list[Action]:
     current = attempt.world_size
     possible = facts.target(job.spec)
     if possible <= current:
@@ -534,9 +548,9 @@ def _consider_growth(job: JobView, attempt: AttemptView, facts: Facts) -> list[A
     ):
         return []
     if facts.warm_target(job.spec) < possible:
-        # The new node's processes are still starting: the job trains on meanwhile rather
+        # The new nodes' processes are still starting: the job trains on meanwhile rather
         # than stop and wait for them (seconds of lost training per grow on a busy node).
-        return []
+        return [SetReason(reason=f"{GROW_WAIT} ({current} -> {possible} workers)")]
     return [
         SendControl(control=Control.STOP),
         Transition(

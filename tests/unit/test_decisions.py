@@ -36,6 +36,7 @@ from elastrain.service.capacity import (
     free_capacity,
 )
 from elastrain.service.decisions import (
+    GROW_WAIT,
     Action,
     ApplyRetention,
     AttemptOutcome,
@@ -382,8 +383,20 @@ ROWS: list[Any] = [
     pytest.param(
         job(S.RUNNING),
         facts(nodes("a", "b", "c", warming=("c",)), report=report(), spare_since=NOW - 10),
-        [],
+        [SetReason(reason=f"{GROW_WAIT} (2 -> 3 workers)")],
         id="running+capacity-but-its-processes-still-start",
+    ),
+    pytest.param(
+        job(S.RUNNING, state_reason=f"{GROW_WAIT} (2 -> 3 workers)"),
+        facts(nodes("a", "b", "c", warming=("c",)), report=report(), spare_since=NOW - 10),
+        [],
+        id="running+still-waiting-for-processes-said-already",
+    ),
+    pytest.param(
+        job(S.RUNNING, state_reason=f"{GROW_WAIT} (2 -> 3 workers)"),
+        facts(nodes("a", "b"), report=report(), spare_since=NOW - 10),
+        [MarkSpare(since=None), SetReason(reason="training on at world size 2")],
+        id="running+the-node-it-waited-for-went",
     ),
     pytest.param(
         job(S.RUNNING),

@@ -83,14 +83,16 @@ def pids_of(client: TestClient, job_id: int, attempt: int) -> set[int]:
     return {int(pid) for pid in placements[-1].values()}
 
 
-def running(client: TestClient, job_id: int, attempt: int, world: int, step: int = 2) -> None:
+def running(
+    client: TestClient, job_id: int, attempt: int, world: int, step: int = 2, timeout: float = 300
+) -> None:
     wait_for(
         client,
         job_id,
         lambda j: j["state"] == "RUNNING" and j["attempt"] == attempt
         and j["world_size"] == world and j["step"] >= step,
         what=f"attempt {attempt} training at world size {world}",
-        timeout=300,
+        timeout=timeout,
     )  # fmt: skip
 
 
@@ -174,7 +176,8 @@ def test_a_gpu_job_with_its_own_packages_borrows_a_pooled_gpu(service: TestClien
     spec = gpu_spec("pip", min_workers=1, max_workers=1)
     spec["workload"] = {**spec["workload"], "requirements": ["pyyaml>=5"]}  # installed already
     job = submit(client, spec)
-    running(client, job, 1, 1)
+    # Ray builds the pip environment first: 75 s alone here, ~250 s once under CI load.
+    running(client, job, 1, 1, timeout=600)
     (pid,) = pids_of(client, job, 1)
     assert pid not in owners  # its own process, in the job's pip environment
     private = next(w for w in pool() if w.pid == pid)

@@ -37,6 +37,7 @@ class NodeView:
     jobs: list[int] = field(default_factory=list)  # job ids with workers on this node
     memory_bytes: int = 0  # host memory Ray may give to tasks (0: unknown)
     drain: DrainView | None = None  # going away: nothing new is placed, jobs leave it
+    warming: bool = False  # joined; its worker processes still starting (jobs grow onto it after)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +118,7 @@ def snapshot(
                 jobs=sorted(jobs_on.get(n.node_id, ())),
                 memory_bytes=n.memory_bytes,
                 drain=DrainView.of(d) if (d := draining.get(n.node_id)) is not None else None,
+                warming=n.warming and n.alive,
             )
         )
     return ClusterView(

@@ -16,7 +16,8 @@ from elastrain.api.cli.output import cell, duration, printable, table
 
 
 def cluster(ctx: typer.Context) -> None:
-    """Nodes, their free CPUs/GPUs, the jobs on them, and which are draining (and why)."""
+    """Nodes, their free CPUs/GPUs, the jobs on them, which are draining (and why), and
+    which just joined and are still starting their worker processes (warming)."""
     view = api(ctx).call("GET", "/v1/cluster")
     if not view["connected"]:
         typer.echo("(no fresh snapshot: is a scheduler connected to Ray?)", err=True)
@@ -26,7 +27,15 @@ def cluster(ctx: typer.Context) -> None:
 
 def _row(node: dict[str, Any]) -> dict[str, Any]:
     drain = node.get("drain")
-    state = "dead" if not node["alive"] else "draining" if drain else "alive"
+    state = (
+        "dead"
+        if not node["alive"]
+        else "draining"
+        if drain
+        else "warming"
+        if node.get("warming")
+        else "alive"
+    )
     return {
         "node": node["node_id"][:12],
         "address": node["address"],

@@ -634,7 +634,7 @@ NODES = [
     {"node_id": "head0000a1b2c3", "address": "10.0.0.1", "alive": True, "cpus_total": 8,
      "cpus_free": 2, "gpus_total": 1, "gpus_free": 1, "jobs": [1]},
     {"node_id": "work0000d4e5f6", "address": "10.0.0.2", "alive": True, "cpus_total": 8,
-     "cpus_free": 6, "gpus_total": 0, "gpus_free": 0, "jobs": [1]},
+     "cpus_free": 6, "gpus_total": 0, "gpus_free": 0, "jobs": [1], "warming": True},
     {"node_id": "work0000deadbe", "address": "10.0.0.3", "alive": False, "cpus_total": 8,
      "cpus_free": 0, "gpus_total": 0, "gpus_free": 0, "jobs": []},
 ]  # fmt: skip
@@ -665,6 +665,10 @@ def test_cluster_panel(page: Any, server_factory: Any) -> None:
     summary = page.inner_text("#cluster-summary")
     assert "8 / 16" in summary  # CPUs used of the alive nodes
     assert "1 lost" in summary
+    # Just joined, its worker processes still starting: said on the node and in the summary.
+    assert "1 warming" in summary
+    joined = page.locator("#cluster-nodes .node", has_text="10.0.0.2")
+    assert joined.locator(".badge").inner_text() == "WARMING"
     assert page.get_attribute("#ray-dashboard", "href") == "http://127.0.0.1:8265"
     head = page.locator("#cluster-nodes .node", has_text="10.0.0.1")
     assert "6 / 8 used" in head.inner_text()

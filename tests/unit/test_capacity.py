@@ -108,3 +108,17 @@ def test_warming_nodes_count_for_starts_but_not_for_the_warm_size() -> None:
     assert capacity.workers_that_fit(1, 0) == 4
     assert capacity.without_warming().workers_that_fit(1, 0) == 2
     assert capacity.without_warming() is capacity.without_warming()  # memoized
+
+
+def test_the_cluster_view_shows_warming_nodes_while_they_are_alive() -> None:
+    from elastrain.service.cluster import snapshot
+
+    capacity = ClusterCapacity(
+        nodes=(
+            NodeCapacity(node_id="up", cpus=2),
+            NodeCapacity(node_id="new", cpus=2, warming=True),
+            NodeCapacity(node_id="gone", cpus=2, warming=True, alive=False),
+        )
+    )
+    view = snapshot(capacity, capacity, {})
+    assert {n.node_id: n.warming for n in view.nodes} == {"up": False, "new": True, "gone": False}

@@ -433,6 +433,9 @@ def test_drain_cluster_undrain_from_the_cli(server) -> None:  # type: ignore[no-
         view = cluster_view.ClusterView(connected=True, nodes=[cluster_view.NodeView(
             node_id=node, address="10.0.0.7", alive=True, cpus_total=4, cpus_free=3,
             gpus_total=0, gpus_free=0, jobs=[7],
+        ), cluster_view.NodeView(
+            node_id="a1" * 28, address="10.0.0.8", alive=True, cpus_total=4, cpus_free=4,
+            gpus_total=0, gpus_free=0, warming=True,
         )])  # fmt: skip
         with session_scope(make_session_factory(engine)) as s:
             cluster_view.publish(s, view)
@@ -447,9 +450,11 @@ def test_drain_cluster_undrain_from_the_cli(server) -> None:  # type: ignore[no-
     assert drained.stdout.startswith(f"{node[:12]}\tdraining, deadline ")
     shown = runner.invoke(app, ["cluster", "--url", url])
     assert shown.exit_code == 0, shown.output
-    header, row = shown.stdout.strip().splitlines()
+    header, row, joined = shown.stdout.strip().splitlines()
     assert header.split() == ["NODE", "ADDRESS", "STATE", "CPUS", "GPUS", "JOBS", "DRAIN"]
     assert row.split()[:6] == [node[:12], "10.0.0.7", "draining", "3/4", "0/0", "7"]
+    # Just joined, its worker processes still starting: jobs grow onto it once they are up.
+    assert joined.split()[:3] == ["a1" * 6, "10.0.0.8", "warming"]
     assert "admin: kernel upgrade, deadline in 4m5" in row
     undrained = runner.invoke(app, ["undrain", node, "--url", url])
     assert undrained.exit_code == 0 and "undrained" in undrained.stdout

@@ -48,12 +48,14 @@ export function mount(main) {
     const gpusT = sum("gpus_total"), gpusF = sum("gpus_free");
     const jobs = new Set(list.flatMap((n) => n.jobs || []));
     const draining = alive.filter((n) => n.drain).length;
+    const warming = alive.filter((n) => !n.drain && n.warming).length;
     const stat = (label, value, sub) => h("div", { class: "stat" }, h("dt", {}, label),
       h("dd", {}, h("span", { class: "num big" }, value), sub ? h("span", { class: "muted" }, ` ${sub}`) : ""));
     summary.replaceChildren(
       stat("Nodes alive", `${alive.length}`, [
         list.length > alive.length ? `· ${list.length - alive.length} lost` : "",
         draining ? `· ${draining} draining` : "",
+        warming ? `· ${warming} warming` : "",
       ].filter(Boolean).join(" ")),
       stat("CPUs used", `${fmt(cpusT - cpusF)} / ${fmt(cpusT)}`, `· ${fmt(cpusF)} free`),
       stat("GPUs used", `${fmt(gpusT - gpusF)} / ${fmt(gpusT)}`, `· ${fmt(gpusF)} free`),
@@ -69,8 +71,10 @@ export function mount(main) {
       class: `node ${n.alive ? "alive" : "lost"}`, "data-node-id": n.node_id, "aria-label": `Node ${n.address}`,
     },
     h("header", {},
-      h("span", { class: `badge ${!n.alive ? "badge-failed" : n.drain ? "badge-draining" : "badge-alive"}` },
-        !n.alive ? "LOST" : n.drain ? "DRAINING" : "ALIVE"),
+      // Warming: just joined, its worker processes still starting; jobs grow onto it after.
+      h("span", { class: `badge ${!n.alive ? "badge-failed" : n.drain ? "badge-draining" : n.warming ? "badge-warming" : "badge-alive"}`,
+        title: n.alive && !n.drain && n.warming ? "Joined; worker processes still starting" : "" },
+        !n.alive ? "LOST" : n.drain ? "DRAINING" : n.warming ? "WARMING" : "ALIVE"),
       h("strong", { class: "mono" }, n.address || "?"),
       h("span", { class: "muted mono small", title: n.node_id }, String(n.node_id).slice(0, 12))),
     // A draining node is going away: what drained it, why, and until when.

@@ -10,9 +10,12 @@ point to point, in buckets (`elastrain.workers.memory.transfer`): a small header
 sizes of the sender's items, then the items' raw bytes.
 
 Two generations are kept. A refresh writes into the buffers of the older one and keeps
-the newer: a refresh torn by a failure leaves the newer one whole on every rank (each
+the newest whole one: a refresh torn by a failure leaves that one whole on every rank (each
 rank finished it before the training step that followed, whose collectives every rank
-passed). `sources.choose_source` then picks the newest generation that is whole.
+passed). The torn one is kept too, with what is whole of it (this rank's own copy, and the
+wards' that came in full): when a node dies mid-exchange, its ranks' copies may have
+reached their buddies already, and then the survivors together hold the newest step.
+`sources.choose_source` picks the newest generation the survivors' copies cover.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class Snapshot:
     blobs: dict[int, Blob]
     arenas: dict[int, torch.Tensor]
     """Per rank held, the flat buffer its tensor items are views of (`Arena`)."""
+    whole: bool = True
+    """Every ward's copy came in (False: a torn refresh; never kept over a whole one)."""
 
     @property
     def nbytes(self) -> int:
@@ -181,10 +186,10 @@ class PeerRefresher:
     def refresh(self, copies: list[Snapshot], strategy: Strategy, step: int) -> Snapshot:
         """Copy this rank's shard at `step`, send it to the buddy, receive the wards'."""
         rank = self.ctx.rank
-        # Keep the newest; write into the buffers of what is older.
-        recycled = copies[:-1]
-        del copies[:-1]
-        old = recycled[-1] if recycled else None
+        # Keep the newest whole generation; write into the buffers of another one.
+        kept = next((c for c in reversed(copies) if c.whole), None)
+        old = next((c for c in reversed(copies) if c is not kept), None)
+        copies[:] = [kept] if kept is not None else []
         state = strategy.state_dict_for_checkpoint()
         if self._items is None:
             # The first refresh of the attempt plans, collectively, what each rank keeps
@@ -202,11 +207,18 @@ class PeerRefresher:
             self._items, planner, into=self._views_of(rank, arenas[rank]), pickled=self._pickled
         )
         blobs = {rank: own}
-        blobs.update(self._exchange(own, arenas))
         generation = Generation(self.ctx.attempt, step, self.ctx.world_size)
-        snapshot = Snapshot(generation, metadata, blobs, arenas)
-        copies.append(snapshot)
-        del copies[:-KEPT]
+        try:
+            self._exchange(own, arenas, blobs)
+        finally:
+            # Torn by a peer gone mid-exchange, it keeps what is whole: this rank's own
+            # copy and each ward's that came in full. The lost rank's copy may have reached
+            # its buddy before it went; the survivors' offers say which generations they
+            # cover together (`sources.choose_source`), so this one is used only if whole.
+            whole = set(blobs) == {rank, *self.wards}
+            snapshot = Snapshot(generation, metadata, blobs, arenas, whole=whole)
+            copies.append(snapshot)
+            del copies[:-KEPT]
         return snapshot
 
     def _views_of(self, rank: int, buffer: torch.Tensor) -> Blob:
@@ -226,8 +238,9 @@ class PeerRefresher:
             buffer = torch.empty(nbytes, dtype=torch.uint8)
         return buffer
 
-    def _exchange(self, own: Blob, arenas: dict[int, torch.Tensor]) -> dict[int, Blob]:
-        """Send `own` to the buddy and receive each ward's items: first the sizes of the
+    def _exchange(self, own: Blob, arenas: dict[int, torch.Tensor], held: dict[int, Blob]) -> None:
+        """Send `own` to the buddy and receive each ward's items into `held` (those that
+        came in whole, even when the exchange then raises): first the sizes of the
         pickled items (they change), then the tensor arena and the pickled bytes."""
         rank = self.ctx.rank
         mine = self._arenas[rank]
@@ -252,7 +265,13 @@ class PeerRefresher:
             if self.buddy is not None
             else {}
         )
-        self.stats.bytes_sent += stream(
-            {k: [as_bytes(t) for t in v] for k, v in sends.items()}, recvs, self.group
-        )
-        return received
+        arrived: set[int] = set()
+        try:
+            self.stats.bytes_sent += stream(
+                {k: [as_bytes(t) for t in v] for k, v in sends.items()},
+                recvs,
+                self.group,
+                arrived=arrived,
+            )
+        finally:
+            held.update((w, received[w]) for w in sorted(arrived))

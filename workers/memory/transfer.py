@@ -76,32 +76,56 @@ def stream(
     recvs: Mapping[int, Sequence[torch.Tensor]],
     group: dist.ProcessGroup | None,
     bucket_bytes: int = BUCKET_BYTES,
+    *,
+    arrived: set[int] | None = None,
 ) -> int:
     """Send `sends[peer]` (flat uint8 host tensors) to each peer and receive into
     `recvs[peer]` (flat uint8 host tensors of the sizes the peer sends) from each; group
-    ranks. Returns the bytes moved (sent plus received)."""
-    works: list[dist.Work] = []
-    unpack: list[tuple[torch.Tensor, list[Piece], Sequence[torch.Tensor]]] = []
+    ranks. Returns the bytes moved (sent plus received).
+
+    Every message is waited for even after one failed (a peer gone mid-exchange), and
+    `arrived`, when given, gets each peer whose items all came in whole: what a torn
+    exchange still delivered (`elastrain.workers.memory.snapshots`). Then the first error
+    is raised."""
+    works: list[tuple[int | None, dist.Work]] = []  # (the peer received from, or None)
+    unpack: dict[int, list[tuple[torch.Tensor, list[Piece], Sequence[torch.Tensor]]]] = {}
     moved = 0
     for peer, items in recvs.items():
+        unpack[peer] = []
         for tag, message in enumerate(bucket_plan([t.numel() for t in items], bucket_bytes)):
             buffer = _target(message, items)
-            works.append(_posted(dist.irecv(buffer, group=group, group_src=peer, tag=tag)))
+            works.append((peer, _posted(dist.irecv(buffer, group=group, group_src=peer, tag=tag))))
             moved += buffer.numel()
             if len(message) > 1:
-                unpack.append((buffer, message, items))
+                unpack[peer].append((buffer, message, items))
     for peer, items in sends.items():
         for tag, message in enumerate(bucket_plan([t.numel() for t in items], bucket_bytes)):
             buffer = _source(message, items)
-            works.append(_posted(dist.isend(buffer, group=group, group_dst=peer, tag=tag)))
+            works.append((None, _posted(dist.isend(buffer, group=group, group_dst=peer, tag=tag))))
             moved += buffer.numel()
-    for work in works:
-        work.wait()
-    for buffer, message, items in unpack:
-        offset = 0
-        for piece in message:
-            items[piece.item][piece.start : piece.stop].copy_(buffer[offset : offset + piece.size])
-            offset += piece.size
+    failed: set[int] = set()
+    error: BaseException | None = None
+    for source, work in works:
+        try:
+            work.wait()
+        except Exception as exc:
+            error = error or exc
+            if source is not None:
+                failed.add(source)
+    for peer, packed in unpack.items():
+        if peer in failed:
+            continue
+        for buffer, message, items in packed:
+            offset = 0
+            for piece in message:
+                items[piece.item][piece.start : piece.stop].copy_(
+                    buffer[offset : offset + piece.size]
+                )
+                offset += piece.size
+        if arrived is not None:
+            arrived.add(peer)
+    if error is not None:
+        raise error
     return moved
 
 

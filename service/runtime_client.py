@@ -41,9 +41,6 @@ log = logging.getLogger("elastrain.launcher")
 #: attempt reports its last known status; the pass goes on (it holds no DB lock meanwhile).
 _RECONCILE_TIMEOUT_S = 5.0
 _CALL_TIMEOUT_S = 30.0
-#: The longest a running job waits for a new node's warm processes before growing onto it
-#: anyway (its attempt then starts a process there itself).
-WARMING_WAIT_S = 60.0
 
 
 class RuntimeClient:
@@ -113,9 +110,12 @@ class RuntimeClient:
         for node_id in alive:
             self._first_seen.setdefault(node_id, now)
         self._first_seen = {n: self._first_seen[n] for n in alive}
+        # The longest a running job waits for a new node's warm processes before growing
+        # onto it anyway (its attempt then waits for a process there itself).
         warming = warming_nodes(
-            alive, self._ready_nodes, self._first_seen, now=now, wait_s=WARMING_WAIT_S
-        )
+            alive, self._ready_nodes, self._first_seen, now=now,
+            wait_s=self.settings.grow_warm_wait_s,
+        )  # fmt: skip
         nodes = []
         for n in listed:
             res = n.get("Resources", {})

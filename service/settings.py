@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     grow_interval_s: float = Field(
         default=10.0, ge=0, description="How long spare capacity must last before a job grows."
     )
+    grow_warm_wait_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="How long a running job trains on, rather than stop to grow, while a new "
+        "node's warm worker processes are still starting (0: grow at once and wait for them).",
+    )
     below_min_timeout_s: float = Field(
         default=600.0, gt=0, description="How long a job may wait below min_workers before failing."
     )

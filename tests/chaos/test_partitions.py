@@ -92,6 +92,9 @@ def service(cluster: NetnsCluster, tmp: Path) -> Iterator[TestClient]:
         ray_namespace=namespace,
         scheduler_interval_s=0.3,
         grow_interval_s=2,
+        # Grow as soon as the node is back, as before warm-only growth: at world size 1 this
+        # short job could otherwise finish before the new node's process is up (under load).
+        grow_warm_wait_s=0,
         restart_backoff_s=0.5,
         # A partitioned peer is noticed by Ray's health checks (seconds); a collective
         # stuck on it gives up after this.

@@ -48,7 +48,11 @@ dist.destroy_process_group()
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, Nodes]]:
     tmp = tmp_path_factory.mktemp("command")
-    with multi_node_service(tmp, worker_nodes=3, restart_backoff_s=0.2, grow_interval_s=2) as (
+    # grow_warm_wait_s=0: the script's 100 steps could end at 2 before a new node's warm
+    # process is up under load; this test is about the script's resume and resize.
+    with multi_node_service(
+        tmp, worker_nodes=3, restart_backoff_s=0.2, grow_interval_s=2, grow_warm_wait_s=0
+    ) as (
         client,
         nodes,
     ):

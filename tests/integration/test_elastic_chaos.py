@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.chaos]
 ELASTIC = {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}
 # Enough steps that the job is still training at world size 2 when the node returns and
 # the relaunch at 3 (tens of seconds: new Ray worker processes) has happened.
-MAX_STEPS = 400
+MAX_STEPS = 600  # the grow waits for the new node's warm process: tens of seconds under load
 PHASES = [p.value for p in Phase]
 TRAINING = {"global_batch_size": 24, "micro_batch_size": 4, "max_steps": MAX_STEPS}
 #: The uninterrupted run is compared with the interrupted one up to this many steps past

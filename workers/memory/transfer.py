@@ -83,10 +83,11 @@ def stream(
     `recvs[peer]` (flat uint8 host tensors of the sizes the peer sends) from each; group
     ranks. Returns the bytes moved (sent plus received).
 
-    Every message is waited for even after one failed (a peer gone mid-exchange), and
-    `arrived`, when given, gets each peer whose items all came in whole: what a torn
-    exchange still delivered (`elastrain.workers.memory.snapshots`). Then the first error
-    is raised."""
+    On the first failed message (a peer gone mid-exchange) it raises at once, as before:
+    no further waiting on the dead (a cut-off peer's message would block until the
+    attempt's release). First `arrived`, when given, gets each peer whose items all came
+    in whole by then (its messages waited for, or already complete): what a torn
+    exchange still delivered (`elastrain.workers.memory.snapshots`)."""
     works: list[tuple[int | None, dist.Work]] = []  # (the peer received from, or None)
     unpack: dict[int, list[tuple[torch.Tensor, list[Piece], Sequence[torch.Tensor]]]] = {}
     moved = 0
@@ -106,8 +107,12 @@ def stream(
     failed: set[int] = set()
     error: BaseException | None = None
     for source, work in works:
+        if error is not None and not work.is_completed():
+            if source is not None:  # not waited for: the exchange has failed already
+                failed.add(source)
+            continue
         try:
-            work.wait()
+            work.wait()  # after a failure, only completed ones: returns (or raises) at once
         except Exception as exc:
             error = error or exc
             if source is not None:

@@ -117,6 +117,8 @@ def stream(
             error = error or exc
             if source is not None:
                 failed.add(source)
+    if error is not None and arrived is None:
+        raise error  # nobody asked what arrived: nothing to unpack
     for peer, packed in unpack.items():
         if peer in failed:
             continue

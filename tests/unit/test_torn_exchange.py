@@ -5,7 +5,7 @@ its ranks' copies reached their buddies, the survivors still hold the newest ste
 
 Real gloo processes: rank 0 receives items from ranks 1 and 2 and sends to rank 1; rank 1
 does its whole part and ends; rank 2 joins the group and ends without sending (its node
-died first)."""
+died), before rank 0 posts its messages (gloo refuses the post) or while rank 0 waits."""
 
 from __future__ import annotations
 
@@ -28,16 +28,21 @@ def items(rank: int) -> list[torch.Tensor]:
     return [torch.full((n,), rank, dtype=torch.uint8) for n in SIZES]
 
 
-def body(rank: int, world_size: int) -> Any:
+def body(rank: int, world_size: int, gone_before_posting: bool) -> Any:
     if rank == 2:
+        if not gone_before_posting:
+            time.sleep(1.0)  # rank 0 is waiting on its messages by now
         os._exit(0)  # gone before sending its items
     if rank == 1:
         into = [torch.zeros(n, dtype=torch.uint8) for n in SIZES]
         stream({0: items(1)}, {0: into}, None, bucket_bytes=BUCKET)
         assert all(bool((t == 0).all()) for t in into)  # rank 0's items, whole
+        dist.distributed_c10d._get_default_store().set("rank1-took-its-items", "1")
         os._exit(0)  # gone after its exchange: its connections close
     into = {peer: [torch.zeros(n, dtype=torch.uint8) for n in SIZES] for peer in (1, 2)}
     arrived: set[int] = set()
+    if gone_before_posting:
+        time.sleep(1.0)  # rank 2's connection has closed by now
     try:
         stream({1: items(0)}, into, None, bucket_bytes=BUCKET, arrived=arrived)
     except Exception as exc:  # rank 2's items never come: its connection closed
@@ -45,14 +50,20 @@ def body(rank: int, world_size: int) -> Any:
     else:
         error = None
     whole = all(bool((t == 1).all()) for t in into[1])
+    # A torn exchange stops waiting on its own sends, so rank 1 may still be reading rank
+    # 0's: the group stays up until it has (tearing it down would cut rank 1 off mid-read).
+    dist.distributed_c10d._get_default_store().wait(["rank1-took-its-items"])
     # The survivor goes on alone (run_distributed's closing barrier is on the new group).
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return {"error": error, "arrived": arrived, "whole_from_1": whole}
 
 
-def test_a_torn_exchange_says_which_peers_items_came_in_whole() -> None:
-    (out, _, _) = run_distributed(body, 3, timeout_s=180, pg_timeout_s=30, may_exit=True)
+@pytest.mark.parametrize("gone_before_posting", [True, False], ids=["before-posting", "mid-wait"])
+def test_a_torn_exchange_says_which_peers_items_came_in_whole(gone_before_posting: bool) -> None:
+    (out, _, _) = run_distributed(
+        body, 3, gone_before_posting, timeout_s=180, pg_timeout_s=30, may_exit=True
+    )
     assert out["error"] is not None  # the exchange failed: rank 2 never sent
     assert out["arrived"] == {1}  # ... but rank 1's items all came, and are whole
     assert out["whole_from_1"]

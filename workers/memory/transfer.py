@@ -83,38 +83,54 @@ def stream(
     `recvs[peer]` (flat uint8 host tensors of the sizes the peer sends) from each; group
     ranks. Returns the bytes moved (sent plus received).
 
-    On the first failed message (a peer gone mid-exchange) it raises at once, as before:
-    no further waiting on the dead (a cut-off peer's message would block until the
-    attempt's release). First `arrived`, when given, gets each peer whose items all came
-    in whole by then (its messages waited for, or already complete): what a torn
-    exchange still delivered (`elastrain.workers.memory.snapshots`)."""
+    A peer whose connection has already closed fails as its messages are posted; the
+    other peers' are posted and waited on regardless. On the first failed wait (a peer
+    gone mid-exchange) it stops waiting: no further waiting on the dead (a cut-off peer's
+    message would block until the attempt's release). Then it raises; first `arrived`,
+    when given, gets each peer whose items all came in whole by then (its messages
+    waited for, or already complete): what a torn exchange still delivered
+    (`elastrain.workers.memory.snapshots`)."""
     works: list[tuple[int | None, dist.Work]] = []  # (the peer received from, or None)
     unpack: dict[int, list[tuple[torch.Tensor, list[Piece], Sequence[torch.Tensor]]]] = {}
+    failed: set[int] = set()  # peers whose items did not all come
+    error: BaseException | None = None
     moved = 0
+    # Posting to a peer whose connection has closed raises at once (gloo): that peer's
+    # part fails, the other peers' parts are still posted and waited on as usual.
     for peer, items in recvs.items():
         unpack[peer] = []
-        for tag, message in enumerate(bucket_plan([t.numel() for t in items], bucket_bytes)):
-            buffer = _target(message, items)
-            works.append((peer, _posted(dist.irecv(buffer, group=group, group_src=peer, tag=tag))))
-            moved += buffer.numel()
-            if len(message) > 1:
-                unpack[peer].append((buffer, message, items))
+        try:
+            for tag, message in enumerate(bucket_plan([t.numel() for t in items], bucket_bytes)):
+                buffer = _target(message, items)
+                works.append(
+                    (peer, _posted(dist.irecv(buffer, group=group, group_src=peer, tag=tag)))
+                )
+                moved += buffer.numel()
+                if len(message) > 1:
+                    unpack[peer].append((buffer, message, items))
+        except Exception as exc:
+            error = error or exc
+            failed.add(peer)
     for peer, items in sends.items():
-        for tag, message in enumerate(bucket_plan([t.numel() for t in items], bucket_bytes)):
-            buffer = _source(message, items)
-            works.append((None, _posted(dist.isend(buffer, group=group, group_dst=peer, tag=tag))))
-            moved += buffer.numel()
-    failed: set[int] = set()
-    error: BaseException | None = None
+        try:
+            for tag, message in enumerate(bucket_plan([t.numel() for t in items], bucket_bytes)):
+                buffer = _source(message, items)
+                works.append(
+                    (None, _posted(dist.isend(buffer, group=group, group_dst=peer, tag=tag)))
+                )
+                moved += buffer.numel()
+        except Exception as exc:
+            error = error or exc
+    waiting = True  # until the first failed wait: then only what has completed already
     for source, work in works:
-        if error is not None and not work.is_completed():
+        if not waiting and not work.is_completed():
             if source is not None:  # not waited for: the exchange has failed already
                 failed.add(source)
             continue
         try:
             work.wait()  # after a failure, only completed ones: returns (or raises) at once
         except Exception as exc:
-            error = error or exc
+            error, waiting = error or exc, False
             if source is not None:
                 failed.add(source)
     if error is not None and arrived is None:

@@ -97,30 +97,27 @@ def stream(
     moved = 0
     # Posting to a peer whose connection has closed raises at once (gloo): that peer's
     # part fails, the other peers' parts are still posted and waited on as usual.
-    for peer, items in recvs.items():
-        unpack[peer] = []
+    parts = [(peer, items, True) for peer, items in recvs.items()]
+    parts += [(peer, items, False) for peer, items in sends.items()]
+    for peer, items, receiving in parts:
+        if receiving:
+            unpack[peer] = []
         try:
             for tag, message in enumerate(bucket_plan([t.numel() for t in items], bucket_bytes)):
-                buffer = _target(message, items)
-                works.append(
-                    (peer, _posted(dist.irecv(buffer, group=group, group_src=peer, tag=tag)))
-                )
+                if receiving:
+                    buffer = _target(message, items)
+                    work = dist.irecv(buffer, group=group, group_src=peer, tag=tag)
+                else:
+                    buffer = _source(message, items)
+                    work = dist.isend(buffer, group=group, group_dst=peer, tag=tag)
+                works.append((peer if receiving else None, _posted(work)))
                 moved += buffer.numel()
-                if len(message) > 1:
+                if receiving and len(message) > 1:
                     unpack[peer].append((buffer, message, items))
         except Exception as exc:
             error = error or exc
-            failed.add(peer)
-    for peer, items in sends.items():
-        try:
-            for tag, message in enumerate(bucket_plan([t.numel() for t in items], bucket_bytes)):
-                buffer = _source(message, items)
-                works.append(
-                    (None, _posted(dist.isend(buffer, group=group, group_dst=peer, tag=tag)))
-                )
-                moved += buffer.numel()
-        except Exception as exc:
-            error = error or exc
+            if receiving:
+                failed.add(peer)
     waiting = True  # until the first failed wait: then only what has completed already
     for source, work in works:
         if not waiting and not work.is_completed():

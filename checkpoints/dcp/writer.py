@@ -119,6 +119,9 @@ class DigestingStream:
         self._raw.flush()
 
     def fileno(self) -> int:
+        # DCP's own shard writer fsyncs `fileno()` without a flush first: what is still
+        # in the buffer must be in the file by then, or the fsync would not cover it.
+        self._raw.flush()
         return self._raw.fileno()
 
     def writable(self) -> bool:

@@ -176,6 +176,19 @@ def _fail_shard_writes() -> Iterator[None]:
         DigestingStream.write = original  # type: ignore[method-assign]
 
 
+def test_what_was_written_is_in_the_file_once_its_descriptor_is_asked_for(
+    tmp_path: Path,
+) -> None:
+    # DCP's own shard writer (device tensors) fsyncs `stream.fileno()` with no flush before
+    # it: a tail still in the buffer would miss that fsync.
+    fs = DigestingFileSystem()
+    data = os.urandom(100)  # less than the buffer: all of it still there
+    with fs.create_stream(tmp_path / "__0_0.distcp", "wb") as stream:
+        stream.write(data)
+        os.fsync(stream.fileno())
+        assert (tmp_path / "__0_0.distcp").read_bytes() == data
+
+
 def test_a_stream_that_seeks_gives_no_digest(tmp_path: Path) -> None:
     fs = DigestingFileSystem()
     with fs.create_stream(tmp_path / "__0_0.distcp", "wb") as stream:

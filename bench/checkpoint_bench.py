@@ -44,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -277,7 +278,7 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
     def cpu_cost(mode: str) -> float:
         return r[f"{mode}.blocked"] + added_cpu(mode)
 
-    def row(name: str, cell: Any) -> str:
+    def row(name: str, cell: Callable[[str], str]) -> str:
         return f"| {name} | " + " | ".join(cell(m) for m in MODES) + " |"
 
     def target(name: str, value: float, goal: str, ok: bool) -> str:

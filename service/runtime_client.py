@@ -112,10 +112,8 @@ class RuntimeClient:
         self._first_seen = {n: self._first_seen[n] for n in alive}
         # The longest a running job waits for a new node's warm processes before growing
         # onto it anyway (its attempt then waits for a process there itself).
-        warming = warming_nodes(
-            alive, self._ready_nodes, self._first_seen, now=now,
-            wait_s=self.settings.grow_warm_wait_s,
-        )  # fmt: skip
+        wait_s = self.settings.grow_warm_wait_s
+        warming = warming_nodes(alive, self._ready_nodes, self._first_seen, now=now, wait_s=wait_s)
         nodes = []
         for n in listed:
             res = n.get("Resources", {})

@@ -26,12 +26,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import DefaultStager
 
 from elastrain.checkpoints._fs import atomic_write_bytes
 from elastrain.checkpoints.catalog import LoadOutcome, find_latest_good
 from elastrain.checkpoints.commit import commit, manifest_for, uncommit
 from elastrain.checkpoints.dcp.reader import VerifyingReader
+from elastrain.checkpoints.dcp.staging import aligned_default_stager
 from elastrain.checkpoints.dcp.writer import SHARD_SUFFIX, DigestingWriter
 from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, algorithm_for_setting
 from elastrain.checkpoints.integrity import CorruptCheckpoint
@@ -71,7 +72,8 @@ class ShardedCheckpointer:
     The staging copy (what makes an async save immune to later updates) is made by one DCP
     `DefaultStager` kept for the checkpointer's life: its copy buffers are allocated at the
     first save and reused (one more copy of this rank's state stays in host memory), so
-    later saves do not page-fault fresh memory in. With `async_staging` the copy runs in
+    later saves do not page-fault fresh memory in; the large ones are page-aligned, so the
+    shard writer sends them to the disk without a copy (`staging`, `shard_file`). With `async_staging` the copy runs in
     the stager's thread and save() returns before it is made; the caller then owes a
     `wait_staged()` before it mutates the state (see the module docstring).
     """
@@ -89,6 +91,7 @@ class ShardedCheckpointer:
         owner: str = "",
         digest: str = DEFAULT_ALGORITHM,
         template_records: bool = True,
+        direct_io: bool | None = None,
     ) -> None:
         """`process_group`: the group DCP and the load broadcast use. None creates a
         dedicated gloo group, so every rank must construct the checkpointer at the same
@@ -109,6 +112,10 @@ class ShardedCheckpointer:
         one torch.save per tensor (`DigestingWriter`; the same bytes). Off only to compare
         (bench/checkpoint_gil.py).
 
+        `direct_io`: write shard files with direct I/O where the file system takes it
+        (`shard_file`; off, through the page cache). None: on unless the environment sets
+        `ELASTRAIN_CHECKPOINT_DIRECT_IO=0`.
+
         Retention is not done here: the service prunes (`elastrain.checkpoints.retention`).
         """
         if async_staging and not async_save:
@@ -121,6 +128,7 @@ class ShardedCheckpointer:
         self.verify_digests = verify_digests
         self.digest_algorithm = algorithm_for_setting(digest)
         self.template_records = template_records
+        self.direct_io = direct_io
         self.owner = owner  # the database whose job this is: commits check the fence names it
         self._distributed = dist.is_available() and dist.is_initialized()
         if self._distributed:
@@ -207,17 +215,10 @@ class ShardedCheckpointer:
             self._stager.close()
             self._stager = None
         if self._stager is None:
+            # Pinned buffers and non-blocking device copies only where there is a device
+            # to copy from.
             accelerator = torch.accelerator.is_available()
-            self._stager = DefaultStager(
-                StagingOptions(
-                    # Pinned buffers and non-blocking device copies only where there is a
-                    # device to copy from; shared memory is for process mode, unused here.
-                    use_pinned_memory=accelerator,
-                    use_shared_memory=False,
-                    use_async_staging=True,
-                    use_non_blocking_copy=accelerator,
-                )
-            )
+            self._stager = aligned_default_stager(pin_memory=accelerator, non_blocking=accelerator)
         staged = self._stager.stage(state)
         assert isinstance(staged, Future)  # use_async_staging
         self._staging = staged
@@ -256,7 +257,10 @@ class ShardedCheckpointer:
         if isinstance(state, Future):
             state = state.result()
         writer = DigestingWriter(
-            path, algorithm=self.digest_algorithm, template_records=self.template_records
+            path,
+            algorithm=self.digest_algorithm,
+            template_records=self.template_records,
+            direct_io=self.direct_io,
         )
         # Looked up on the module at call time (tests hold the write by patching it).
         state_dict_saver.save(

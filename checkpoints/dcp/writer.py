@@ -3,7 +3,8 @@
 The manifest needs the digest of every file of a checkpoint (`elastrain.checkpoints.digest`: XXH3-128
 unless the job asks for sha256). Reading every shard back after
 DCP wrote it costs a second pass over all the bytes, on one rank. Instead each rank hashes
-the bytes of its own shard files as they go to the file (`DigestingStream`), and returns
+the bytes of its own shard files as they go to the file (`shard_file.DigestingStream`,
+which also writes them with direct I/O where it can), and returns
 the digests beside its DCP write results. DCP gathers every rank's write results to the
 coordinator before it writes `.metadata`, so the coordinator ends the save holding the
 digest of every shard file without reading any of them (`DigestingWriter.shard_digests`).
@@ -22,16 +23,14 @@ pyproject.toml.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import io
 import os
-import sys
 import threading
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -47,17 +46,13 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
+from elastrain.checkpoints.dcp.shard_file import DigestingStream, aligned_record_start
 from elastrain.checkpoints.dcp.tensor_records import record_parts, serialization_settings
-from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
+from elastrain.checkpoints.digest import DEFAULT_ALGORITHM
 from elastrain.checkpoints.manifest import FileEntry
 
 # DCP's shard files; `.metadata` and our own files are small and hashed from disk.
 SHARD_SUFFIX = ".distcp"
-# Start the disk writeback of a shard every this many bytes (Linux), so the disk works
-# while the next tensors are serialised and hashed, and the closing fsync finds little
-# left to write: the save's time tends to max(CPU, disk) instead of their sum. Durability
-# still comes from that fsync alone.
-WRITEBACK_EVERY_BYTES = 32 * 1024 * 1024
 # Marks the write results that carry digests rather than tensor locations. They travel to
 # the coordinator with DCP's own results and are taken out before `.metadata` is written,
 # so the checkpoint's DCP metadata is exactly what a plain FileSystemWriter writes.
@@ -74,119 +69,13 @@ class StreamedDigest:
     algorithm: str
 
 
-class DigestingStream:
-    """A binary file that hashes every byte written through it.
-
-    Only the methods DCP's writer uses are offered (write, tell, flush, fileno, close);
-    seek/truncate would break "digest == content", so they void the digest instead.
-    """
-
-    def __init__(
-        self, raw: io.BufferedWriter, on_close: Any, algorithm: str = DEFAULT_ALGORITHM
-    ) -> None:
-        self._raw = raw
-        self._hash = new_hasher(algorithm)
-        self._size = 0
-        self._valid = True
-        self._on_close = on_close
-        self._closed = False
-        self._flushed_to = 0  # bytes whose writeback was started
-
-    def write(self, data: Any) -> int:
-        try:
-            view = memoryview(data).cast("B")
-        except TypeError:  # not C-contiguous: hash a contiguous copy of the same bytes
-            view = memoryview(bytes(memoryview(data)))
-        written = self._raw.write(view)
-        # A buffered writer in blocking mode writes everything or raises; hash what it
-        # says it wrote all the same.
-        self._hash.update(view[:written])  # releases the GIL on large buffers
-        self._size += written
-        if self._size - self._flushed_to >= WRITEBACK_EVERY_BYTES:
-            self._start_writeback()
-        return written
-
-    def _start_writeback(self) -> None:
-        """Ask the kernel to start writing what we wrote so far (does not wait for it)."""
-        self._raw.flush()
-        start_writeback(self._raw.fileno(), self._flushed_to, self._size - self._flushed_to)
-        self._flushed_to = self._size
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def fileno(self) -> int:
-        # DCP's own shard writer fsyncs `fileno()` without a flush first: what is still
-        # in the buffer must be in the file by then, or the fsync would not cover it.
-        self._raw.flush()
-        return self._raw.fileno()
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        self._valid = False
-        return self._raw.seek(offset, whence)
-
-    def truncate(self, size: int | None = None) -> int:
-        self._valid = False
-        return self._raw.truncate(size)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._raw.close()
-        if self._valid and self._size == self._raw_size():
-            self._on_close(self._size, self._hash.hexdigest())
-
-    def _raw_size(self) -> int:
-        try:
-            return os.stat(self._raw.name).st_size
-        except OSError:
-            return -1
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-
-def _load_sync_file_range() -> Any:
-    """libc's sync_file_range (Linux; Python's os module does not offer it), or None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing a file range to disk without waiting. Best effort: durability comes
-    from the fsync that closes every shard, so a failure here is ignored."""
-    if _SYNC_FILE_RANGE is not None and nbytes > 0:
-        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
 class DigestingFileSystem(FileSystem):
     """DCP's local file system, with shard files opened for writing through a digest."""
 
-    def __init__(self, algorithm: str = DEFAULT_ALGORITHM) -> None:
+    def __init__(self, algorithm: str = DEFAULT_ALGORITHM, direct_io: bool | None = None) -> None:
         super().__init__()
         self.algorithm = algorithm
+        self.direct_io = direct_io
         self._lock = threading.Lock()  # DCP may write several files from several threads
         self._digests: dict[str, StreamedDigest] = {}
 
@@ -209,7 +98,7 @@ class DigestingFileSystem(FileSystem):
         algorithm = self.algorithm
         with self._lock:
             self._digests.pop(name, None)  # a rewrite must never keep an old digest
-        digesting = DigestingStream(path.open("wb"), record, algorithm)
+        digesting = DigestingStream(path, record, algorithm, direct=self.direct_io)
         try:
             # Duck-typed: DCP's writer only uses the methods DigestingStream offers.
             yield cast(io.IOBase, digesting)
@@ -233,6 +122,9 @@ class DigestingWriter(FileSystemWriter):
     each plain CPU tensor's torch.save record from a per-layout template
     (`tensor_records`) instead of running torch.save for it: the same bytes, a fraction
     of the Python. Off: DCP's own writer loop (kept for comparison, bench/checkpoint_gil.py).
+
+    `direct_io`: shard files written with direct I/O where the file system takes it
+    (`shard_file`); None: unless `ELASTRAIN_CHECKPOINT_DIRECT_IO=0`.
     """
 
     def __init__(
@@ -241,13 +133,14 @@ class DigestingWriter(FileSystemWriter):
         *,
         algorithm: str = DEFAULT_ALGORITHM,
         template_records: bool = True,
+        direct_io: bool | None = None,
     ) -> None:
         # The staging copy is made by the checkpointer's own stager (checkpointer.py), so
         # no staging options here; sync_files: a file is durable before the manifest
         # names it.
         super().__init__(path, single_file_per_rank=True, sync_files=True)
         self.template_records = template_records
-        self._digesting_fs = DigestingFileSystem(algorithm)
+        self._digesting_fs = DigestingFileSystem(algorithm, direct_io)
         self.fs = self._digesting_fs
         self.shard_digests: dict[str, FileEntry] = {}
 
@@ -280,10 +173,14 @@ class DigestingWriter(FileSystemWriter):
         """What `FileSystemWriter.write_data` does for one file written by one thread
         (`_write_files_from_queue`): the same file name, the same order of items (byte
         items first, then tensors, ordered by size where DCP's loader would copy them
-        from an accelerator), the same records and so the same offsets, lengths and
-        fsync; tensor records from templates where `record_parts` has one. None (nothing
-        written) when a tensor is not in host memory (a synchronous save of device
-        tensors): DCP's loader overlaps those copies, so its writer does that save."""
+        from an accelerator), the same records and fsync; tensor records from templates
+        where `record_parts` has one. One difference in place: a record with large data
+        starts after a few zero bytes, so that its data starts at a block boundary and
+        goes to the disk straight from the staged copy (`shard_file`); DCP reads each
+        record by the offset and length this returns, so no reader sees those bytes.
+        None (nothing written) when a tensor is not in host memory (a synchronous save
+        of device tensors): DCP's loader overlaps those copies, so its writer does that
+        save."""
         file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         path = self.fs.concat_path(self.path, file_name)
         byte_items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
@@ -309,11 +206,15 @@ class DigestingWriter(FileSystemWriter):
             for item, tensor in zip(tensor_items, tensors, strict=True):
                 if tensor.untyped_storage().size() != tensor.numel() * tensor.itemsize:
                     tensor = tensor.clone()  # as DCP's loaders: minimal storage
-                offset = stream.tell()
                 parts = record_parts(tensor, settings)
                 if parts is None:
+                    offset = stream.tell()
                     torch.save(tensor, cast(IO[bytes], stream))
                 else:
+                    prefix, body, _suffix = parts
+                    end = stream.tell()
+                    offset = aligned_record_start(end, len(prefix), len(body))
+                    stream.write(bytes(offset - end))  # so large data is block-aligned
                     for part in parts:
                         stream.write(part)
                 results.append(_result(item, file_name, offset, stream.tell() - offset))

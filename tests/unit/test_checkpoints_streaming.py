@@ -26,7 +26,8 @@ from torch.distributed.checkpoint import state_dict_saver
 import elastrain.checkpoints.integrity as integrity
 from elastrain.checkpoints import find_latest_good, list_committed, read_manifest
 from elastrain.checkpoints.dcp import ShardedCheckpointer
-from elastrain.checkpoints.dcp.writer import DigestingFileSystem, DigestingStream
+from elastrain.checkpoints.dcp.shard_file import DigestingStream
+from elastrain.checkpoints.dcp.writer import DigestingFileSystem
 from elastrain.checkpoints.digest import DEFAULT_ALGORITHM
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (

@@ -1,0 +1,80 @@
+"""The async save's staging copy, made at page-aligned addresses.
+
+DCP's `StateDictStager` copies each storage of the state into a host buffer it keeps for
+the next saves. Its buffers come from torch's CPU allocator (64-byte aligned), which
+direct I/O cannot write from. `AlignedStateDictStager` makes the large ones page-aligned
+(an anonymous mapping each), so the shard writer hands the staged bytes to the disk as
+they are, with no copy into the page cache (`shard_file`). The rest of DCP's staging
+(the reuse of buffers across saves, pinning for device copies, DTensor and nested
+containers) is DCP's own.
+"""
+
+from __future__ import annotations
+
+import mmap
+import weakref
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+# Storages at least this big get a page-aligned buffer; smaller ones are written from the
+# bounce buffer anyway (they end up in records below `shard_file.ALIGN_RECORD_MIN_BYTES`).
+ALIGNED_STAGING_MIN_BYTES = 64 * 1024
+
+
+def page_aligned_storage(nbytes: int) -> torch.UntypedStorage:
+    """A CPU storage of `nbytes` at a page-aligned address (freed with the storage)."""
+    buffer = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+
+
+class AlignedStateDictStager(StateDictStager):
+    """DCP's stager, with the copies of large storages at page-aligned addresses."""
+
+    def _stage_untyped_storage(
+        self, storage: torch.UntypedStorage, non_blocking: bool = False
+    ) -> Any:
+        if (
+            storage in self._cached_storage_mapping
+            or self.share_memory
+            or storage.nbytes() < ALIGNED_STAGING_MIN_BYTES
+        ):
+            return super()._stage_untyped_storage(storage, non_blocking=non_blocking)
+        staged = page_aligned_storage(storage.nbytes())
+        if self.pin_memory:
+            _pin(staged)
+        staged.copy_(storage, non_blocking=non_blocking)
+        self._cached_storage_mapping[storage] = staged
+        return staged
+
+
+def _pin(storage: torch.UntypedStorage) -> None:
+    """Pin `storage` for the device's copies into it, as DCP pins its own buffers."""
+    from torch.cuda import _pin_memory_utils
+
+    _pin_memory_utils.pin_memory(storage.data_ptr(), storage.nbytes())
+    unpin = weakref.finalize(storage, _pin_memory_utils.unpin_memory, storage.data_ptr())
+    unpin.atexit = False  # never after the CUDA context is gone
+
+
+def aligned_default_stager(*, pin_memory: bool, non_blocking: bool) -> DefaultStager:
+    """DCP's `DefaultStager` (async staging in its thread, buffers reused across saves)
+    over an `AlignedStateDictStager`. Where torch's internals differ from the ones this
+    was written against, DCP's own stager stays (the writes then go through the bounce
+    buffer: slower, the same bytes)."""
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=pin_memory,
+            use_shared_memory=False,  # shared memory is for DCP's process mode, unused here
+            use_async_staging=True,
+            use_non_blocking_copy=non_blocking,
+        )
+    )
+    current = getattr(stager, "_state_dict_stager", None)
+    if isinstance(current, StateDictStager):
+        stager._state_dict_stager = AlignedStateDictStager(
+            pin_memory=current.pin_memory, share_memory=False
+        )
+    return stager

@@ -196,18 +196,32 @@ class DigestingStream:
         self._written_back_to = self._base
 
     def flush(self) -> None:
-        """Everything written so far is in the file (not yet durable: see fileno)."""
-        if self._closed or not self._fill:
-            return
+        """Hand the gathered bytes to the file: through the page cache, as a buffered file
+        does. With direct I/O they wait for a whole block (torch.save flushes after every
+        tensor: hundreds of small synchronous writes a shard); `fileno()` and `close()`
+        put everything in the file."""
+        if not self._closed and not self.direct:
+            self._drain()
+
+    def _write_out(self) -> None:
+        """Everything written so far is in the file (not yet durable: that is the fsync)."""
         if not self.direct:
             self._drain()
             return
-        # The partial last block goes out padded with zeros and the file is cut to its
-        # true size; the block stays in the bounce buffer so later writes can complete it.
-        padded = -(-self._fill // BLOCK) * BLOCK
-        self._bounce_view[self._fill : padded] = bytes(padded - self._fill)
-        self._pwrite(self._bounce_view[:padded], self._base)
-        os.ftruncate(self._fd, self._end)
+        whole = self._fill - self._fill % BLOCK
+        if whole:
+            self._pwrite(self._bounce_view[:whole], self._base)
+            tail = bytes(self._bounce_view[whole : self._fill])  # < BLOCK
+            self._bounce_view[: len(tail)] = tail
+            self._base += whole
+            self._fill = len(tail)
+        if self._fill:
+            # The partial last block goes out padded with zeros and the file is cut to
+            # its true size; it stays in the bounce buffer so later writes complete it.
+            padded = -(-self._fill // BLOCK) * BLOCK
+            self._bounce_view[self._fill : padded] = bytes(padded - self._fill)
+            self._pwrite(self._bounce_view[:padded], self._base)
+            os.ftruncate(self._fd, self._end)
 
     def tell(self) -> int:
         return self._base + self._fill
@@ -215,7 +229,7 @@ class DigestingStream:
     def fileno(self) -> int:
         # DCP's own shard writer fsyncs `fileno()` without a flush first: what is still
         # in the bounce buffer must be in the file by then, or the fsync would not cover it.
-        self.flush()
+        self._write_out()
         return self._fd
 
     def writable(self) -> bool:
@@ -242,7 +256,7 @@ class DigestingStream:
         digest, and no direct I/O (writes may then land anywhere)."""
         self._valid = False
         position = self.tell()
-        self.flush()
+        self._write_out()
         self._base, self._fill = position, 0
         if self.direct:
             self._leave_direct_io()
@@ -251,7 +265,7 @@ class DigestingStream:
         if self._closed:
             return
         try:
-            self.flush()
+            self._write_out()
         finally:
             self._closed = True
             os.close(self._fd)

@@ -251,3 +251,28 @@ def test_large_records_start_their_data_on_a_block_and_torch_reads_them(
     for key, value in state["model"].items():
         assert torch.equal(target["model"][key], value), key
     assert target["count"] == 3
+
+
+def test_flushes_after_every_small_record_cost_no_write_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch.save flushes its file after every tensor; with direct I/O each flush would be
+    # a synchronous disk write of a padded block.
+    writes: list[int] = []
+    real_pwrite = os.pwrite
+
+    def counting(fd: int, data: Any, offset: int) -> int:
+        writes.append(len(data))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(shard_file.os, "pwrite", counting)
+    pieces = [os.urandom(1000) for _ in range(200)]
+    path = tmp_path / "__0_0.distcp"
+    got: dict[str, Any] = {}
+    with DigestingStream(path, lambda size, digest: got.update(size=size), direct=True) as stream:
+        for piece in pieces:
+            stream.write(piece)
+            stream.flush()
+    assert path.read_bytes() == b"".join(pieces)
+    assert got == {"size": 200_000}
+    assert len(writes) <= 2, writes  # the whole blocks, then the padded last one

@@ -11,6 +11,7 @@ containers) is DCP's own.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import weakref
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+log = logging.getLogger("elastrain.checkpoints.staging")
 
 # Storages at least this big get a page-aligned buffer; smaller ones are written from the
 # bounce buffer anyway (they end up in records below `shard_file.ALIGN_RECORD_MIN_BYTES`).
@@ -44,7 +47,11 @@ class AlignedStateDictStager(StateDictStager):
             return super()._stage_untyped_storage(storage, non_blocking=non_blocking)
         staged = page_aligned_storage(storage.nbytes())
         if self.pin_memory:
-            _pin(staged)
+            try:
+                _pin(staged)
+            except RuntimeError as e:
+                # Unpinned, the device copy is slower and blocks; the save is the same.
+                log.warning("staging buffer of %d bytes not pinned: %s", storage.nbytes(), e)
         staged.copy_(storage, non_blocking=non_blocking)
         self._cached_storage_mapping[storage] = staged
         return staged

@@ -73,9 +73,10 @@ class ShardedCheckpointer:
     `DefaultStager` kept for the checkpointer's life: its copy buffers are allocated at the
     first save and reused (one more copy of this rank's state stays in host memory), so
     later saves do not page-fault fresh memory in; the large ones are page-aligned, so the
-    shard writer sends them to the disk without a copy (`staging`, `shard_file`). With `async_staging` the copy runs in
-    the stager's thread and save() returns before it is made; the caller then owes a
-    `wait_staged()` before it mutates the state (see the module docstring).
+    shard writer sends them to the disk without a copy (`staging`, `shard_file`). With
+    `async_staging` the copy runs in the stager's thread and save() returns before it is
+    made; the caller then owes a `wait_staged()` before it mutates the state (see the
+    module docstring).
     """
 
     def __init__(

@@ -4,7 +4,7 @@ Writing a new file through the page cache costs this VM's CPU ~2.4 ms per MB (co
 into freshly allocated cache pages, ext4's delayed allocation, the dirty-page
 accounting): ~0.47 s of a core for a 192 MB shard. Direct I/O (`O_DIRECT`) from a
 page-aligned buffer hands the pages to the disk instead: 0.006 s for the same shard,
-and less wall time too (docs/bench-checkpoint.md, "Direct I/O"). On two cores busy
+and less wall time too (docs/bench-checkpoint.md, "fourth round"). On two cores busy
 training, that CPU is what an async save takes from training.
 
 Direct I/O wants the file offset, the length and the memory address of every write

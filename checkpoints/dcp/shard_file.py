@@ -119,6 +119,7 @@ class DigestingStream:
         self._fill = 0  # bytes in the bounce buffer
         self._end = 0  # the file's logical size
         self._written_back_to = 0
+        self._written_out = True  # the file holds everything written (the padded tail too)
 
     def _open(self, *, truncate: bool) -> int:
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
@@ -138,6 +139,7 @@ class DigestingStream:
             raise ValueError("write to a closed shard file")
         view = as_bytes(data)
         size = len(view)
+        self._written_out = False
         self._hash.update(view)  # releases the GIL on large buffers
         position = self._base + self._fill
         if size >= BLOCK and (not self.direct or (position % BLOCK == 0 and is_aligned(view))):
@@ -208,6 +210,8 @@ class DigestingStream:
         if not self.direct:
             self._drain()
             return
+        if self._written_out:  # e.g. close() after DCP's fsync of fileno(): no second write
+            return
         whole = self._fill - self._fill % BLOCK
         if whole:
             self._pwrite(self._bounce_view[:whole], self._base)
@@ -222,6 +226,7 @@ class DigestingStream:
             self._bounce_view[self._fill : padded] = bytes(padded - self._fill)
             self._pwrite(self._bounce_view[:padded], self._base)
             os.ftruncate(self._fd, self._end)
+        self._written_out = True
 
     def tell(self) -> int:
         return self._base + self._fill

@@ -276,3 +276,24 @@ def test_flushes_after_every_small_record_cost_no_write_each(
     assert path.read_bytes() == b"".join(pieces)
     assert got == {"size": 200_000}
     assert len(writes) <= 2, writes  # the whole blocks, then the padded last one
+
+
+def test_closing_after_the_fsync_writes_nothing_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DCP's writer and ours fsync `fileno()` and then close: the padded last block is
+    # written once, before the fsync.
+    writes: list[int] = []
+    real_pwrite = os.pwrite
+
+    def counting(fd: int, data: Any, offset: int) -> int:
+        writes.append(len(data))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(shard_file.os, "pwrite", counting)
+    path = tmp_path / "__0_0.distcp"
+    with DigestingStream(path, lambda size, digest: None, direct=True) as stream:
+        stream.write(b"x" * 100)
+        os.fsync(stream.fileno())
+    assert writes == [BLOCK]
+    assert path.read_bytes() == b"x" * 100

@@ -48,6 +48,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,20 +66,31 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from bench import checkpoint_gil  # noqa: E402
 from bench.report_blocks import write_block  # noqa: E402
 from elastrain.checkpoints.dcp import ShardedCheckpointer  # noqa: E402
+from elastrain.workers.api import TrainContext  # noqa: E402
+from elastrain.workers.memory.pacing import RefreshPacer  # noqa: E402
+from elastrain.workers.memory.snapshots import PeerRefresher, Snapshot  # noqa: E402
 from tests.unit.dist_utils import run_distributed  # noqa: E402
 
 MB = 1024 * 1024
 CHUNK = 8 * MB
 STEPS_AFTER_SAVE = 5
 #: The saves the stall section compares, in its columns' order: each with direct I/O
-#: (the default) and through the page cache (ELASTRAIN_CHECKPOINT_DIRECT_IO=0).
-MODES = ("sync", "async", "sync-cache", "async-cache")
+#: (the default) and through the page cache (ELASTRAIN_CHECKPOINT_DIRECT_IO=0); and in a
+#: job whose peer memory is refreshed every step (the ranks on two "nodes"), written from
+#: the refresh's copy of the checkpoint's step.
+MODES = ("sync", "async", "sync-peer", "async-peer", "sync-cache", "async-cache")
 MODE_TITLES = {
     "sync": "sync save",
     "async": "async save (threads, overlapped staging)",
+    "sync-peer": "sync, from peer memory's copy",
+    "async-peer": "async, from peer memory's copy",
     "sync-cache": "sync, page cache",
     "async-cache": "async, page cache",
 }
+
+
+def peer_mode(mode: str) -> bool:
+    return mode.endswith("-peer")
 
 
 def build(strategy: str, width: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -144,6 +156,32 @@ class SaveThreadsClock:
         return timed
 
 
+class PeerMemory:
+    """Peer memory as a job on two nodes keeps it (`elastrain.workers.memory.snapshots`):
+    every rank's shard copied to host memory and sent to the other rank, here after every
+    step of the modes that use it (and of their baseline)."""
+
+    def __init__(
+        self, rank: int, world_size: int, work: Path, state: Callable[[], dict[str, Any]]
+    ) -> None:
+        ctx = TrainContext(rank=rank, world_size=world_size, local_rank=rank, job_id=0,
+                           attempt=0, device=torch.device("cpu"), checkpoint_root=work)  # fmt: skip
+        self._refresher = PeerRefresher(
+            ctx=ctx,
+            group=dist.new_group(backend="gloo"),
+            buddy=(rank + 1) % world_size,
+            wards=[(rank - 1) % world_size],
+            pacer=RefreshPacer(fixed=1),
+        )
+        self._strategy = SimpleNamespace(full_replica=False, state_dict_for_checkpoint=state)
+        self._copies: list[Snapshot] = []
+        self._step = 0
+
+    def refresh(self, step: int | None = None) -> Snapshot:
+        self._step = step if step is not None else self._step + 1
+        return self._refresher.refresh(self._copies, self._strategy, self._step)  # type: ignore[arg-type]
+
+
 def drop_cache(path: Path) -> None:
     """Evict one folder's (or file's) pages from the page cache so reads hit the disk;
     per file, so other users of the machine are not affected."""
@@ -192,8 +230,15 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
         m, o = get_state_dict(model, optim)
         return {"model": m, "optim": o}
 
-    def steps(n: int, ckpt: ShardedCheckpointer | None = None) -> float:
-        return sum(train_step(model, optim, width, ckpt) for _ in range(n))
+    peers = PeerMemory(rank, world_size, work, state)
+
+    def steps(n: int, ckpt: ShardedCheckpointer | None = None, *, refresh: bool = False) -> float:
+        waited = 0.0
+        for _ in range(n):
+            waited += train_step(model, optim, width, ckpt)
+            if refresh:
+                peers.refresh()
+        return waited
 
     results: dict[str, list[float]] = {}
     clock = SaveThreadsClock()
@@ -220,17 +265,22 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
     total_bytes = 0
     for _ in range(repeats):
         # Baseline and every mode interleaved, so slow drift on a shared machine hits all.
-        dist.barrier()
-        started = time.perf_counter()
-        steps(STEPS_AFTER_SAVE)
-        record("baseline", max_over_ranks(time.perf_counter() - started))
+        for key, refresh in (("baseline", False), ("baseline-peer", True)):
+            dist.barrier()
+            started = time.perf_counter()
+            steps(STEPS_AFTER_SAVE, refresh=refresh)
+            record(key, max_over_ranks(time.perf_counter() - started))
         for mode, ckpt in checkpointers.items():
             step += 1
             fields = {"strategy": cfg["strategy"], "world_size": world_size}
+            # The refresh after the step being saved (the baseline's steps refresh too).
+            copy = peers.refresh(step).lend(rank) if peer_mode(mode) else None
             dist.barrier()
             started, cpu = time.perf_counter(), clock.seconds
-            blocked = ckpt.save(step=step, attempt=0, state=state(), manifest_fields=fields)
-            blocked += steps(STEPS_AFTER_SAVE, ckpt)
+            blocked = ckpt.save(
+                step=step, attempt=0, state=state(), manifest_fields=fields, copy=copy
+            )
+            blocked += steps(STEPS_AFTER_SAVE, ckpt, refresh=peer_mode(mode))
             window = time.perf_counter() - started
             started = time.perf_counter()
             commits = ckpt.finalize()
@@ -303,11 +353,14 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
     mb = out["total_bytes"] / MB
     base = r["baseline"]
 
+    def baseline(mode: str) -> float:
+        return r["baseline-peer"] if peer_mode(mode) else base
+
     def stall(mode: str) -> float:
-        return r[f"{mode}.window"] - base + r[f"{mode}.tail"]
+        return r[f"{mode}.window"] - baseline(mode) + r[f"{mode}.tail"]
 
     def extra(mode: str) -> float:
-        return r[f"{mode}.window"] - base - r[f"{mode}.blocked"]
+        return r[f"{mode}.window"] - baseline(mode) - r[f"{mode}.blocked"]
 
     def cpu_cost(mode: str) -> float:
         return r[f"{mode}.blocked"] + r[f"{mode}.cpu"]
@@ -335,9 +388,11 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
         "time is "
         "the max over ranks. Load average (1, 5, 15 min) at the start "
         f"{fmt_load(cfg['load_before'])}, at the end {fmt_load(cfg['load_after'])}.",
-        f"{STEPS_AFTER_SAVE} training steps without a save take {base:.3f} s; total stall = "
-        f"(save() + the next {STEPS_AFTER_SAVE} steps) - those {STEPS_AFTER_SAVE} steps "
-        "without a save + the wait at finalize().",
+        f"{STEPS_AFTER_SAVE} training steps without a save take {base:.3f} s "
+        f"({r['baseline-peer']:.3f} s refreshing peer memory after each: the baseline of "
+        "the peer-memory columns, whose saves are written from the copy of the refresh "
+        f"before them); total stall = (save() + the next {STEPS_AFTER_SAVE} steps) - "
+        f"those {STEPS_AFTER_SAVE} steps without a save + the wait at finalize().",
         "",
         "## Targets (issue 14 part 2; issue 25 item 5)",
         "",
@@ -350,6 +405,14 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
         "| (both through the page cache, no direct I/O: by wall time; by CPU time) "
         f"| {stall('async-cache') / stall('sync-cache'):.2f}; "
         f"{cpu_cost('async-cache') / cpu_cost('sync-cache'):.2f} | | |",
+        "| (both from peer memory's copy of the step, in a job refreshing it every step: "
+        "by wall time; by CPU time) "
+        f"| {stall('async-peer') / stall('sync-peer'):.2f}; "
+        f"{cpu_cost('async-peer') / cpu_cost('sync-peer'):.2f} | | |",
+        "| (async from peer memory's copy / the sync save of a job without peer memory: "
+        "by wall time; by CPU time) "
+        f"| {stall('async-peer') / stall('sync'):.2f}; "
+        f"{cpu_cost('async-peer') / cpu_cost('sync'):.2f} | | |",
         target(
             "committed save MB/s / plain write + fsync MB/s",
             write_ratio,

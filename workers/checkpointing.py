@@ -19,6 +19,7 @@ from elastrain.workers.strategies import Strategy
 
 if TYPE_CHECKING:  # imported when made, so `workers` imports without DCP loaded
     from elastrain.checkpoints.dcp import ShardedCheckpointer
+    from elastrain.checkpoints.dcp.held_copy import HeldCopy
 
 log = logging.getLogger("elastrain.workers.checkpointing")
 
@@ -48,8 +49,11 @@ def save_checkpoint(
     *,
     reason: str,
     metrics: Iterable[StepMetrics] = (),
+    copy: HeldCopy | None = None,
 ) -> float:
-    """Save a checkpoint of step `done`; returns the seconds training was blocked."""
+    """Save a checkpoint of step `done`; returns the seconds training was blocked.
+    `copy`: this rank's items copied at `done` (peer memory's), written instead of the
+    live state's."""
     training = spec.training
     layout = strategy.layout
     blocked = checkpointer.save(
@@ -72,6 +76,7 @@ def save_checkpoint(
             ).to_extra(),
         },
         rank_extra=get_rng_states(ctx.world_size),
+        copy=copy,
     )
     if ctx.rank == 0:
         log.info("checkpoint at step %d (%s): blocked %.3fs", done, reason, blocked)

@@ -179,21 +179,26 @@ def _train(
             if is_rank0 and (done % LOG_EVERY_STEPS == 0 or done == start_step + 1):
                 log.info("step %d loss %.4f (%.3fs)", done, loss, step_time)
 
-            if (
+            saving = (
                 done % spec.checkpoint.every_steps == 0
                 or done == max_steps
                 or control in (Control.CHECKPOINT, Control.STOP)
-            ):
-                reason = control.value if control != Control.NONE else "scheduled"
-                stalled = save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
-                                          metrics=reports.kept_with_checkpoint())  # fmt: skip
-            # Every rank polls: a failed background save then raises on every rank alike.
-            reports.commits(checkpointer.poll_commits())
+            )
             # A STOP or LEAVE (resize, drain) hands the state on as it is now: refresh at
             # this step (LEAVE saves no checkpoint: the state goes on in memory alone).
+            # Refreshed first: a checkpoint of a step peer memory copies is written from
+            # that copy, and makes no staging copy of its own.
+            snapshot = None
             if done < max_steps:
-                peers.after_step(memory.copies, strategy, done, step_time,
-                                 final=control in _STOPS)  # fmt: skip
+                snapshot = peers.after_step(memory.copies, strategy, done, step_time,
+                                            final=control in _STOPS)  # fmt: skip
+            if saving:
+                reason = control.value if control != Control.NONE else "scheduled"
+                stalled = save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
+                                          metrics=reports.kept_with_checkpoint(),
+                                          copy=snapshot.lend(ctx.rank) if snapshot else None)  # fmt: skip
+            # Every rank polls: a failed background save then raises on every rank alike.
+            reports.commits(checkpointer.poll_commits())
             profiler.after(done)
             if control in _STOPS:
                 break

@@ -5,7 +5,8 @@ Async saves copy the state (staging) and write and commit the copy in a backgrou
 thread. With `async_staging` the copy too is made in the background and save() returns at
 once; the caller must then call `wait_staged()` before anything mutates the saved tensors
 in place (the training loop: before the optimizer step), so that no later update leaks
-into the checkpoint.
+into the checkpoint. A save given a copy of the state made at its step (`held_copy`:
+peer memory's) writes that and makes no copy of its own.
 
 Loads read each shard file once, verifying its digest on the way, on the ranks that read
 it (`elastrain.checkpoints.dcp.reader`); rank 0 checks the small files while choosing the
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from elastrain.checkpoints._fs import atomic_write_bytes
 from elastrain.checkpoints.catalog import LoadOutcome, find_latest_good
 from elastrain.checkpoints.commit import commit, manifest_for, uncommit
+from elastrain.checkpoints.dcp.held_copy import HeldCopy, HeldCopyPlanner
 from elastrain.checkpoints.dcp.reader import VerifyingReader
 from elastrain.checkpoints.dcp.staging import aligned_default_stager
 from elastrain.checkpoints.dcp.writer import SHARD_SUFFIX, DigestingWriter
@@ -76,7 +78,8 @@ class ShardedCheckpointer:
     shard writer sends them to the disk without a copy (`staging`, `shard_file`). With
     `async_staging` the copy runs in the stager's thread and save() returns before it is
     made; the caller then owes a `wait_staged()` before it mutates the state (see the
-    module docstring).
+    module docstring). Saves given a `copy` (peer memory's, page-aligned too) stage
+    nothing: the stager, and its copy of the state, is made only for a save without one.
     """
 
     def __init__(
@@ -156,6 +159,7 @@ class ShardedCheckpointer:
         self._staging: Future[Any] | None = None
         self._inflight: Future[CheckpointCommitted | None] | None = None
         self._inflight_id: tuple[int, int, Path] | None = None
+        self._inflight_copy: HeldCopy | None = None
         self._pending: list[CheckpointCommitted] = []
         self._last_saved: tuple[int, int] | None = None
 
@@ -171,13 +175,39 @@ class ShardedCheckpointer:
         state: dict[str, Any],
         manifest_fields: dict[str, Any],
         rank_extra: dict[str, Any] | None = None,
+        copy: HeldCopy | None = None,
     ) -> float:
         """Save `state` (as from `get_state_dict`) as checkpoint (step, attempt). Every rank
         calls it at the same step. Returns the seconds the caller was blocked (including
-        waiting for a previous async save)."""
+        waiting for a previous async save).
+
+        `copy`: this rank's items of the save already copied at this step (peer memory's
+        snapshot, `held_copy`): the save writes them instead of `state`'s data, and makes
+        no staging copy; `state` may change once this returns. Released (`copy.release`)
+        when the save no longer reads it. Every rank passes one or none does."""
+        try:
+            return self._save(step, attempt, state, manifest_fields, rank_extra, copy)
+        except BaseException:
+            if copy is not None and (self._inflight is None or self._inflight_copy is not copy):
+                copy.release()  # never handed to the write
+            raise
+
+    def _save(
+        self,
+        step: int,
+        attempt: int,
+        state: dict[str, Any],
+        manifest_fields: dict[str, Any],
+        rank_extra: dict[str, Any] | None,
+        copy: HeldCopy | None,
+    ) -> float:
         started = time.perf_counter()
         self._wait_inflight()
+        if copy is not None and copy.step != step:
+            raise ValueError(f"a copy of step {copy.step} given to the save of step {step}")
         if self._last_saved == (step, attempt):
+            if copy is not None:
+                copy.release()
             # E.g. a CHECKPOINT control then a STOP at the same step: already saved. Every
             # rank makes the same decision (same call sequence), so collectives stay aligned.
             return time.perf_counter() - started
@@ -194,17 +224,19 @@ class ShardedCheckpointer:
             extra = buf.getvalue()
 
         if self.async_save:
-            staged = self._stage(state)
+            # From a held copy the live state is not read again once planned: no staging.
+            staged = self._stage(state) if copy is None else state
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
             self._inflight_id = (step, attempt, path)
+            self._inflight_copy = copy
             self._inflight = self._executor.submit(
-                self._write_and_commit, path, manifest, staged, extra
+                self._write_and_commit, path, manifest, staged, extra, copy
             )
             if not self.async_staging:
                 self.wait_staged()
         else:
-            commit = self._write_and_commit(path, manifest, state, extra)
+            commit = self._write_and_commit(path, manifest, state, extra, copy)
             if commit is not None:
                 self._pending.append(commit)
         self._last_saved = (step, attempt)
@@ -250,23 +282,32 @@ class ShardedCheckpointer:
         manifest: Manifest,
         state: dict[str, Any] | Future[Any],
         extra: bytes | None,
+        copy: HeldCopy | None = None,
     ) -> CheckpointCommitted | None:
         """Steps 1-3 of the commit protocol (`elastrain.checkpoints.commit`), in the caller (sync)
         or the background thread."""
-        if extra is not None:
-            atomic_write_bytes(path / rank_extra_name(self.rank), extra)
-        if isinstance(state, Future):
-            state = state.result()
-        writer = DigestingWriter(
-            path,
-            algorithm=self.digest_algorithm,
-            template_records=self.template_records,
-            direct_io=self.direct_io,
-        )
-        # Looked up on the module at call time (tests hold the write by patching it).
-        state_dict_saver.save(
-            state, storage_writer=writer, process_group=self._pg, no_dist=self._save_alone
-        )
+        try:
+            if extra is not None:
+                atomic_write_bytes(path / rank_extra_name(self.rank), extra)
+            if isinstance(state, Future):
+                state = state.result()
+            writer = DigestingWriter(
+                path,
+                algorithm=self.digest_algorithm,
+                template_records=self.template_records,
+                direct_io=self.direct_io,
+            )
+            # Looked up on the module at call time (tests hold the write by patching it).
+            state_dict_saver.save(
+                state,
+                storage_writer=writer,
+                planner=HeldCopyPlanner(copy) if copy is not None else None,
+                process_group=self._pg,
+                no_dist=self._save_alone,
+            )
+        finally:
+            if copy is not None:
+                copy.release()  # written (or failed): its owner may write into it again
         if not self._coordinator:
             return None
         return commit(
@@ -289,6 +330,7 @@ class ShardedCheckpointer:
             return
         # The write is over, so is its staging (a failed one is reported just below).
         self._inflight, self._inflight_id, self._staging = None, None, None
+        self._inflight_copy = None
         try:
             result = fut.result()
         # DCP's CheckpointException derives from BaseException, not Exception.

@@ -40,6 +40,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from elastrain.checkpoints.dcp.host_memory import page_aligned_bytes
+from elastrain.checkpoints.dcp.shard_file import ALIGN_RECORD_MIN_BYTES, BLOCK
+from elastrain.checkpoints.dcp.writer import without_zip_crc32
+
 #: One rank's items: tensors as host tensors shaped like their chunk, pickled items as
 #: 1-D uint8 tensors.
 Blob = dict[MetadataIndex, torch.Tensor]
@@ -186,7 +190,10 @@ def _pickled(
         before, raw = cache[item.index]
         if _same(before, value):
             return raw
-    data = planner.resolve_data(item)
+    # The bytes a shard file holds for it (`DigestingWriter` writes without the zip
+    # crc32): a checkpoint may be written from this copy (`held_copy`).
+    with without_zip_crc32():
+        data = planner.resolve_data(item)
     assert isinstance(data, io.BytesIO)
     raw = torch.frombuffer(bytearray(data.getvalue()), dtype=torch.uint8)
     if cache is not None and lookup is not None:
@@ -240,8 +247,12 @@ def tensor_layout(
     raise KeyError(f"no chunk of {index.fqn} at offset {list(offset)} in the metadata")
 
 
-#: Tensor items start at multiples of this in an arena (any dtype's view is aligned).
+#: Tensor items start at multiples of this in an arena (any dtype's view is aligned)...
 ARENA_ALIGN = 64
+#: ...and items of `ALIGN_RECORD_MIN_BYTES` or more at a block boundary: in a page-aligned
+#: buffer (`arena_buffer`) they lie where a shard file written with direct I/O takes
+#: data straight from (a checkpoint written from peer memory's copy, `shard_file`).
+ARENA_BLOCK_ALIGN = BLOCK
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -256,11 +267,17 @@ class Arena:
     nbytes: int
 
     def views(self, buffer: torch.Tensor) -> Blob:
-        """The tensor items as views of `buffer` (flat uint8 of `nbytes`)."""
+        """The tensor items as views of `buffer` (flat uint8 of `nbytes`). Each view has
+        a storage of its own bytes alone (an alias of the buffer's): torch.save writes a
+        tensor's whole storage, so a checkpoint written from these views writes each
+        item's bytes, and needs no copy of them to do so."""
+        storage = buffer.untyped_storage()
+        base = buffer.storage_offset()
         out: Blob = {}
         for index, offset, dtype, shape in self.tensors:
             size = shape.numel() * _element_size(dtype)
-            out[index] = buffer[offset : offset + size].view(dtype).view(shape)
+            piece = storage[base + offset : base + offset + size]
+            out[index] = torch.empty(0, dtype=dtype).set_(piece).view(shape)
         return out
 
 
@@ -275,10 +292,18 @@ def arena_of(metadata: Metadata, rank: int) -> Arena:
             pickled.append(index)
             continue
         dtype, shape = layout
-        tensors.append((index, offset, dtype, shape))
         size = shape.numel() * _element_size(dtype)
-        offset += -(-size // ARENA_ALIGN) * ARENA_ALIGN
-    return Arena(tuple(tensors), tuple(pickled), offset)
+        align = ARENA_BLOCK_ALIGN if size >= ALIGN_RECORD_MIN_BYTES else ARENA_ALIGN
+        offset = -(-offset // align) * align
+        tensors.append((index, offset, dtype, shape))
+        offset += size
+    return Arena(tuple(tensors), tuple(pickled), -(-offset // ARENA_ALIGN) * ARENA_ALIGN)
+
+
+def arena_buffer(nbytes: int, *, pin: bool = False) -> torch.Tensor:
+    """A buffer for an arena of `nbytes`: page-aligned (`host_memory`), so its large
+    items are block-aligned too; `pin` for device copies into it."""
+    return page_aligned_bytes(nbytes, pin=pin)
 
 
 def _element_size(dtype: torch.dtype) -> int:

@@ -11,26 +11,17 @@ containers) is DCP's own.
 
 from __future__ import annotations
 
-import logging
-import mmap
-import weakref
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-log = logging.getLogger("elastrain.checkpoints.staging")
+from elastrain.checkpoints.dcp.host_memory import page_aligned_storage
 
 # Storages at least this big get a page-aligned buffer; smaller ones are written from the
 # bounce buffer anyway (they end up in records below `shard_file.ALIGN_RECORD_MIN_BYTES`).
 ALIGNED_STAGING_MIN_BYTES = 64 * 1024
-
-
-def page_aligned_storage(nbytes: int) -> torch.UntypedStorage:
-    """A CPU storage of `nbytes` at a page-aligned address (freed with the storage)."""
-    buffer = mmap.mmap(-1, nbytes)
-    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
 
 
 class AlignedStateDictStager(StateDictStager):
@@ -45,25 +36,10 @@ class AlignedStateDictStager(StateDictStager):
             or storage.nbytes() < ALIGNED_STAGING_MIN_BYTES
         ):
             return super()._stage_untyped_storage(storage, non_blocking=non_blocking)
-        staged = page_aligned_storage(storage.nbytes())
-        if self.pin_memory:
-            try:
-                _pin(staged)
-            except RuntimeError as e:
-                # Unpinned, the device copy is slower and blocks; the save is the same.
-                log.warning("staging buffer of %d bytes not pinned: %s", storage.nbytes(), e)
+        staged = page_aligned_storage(storage.nbytes(), pin=self.pin_memory)
         staged.copy_(storage, non_blocking=non_blocking)
         self._cached_storage_mapping[storage] = staged
         return staged
-
-
-def _pin(storage: torch.UntypedStorage) -> None:
-    """Pin `storage` for the device's copies into it, as DCP pins its own buffers."""
-    from torch.cuda import _pin_memory_utils
-
-    _pin_memory_utils.pin_memory(storage.data_ptr(), storage.nbytes())
-    unpin = weakref.finalize(storage, _pin_memory_utils.unpin_memory, storage.data_ptr())
-    unpin.atexit = False  # never after the CUDA context is gone
 
 
 def aligned_default_stager(*, pin_memory: bool, non_blocking: bool) -> DefaultStager:

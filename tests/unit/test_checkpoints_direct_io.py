@@ -24,6 +24,7 @@ from torch.distributed.checkpoint import load as dcp_load
 import elastrain.checkpoints.dcp.shard_file as shard_file
 from elastrain.checkpoints import read_manifest
 from elastrain.checkpoints.dcp import ShardedCheckpointer
+from elastrain.checkpoints.dcp.host_memory import page_aligned_storage
 from elastrain.checkpoints.dcp.shard_file import (
     ALIGN_RECORD_MIN_BYTES,
     BLOCK,
@@ -31,7 +32,7 @@ from elastrain.checkpoints.dcp.shard_file import (
     aligned_record_start,
     is_aligned,
 )
-from elastrain.checkpoints.dcp.staging import AlignedStateDictStager, page_aligned_storage
+from elastrain.checkpoints.dcp.staging import AlignedStateDictStager
 from elastrain.checkpoints.digest import DEFAULT_ALGORITHM
 from elastrain.checkpoints.integrity import digest_file
 

@@ -66,6 +66,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from bench import checkpoint_gil  # noqa: E402
 from bench.report_blocks import write_block  # noqa: E402
 from elastrain.checkpoints.dcp import ShardedCheckpointer  # noqa: E402
+from elastrain.checkpoints.dcp.own_items import OwnItemsStager  # noqa: E402
 from elastrain.workers.api import TrainContext  # noqa: E402
 from elastrain.workers.memory.pacing import RefreshPacer  # noqa: E402
 from elastrain.workers.memory.snapshots import PeerRefresher, Snapshot  # noqa: E402
@@ -91,6 +92,11 @@ MODE_TITLES = {
 
 def peer_mode(mode: str) -> bool:
     return mode.endswith("-peer")
+
+
+def modes_for(strategy: str) -> tuple[str, ...]:
+    """DDP keeps no peer memory (every survivor holds the whole state): no such columns."""
+    return MODES if strategy != "ddp" else tuple(m for m in MODES if not peer_mode(m))
 
 
 def build(strategy: str, width: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -138,7 +144,11 @@ class SaveThreadsClock:
         self.seconds = 0.0
 
     def install(self) -> None:
-        for owner, name in ((ShardedCheckpointer, "_write_and_commit"), (DefaultStager, "_stage")):
+        for owner, name in (
+            (ShardedCheckpointer, "_write_and_commit"),
+            (DefaultStager, "_stage"),
+            (OwnItemsStager, "_copy"),  # a DDP rank's staging copy
+        ):
             setattr(owner, name, self._timed(getattr(owner, name)))
 
     def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -256,7 +266,7 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
             async_staging=mode.startswith("async"),
             direct_io=not mode.endswith("-cache"),
         )
-        for mode in MODES
+        for mode in modes_for(cfg["strategy"])
     }
     sha256 = ShardedCheckpointer(
         work / "sha256", rank=rank, world_size=world_size, async_save=False, digest="sha256"
@@ -265,7 +275,10 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
     total_bytes = 0
     for _ in range(repeats):
         # Baseline and every mode interleaved, so slow drift on a shared machine hits all.
-        for key, refresh in (("baseline", False), ("baseline-peer", True)):
+        baselines = [("baseline", False)]
+        if any(peer_mode(m) for m in checkpointers):
+            baselines.append(("baseline-peer", True))
+        for key, refresh in baselines:
             dist.barrier()
             started = time.perf_counter()
             steps(STEPS_AFTER_SAVE, refresh=refresh)
@@ -278,7 +291,12 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
             dist.barrier()
             started, cpu = time.perf_counter(), clock.seconds
             blocked = ckpt.save(
-                step=step, attempt=0, state=state(), manifest_fields=fields, copy=copy
+                step=step,
+                attempt=0,
+                state=state(),
+                manifest_fields=fields,
+                copy=copy,
+                replicated=cfg["strategy"] == "ddp",  # as the loop saves a DDP job's
             )
             blocked += steps(STEPS_AFTER_SAVE, ckpt, refresh=peer_mode(mode))
             window = time.perf_counter() - started
@@ -366,11 +384,26 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
         return r[f"{mode}.blocked"] + r[f"{mode}.cpu"]
 
     def row(name: str, cell: Callable[[str], str]) -> str:
-        return f"| {name} | " + " | ".join(cell(m) for m in MODES) + " |"
+        return f"| {name} | " + " | ".join(cell(m) for m in modes_for(cfg["strategy"])) + " |"
 
     def target(name: str, value: float, goal: str, ok: bool) -> str:
         return f"| {name} | {value:.2f} | {goal} | {'met' if ok else 'not met'} |"
 
+    modes = modes_for(cfg["strategy"])
+    peer_rows = (
+        [
+            "| (both from peer memory's copy of the step, in a job refreshing it every step: "
+            "by wall time; by CPU time) "
+            f"| {stall('async-peer') / stall('sync-peer'):.2f}; "
+            f"{cpu_cost('async-peer') / cpu_cost('sync-peer'):.2f} | | |",
+            "| (async from peer memory's copy / the sync save of a job without peer memory: "
+            "by wall time; by CPU time) "
+            f"| {stall('async-peer') / stall('sync'):.2f}; "
+            f"{cpu_cost('async-peer') / cpu_cost('sync'):.2f} | | |",
+        ]
+        if "async-peer" in modes
+        else []
+    )
     blocked_ratio = r["async.blocked"] / r["sync.blocked"]
     stall_ratio = stall("async") / stall("sync")
     write_ratio = r["plain.write"] / r["save.commit"]  # throughputs: same bytes
@@ -388,10 +421,15 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
         "time is "
         "the max over ranks. Load average (1, 5, 15 min) at the start "
         f"{fmt_load(cfg['load_before'])}, at the end {fmt_load(cfg['load_after'])}.",
-        f"{STEPS_AFTER_SAVE} training steps without a save take {base:.3f} s "
-        f"({r['baseline-peer']:.3f} s refreshing peer memory after each: the baseline of "
-        "the peer-memory columns, whose saves are written from the copy of the refresh "
-        f"before them); total stall = (save() + the next {STEPS_AFTER_SAVE} steps) - "
+        f"{STEPS_AFTER_SAVE} training steps without a save take {base:.3f} s"
+        + (
+            f" ({r['baseline-peer']:.3f} s refreshing peer memory after each: the baseline "
+            "of the peer-memory columns, whose saves are written from the copy of the "
+            "refresh before them)"
+            if peer_rows
+            else " (a DDP rank's async save stages the items it writes alone)"
+        )
+        + f"; total stall = (save() + the next {STEPS_AFTER_SAVE} steps) - "
         f"those {STEPS_AFTER_SAVE} steps without a save + the wait at finalize().",
         "",
         "## Targets (issue 14 part 2; issue 25 item 5)",
@@ -405,14 +443,7 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
         "| (both through the page cache, no direct I/O: by wall time; by CPU time) "
         f"| {stall('async-cache') / stall('sync-cache'):.2f}; "
         f"{cpu_cost('async-cache') / cpu_cost('sync-cache'):.2f} | | |",
-        "| (both from peer memory's copy of the step, in a job refreshing it every step: "
-        "by wall time; by CPU time) "
-        f"| {stall('async-peer') / stall('sync-peer'):.2f}; "
-        f"{cpu_cost('async-peer') / cpu_cost('sync-peer'):.2f} | | |",
-        "| (async from peer memory's copy / the sync save of a job without peer memory: "
-        "by wall time; by CPU time) "
-        f"| {stall('async-peer') / stall('sync'):.2f}; "
-        f"{cpu_cost('async-peer') / cpu_cost('sync'):.2f} | | |",
+        *peer_rows,
         target(
             "committed save MB/s / plain write + fsync MB/s",
             write_ratio,
@@ -424,8 +455,8 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
         "",
         "## Training stall per checkpoint",
         "",
-        "| | " + " | ".join(MODE_TITLES[m] for m in MODES) + " |",
-        "| --- |" + " ---: |" * len(MODES),
+        "| | " + " | ".join(MODE_TITLES[m] for m in modes) + " |",
+        "| --- |" + " ---: |" * len(modes),
         row(
             "blocked: in save() + waiting for the staging copy (s)",
             lambda m: f"{r[m + '.blocked']:.3f}",

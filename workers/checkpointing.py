@@ -77,6 +77,7 @@ def save_checkpoint(
         },
         rank_extra=get_rng_states(ctx.world_size),
         copy=copy,
+        replicated=strategy.full_replica,  # DDP: a rank stages what it writes alone
     )
     if ctx.rank == 0:
         log.info("checkpoint at step %d (%s): blocked %.3fs", done, reason, blocked)

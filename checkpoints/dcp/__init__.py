@@ -4,7 +4,8 @@
 `checkpointer` saves and loads (sync or async, committing through `elastrain.checkpoints.commit`);
 `writer` is DCP's file system writer with each shard digested as it is written;
 `in_memory` and `peer_reader` are a checkpoint held in peers' host memory (`elastrain.workers.memory`);
-`held_copy` writes a checkpoint from such a copy of the same step instead of a copy of its own;
+`held_copy` writes a checkpoint from such a copy of the same step instead of a copy of its own
+(`own_items`: the copy of a replicated state's items a rank writes);
 `staging`, `host_memory` and `shard_file` get the bytes to the disk with as few copies as can be.
 """
 

@@ -6,7 +6,8 @@ thread. With `async_staging` the copy too is made in the background and save() r
 once; the caller must then call `wait_staged()` before anything mutates the saved tensors
 in place (the training loop: before the optimizer step), so that no later update leaks
 into the checkpoint. A save given a copy of the state made at its step (`held_copy`:
-peer memory's) writes that and makes no copy of its own.
+peer memory's) writes that and makes no copy of its own; an async save of a state every
+rank holds whole (DDP) copies only what its rank writes (`own_items`).
 
 Loads read each shard file once, verifying its digest on the way, on the ranks that read
 it (`elastrain.checkpoints.dcp.reader`); rank 0 checks the small files while choosing the
@@ -33,6 +34,7 @@ from elastrain.checkpoints._fs import atomic_write_bytes
 from elastrain.checkpoints.catalog import LoadOutcome, find_latest_good
 from elastrain.checkpoints.commit import commit, manifest_for, uncommit
 from elastrain.checkpoints.dcp.held_copy import HeldCopy, HeldCopyPlanner
+from elastrain.checkpoints.dcp.own_items import OwnItemsStager
 from elastrain.checkpoints.dcp.reader import VerifyingReader
 from elastrain.checkpoints.dcp.staging import aligned_default_stager
 from elastrain.checkpoints.dcp.writer import SHARD_SUFFIX, DigestingWriter
@@ -80,6 +82,8 @@ class ShardedCheckpointer:
     made; the caller then owes a `wait_staged()` before it mutates the state (see the
     module docstring). Saves given a `copy` (peer memory's, page-aligned too) stage
     nothing: the stager, and its copy of the state, is made only for a save without one.
+    A save of a `replicated` state (DDP) stages the items this rank writes alone
+    (`own_items`), about 1/N of the state, not the whole of it on every rank.
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class ShardedCheckpointer:
         # commits. Saves never overlap because save() waits for the previous one first.
         self._executor: ThreadPoolExecutor | None = None
         self._stager: DefaultStager | None = None
+        self._own_stager: OwnItemsStager | None = None
         self._staging: Future[Any] | None = None
         self._inflight: Future[CheckpointCommitted | None] | None = None
         self._inflight_id: tuple[int, int, Path] | None = None
@@ -176,6 +181,7 @@ class ShardedCheckpointer:
         manifest_fields: dict[str, Any],
         rank_extra: dict[str, Any] | None = None,
         copy: HeldCopy | None = None,
+        replicated: bool = False,
     ) -> float:
         """Save `state` (as from `get_state_dict`) as checkpoint (step, attempt). Every rank
         calls it at the same step. Returns the seconds the caller was blocked (including
@@ -184,9 +190,12 @@ class ShardedCheckpointer:
         `copy`: this rank's items of the save already copied at this step (peer memory's
         snapshot, `held_copy`): the save writes them instead of `state`'s data, and makes
         no staging copy; `state` may change once this returns. Released (`copy.release`)
-        when the save no longer reads it. Every rank passes one or none does."""
+        when the save no longer reads it. Every rank passes one or none does.
+
+        `replicated`: every rank's `state` is the same (DDP): an async save's staging copy
+        is then of the items this rank writes alone (`own_items`), not the whole state."""
         try:
-            return self._save(step, attempt, state, manifest_fields, rank_extra, copy)
+            return self._save(step, attempt, state, manifest_fields, rank_extra, copy, replicated)
         except BaseException:
             if copy is not None and (self._inflight is None or self._inflight_copy is not copy):
                 copy.release()  # never handed to the write
@@ -200,6 +209,7 @@ class ShardedCheckpointer:
         manifest_fields: dict[str, Any],
         rank_extra: dict[str, Any] | None,
         copy: HeldCopy | None,
+        replicated: bool,
     ) -> float:
         started = time.perf_counter()
         self._wait_inflight()
@@ -225,13 +235,18 @@ class ShardedCheckpointer:
 
         if self.async_save:
             # From a held copy the live state is not read again once planned: no staging.
-            staged = self._stage(state) if copy is None else state
+            staged: dict[str, Any] | Future[Any] = state
+            written: HeldCopy | Future[HeldCopy] | None = copy
+            if copy is None and replicated and self.world_size > 1:
+                written = self._staging = self._stage_own_items(state, step)
+            elif copy is None:
+                staged = self._stage(state)
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
             self._inflight_id = (step, attempt, path)
             self._inflight_copy = copy
             self._inflight = self._executor.submit(
-                self._write_and_commit, path, manifest, staged, extra, copy
+                self._write_and_commit, path, manifest, staged, extra, written
             )
             if not self.async_staging:
                 self.wait_staged()
@@ -256,6 +271,14 @@ class ShardedCheckpointer:
         assert isinstance(staged, Future)  # use_async_staging
         self._staging = staged
         return staged
+
+    def _stage_own_items(self, state: dict[str, Any], step: int) -> Future[HeldCopy]:
+        """Start the staging copy of the items this rank writes of a replicated state."""
+        if self._own_stager is None:
+            self._own_stager = OwnItemsStager(
+                self.rank, self.world_size, pin=torch.accelerator.is_available()
+            )
+        return self._own_stager.stage(state, step)
 
     def wait_staged(self) -> float:
         """Block until the in-flight async save's staging copy is made; from then on the
@@ -282,7 +305,7 @@ class ShardedCheckpointer:
         manifest: Manifest,
         state: dict[str, Any] | Future[Any],
         extra: bytes | None,
-        copy: HeldCopy | None = None,
+        copy: HeldCopy | Future[HeldCopy] | None = None,
     ) -> CheckpointCommitted | None:
         """Steps 1-3 of the commit protocol (`elastrain.checkpoints.commit`), in the caller (sync)
         or the background thread."""
@@ -291,6 +314,8 @@ class ShardedCheckpointer:
                 atomic_write_bytes(path / rank_extra_name(self.rank), extra)
             if isinstance(state, Future):
                 state = state.result()
+            if isinstance(copy, Future):
+                copy = copy.result()
             writer = DigestingWriter(
                 path,
                 algorithm=self.digest_algorithm,
@@ -306,7 +331,7 @@ class ShardedCheckpointer:
                 no_dist=self._save_alone,
             )
         finally:
-            if copy is not None:
+            if isinstance(copy, HeldCopy):
                 copy.release()  # written (or failed): its owner may write into it again
         if not self._coordinator:
             return None
@@ -369,6 +394,9 @@ class ShardedCheckpointer:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+            if self._own_stager is not None:
+                self._own_stager.close()
+                self._own_stager = None
 
     # ---------------------------------------------------------------------------------
     # load

@@ -283,11 +283,29 @@ class Arena:
 
 def arena_of(metadata: Metadata, rank: int) -> Arena:
     """The arena of the items rank `rank` of the saving group holds."""
+    return _arena((index, tensor_layout(metadata, index)) for index in held_items(metadata, rank))
+
+
+def arena_of_items(items: Iterable[WriteItem]) -> Arena:
+    """The arena of a save plan's items, in their order."""
+    return _arena(
+        (
+            item.index,
+            (item.tensor_data.properties.dtype, item.tensor_data.chunk.sizes)
+            if item.tensor_data is not None
+            else None,
+        )
+        for item in items
+    )
+
+
+def _arena(
+    layouts: Iterable[tuple[MetadataIndex, tuple[torch.dtype, torch.Size] | None]],
+) -> Arena:
     tensors: list[tuple[MetadataIndex, int, torch.dtype, torch.Size]] = []
     pickled: list[MetadataIndex] = []
     offset = 0
-    for index in held_items(metadata, rank):
-        layout = tensor_layout(metadata, index)
+    for index, layout in layouts:
         if layout is None:
             pickled.append(index)
             continue

@@ -6,9 +6,12 @@
 - a save from a copy writes the copy's values however the live state changes after
   save() returns, stages nothing, sends the large items to the disk without a copy, and
   releases the copy when written (also when the save fails, naming a missing item);
+- a DDP rank's async save copies the items it writes alone (`own_items`): each item
+  staged by exactly one rank, the bytes balanced;
 - a refresh never writes into buffers a save still reads, and reuses them afterwards;
-- the training loop (2 ranks on 2 "nodes", FSDP, async saves) writes its checkpoints from
-  peer memory and they are byte for byte the files a run without peer memory writes.
+- the training loop (2 ranks on 2 "nodes", async saves) writes its checkpoints from peer
+  memory (FSDP) or from its rank's share (DDP), byte for byte the files of sync saves of
+  the live state.
 """
 
 from __future__ import annotations
@@ -165,6 +168,37 @@ def test_a_copy_of_another_step_is_refused_and_released(tmp_path: Path) -> None:
     ckpt.close()
 
 
+# -- a replicated state (DDP) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_each_rank_of_a_replicated_state_stages_its_share_alone(world_size: int) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from elastrain.checkpoints.dcp.own_items import OwnItemsStager, own_items
+
+    live = {f"layer{i}": torch.randn(1000 * (i + 1)) for i in range(8)} | {"lr": 0.1}
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(live, storage_meta=None, is_coordinator=True)
+    shares = [own_items(planner, r, world_size) for r in range(world_size)]
+    names = [[item.index.fqn for item in share] for share in shares]
+    every = sorted(n for share in names for n in share)
+    assert every == sorted([*(f"layer{i}" for i in range(8)), "lr"])  # each item once
+    total = sum(t.nbytes for k, t in live.items() if k != "lr")
+    staged = []
+    for rank in range(world_size):
+        stager = OwnItemsStager(rank, world_size, pin=False)
+        copy = stager.stage(live, step=3).result()
+        assert {i.fqn for i in copy.items} == set(names[rank])
+        for index, data in copy.items.items():
+            if index.fqn != "lr":
+                assert torch.equal(data, live[index.fqn])
+        staged.append(sum(t.nbytes for i, t in copy.items.items() if i.fqn != "lr"))
+        stager.close()
+    # DCP's deduplication balances the bytes: no rank stages much more than its share.
+    assert max(staged) <= total / world_size + live["layer7"].nbytes
+
+
 # -- peer memory's buffers -------------------------------------------------------------
 
 
@@ -220,9 +254,9 @@ def test_a_refresh_never_writes_into_a_copy_being_saved(group_of_one: None) -> N
 # -- the training loop -----------------------------------------------------------------
 
 
-def loop_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """The same FSDP job twice in the same processes: without peer memory (sync saves of
-    the live state), then on two "nodes" with peer memory every step and async saves."""
+def loop_saves(rank: int, world_size: int, root: str, label: str) -> dict[str, Any]:
+    """The same job twice in the same processes: without peer memory, sync saves of the
+    live state; then on two "nodes" with peer memory every step and async saves."""
     from elastrain.checkpoints.dcp import held_copy
     from elastrain.workers.api import NullHooks, TrainContext
     from elastrain.workers.loop import train
@@ -242,9 +276,9 @@ def loop_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     ShardedCheckpointer._stage = counting_stage  # type: ignore[method-assign]
     held_copy.HeldCopyPlanner.__init__ = counting_init  # type: ignore[method-assign]
-    base = spec_for(STRATEGIES["fsdp"])
+    base = spec_for(STRATEGIES[label])
     out: dict[str, Any] = {}
-    for label, memory_every, async_save, nodes in (
+    for run, memory_every, async_save, nodes in (
         ("live", 0, False, "aa"),
         ("copy", 1, True, "ab"),
     ):
@@ -252,12 +286,12 @@ def loop_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "memory_every": memory_every, "async_save": async_save, "every_steps": 2})})  # fmt: skip
         ctx = TrainContext(rank=rank, world_size=world_size, local_rank=rank,
                            device=torch.device("cpu"), job_id=1, attempt=1, node=nodes[rank],
-                           checkpoint_root=Path(root) / label)  # fmt: skip
+                           checkpoint_root=Path(root) / run)  # fmt: skip
         staged.clear()
         from_copy.clear()
         hooks = NullHooks()
         train(ctx, spec, hooks)
-        out[label] = {
+        out[run] = {
             "losses": [m.loss for m in hooks.metrics],
             "staged": len(staged),
             "from_copy": list(from_copy),
@@ -265,18 +299,22 @@ def loop_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
-def test_the_loop_writes_checkpoints_from_peer_memory_byte_for_byte(tmp_path: Path) -> None:
-    out = run_distributed(loop_saves, 2, str(tmp_path), timeout_s=300)
+@pytest.mark.parametrize("label", ["fsdp", "ddp"])
+def test_the_loop_writes_checkpoints_from_copies_byte_for_byte(tmp_path: Path, label: str) -> None:
+    """FSDP: each save of a step peer memory refreshed at is written from its copy (the
+    last step's, which no refresh follows, is staged). DDP (no peer memory: every rank
+    holds the whole state): each async save copies the items its rank writes alone."""
+    out = run_distributed(loop_saves, 2, str(tmp_path), label, timeout_s=300)
     for rank in (0, 1):
         live, copy = out[rank]["live"], out[rank]["copy"]
         assert live["losses"] == copy["losses"]
         assert live["from_copy"] == []
-        # Steps 2, 4 and 6 from the refresh's copy; the last step's (7) is staged: the
-        # group refreshes no memory after its last step.
-        assert copy["from_copy"] == [2, 4, 6], copy
-        assert copy["staged"] == 1
+        if label == "fsdp":  # the last step's save (7) follows no refresh: staged
+            assert (copy["from_copy"], copy["staged"]) == ([2, 4, 6], 1), copy
+        else:
+            assert (copy["from_copy"], copy["staged"]) == ([2, 4, 6, 7], 0), copy
     for step in (2, 4, 6, 7):
-        folders = {label: tmp_path / label / f"step_{step:09d}-a1" for label in ("live", "copy")}
+        folders = {run: tmp_path / run / f"step_{step:09d}-a1" for run in ("live", "copy")}
         for rank in (0, 1):
             name = f"__{rank}_0.distcp"
             assert (folders["live"] / name).read_bytes() == (folders["copy"] / name).read_bytes(), (

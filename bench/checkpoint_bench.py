@@ -12,6 +12,12 @@ Two gloo ranks (spawned), a stack of nn.Linear layers + AdamW state of ~400 MB i
 per-rank time is the max over ranks (collectives make the slowest rank everyone's time).
 Writes the report into its block of docs/bench-checkpoint.md (the notes around it stay).
 
+Columns: sync and async saves with direct I/O, the same through the page cache, and (FSDP)
+the same written from peer memory's copy in a job whose peer memory is refreshed after
+every step (the ranks as on two nodes; their baseline refreshes too). `--strategy ddp`
+saves as the loop saves a DDP job's (each rank stages the items it writes alone) and has
+no peer-memory columns (DDP keeps none).
+
 Definitions:
 - blocked: seconds the training loop waited for the checkpointer: in save() (sync: DCP
   write with fsync, digest taken while writing, manifest) plus, for async saves with

@@ -30,7 +30,7 @@ from elastrain.checkpoints.dcp import ShardedCheckpointer
 from elastrain.checkpoints.dcp.checkpointer import CheckpointSaveError
 from elastrain.checkpoints.dcp.held_copy import HeldCopy
 from elastrain.checkpoints.dcp.in_memory import MemoryWriter, arena_buffer, arena_of
-from elastrain.checkpoints.dcp.shard_file import ALIGN_RECORD_MIN_BYTES, BLOCK, DigestingStream
+from elastrain.checkpoints.dcp.shard_file import ALIGN_RECORD_MIN_BYTES, BLOCK
 from tests.unit.dist_utils import run_distributed
 
 # -- the arena -------------------------------------------------------------------------
@@ -79,20 +79,6 @@ def test_the_arena_is_page_aligned_and_each_item_a_storage_of_its_own() -> None:
 
 
 # -- a save from a copy ----------------------------------------------------------------
-
-
-@pytest.fixture
-def gathered(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the pieces the shard writer copied into its bounce buffer."""
-    sizes: list[int] = []
-    original = DigestingStream._gather
-
-    def spy(self: DigestingStream, view: memoryview) -> None:
-        sizes.append(len(view))
-        original(self, view)
-
-    monkeypatch.setattr(DigestingStream, "_gather", spy)
-    return sizes
 
 
 def load(root: Path) -> dict[str, Any]:

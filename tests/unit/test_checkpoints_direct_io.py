@@ -110,20 +110,6 @@ def test_direct_and_page_cache_write_the_same_file_and_digest(tmp_path: Path, se
         assert got == {"size": len(expected), "digest": digest_file(path, DEFAULT_ALGORITHM)}
 
 
-@pytest.fixture
-def gathered(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the pieces copied into a bounce buffer."""
-    sizes: list[int] = []
-    original = DigestingStream._gather
-
-    def spy(self: DigestingStream, view: memoryview) -> None:
-        sizes.append(len(view))
-        original(self, view)
-
-    monkeypatch.setattr(DigestingStream, "_gather", spy)
-    return sizes
-
-
 def test_aligned_data_goes_to_the_disk_without_a_copy(tmp_path: Path, gathered: list[int]) -> None:
     header, body = b"h" * (BLOCK - 10), aligned_bytes(os.urandom(8 * BLOCK + 17))
     _, got = write_pieces(tmp_path / "__0_0.distcp", [b"z" * 10, header, body], direct=True)

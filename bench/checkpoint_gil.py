@@ -154,11 +154,11 @@ class _TimedCheckpointer(ShardedCheckpointer):
             self._save_alone = False
 
     def _write_and_commit(
-        self, path: Path, manifest: Manifest, state: Any, extra: bytes | None
+        self, path: Path, manifest: Manifest, state: Any, extra: bytes | None, copy: Any = None
     ) -> CheckpointCommitted | None:
         started = time.thread_time()
         try:
-            return super()._write_and_commit(path, manifest, state, extra)
+            return super()._write_and_commit(path, manifest, state, extra, copy)
         finally:
             self.write_cpu.append(time.thread_time() - started)
 

@@ -225,13 +225,15 @@ def test_large_records_start_their_data_on_a_block_and_torch_reads_them(
         if len(data) >= ALIGN_RECORD_MIN_BYTES:
             assert at % BLOCK == 0, index.fqn
     # An async save sends the large tensors' staged copies to the disk as they are; a
-    # synchronous one copies the live tensors (unaligned) through the bounce buffer.
+    # synchronous one copies the live tensors through the bounce buffer, but for those
+    # torch's allocator happened to put at a page boundary (which go straight).
     copied = sum(gathered)
     small = sum(t.nbytes for t in state["model"].values() if t.nbytes < ALIGN_RECORD_MIN_BYTES)
     if async_save:
         assert copied < small + 3 * BLOCK * len(state["model"]), copied
     else:
-        assert copied >= len(raw) - BLOCK * len(state["model"]), copied
+        unaligned = sum(t.nbytes for t in state["model"].values() if t.data_ptr() % BLOCK)
+        assert copied >= unaligned, copied
     # Torch's own reader, no elastrain code on the load path.
     target = big_state(1)
     dcp_load(target, storage_reader=FileSystemReader(folder), no_dist=True)

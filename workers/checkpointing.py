@@ -23,6 +23,24 @@ if TYPE_CHECKING:  # imported when made, so `workers` imports without DCP loaded
 
 log = logging.getLogger("elastrain.workers.checkpointing")
 
+#: An async save of a state in host memory writes the live tensors, with no staging copy,
+#: when the previous save's write took at most this share of a step: the update that waits
+#: for it comes after the next step's forward and backward, most of a step.
+IN_PLACE_WRITE_SHARE = 0.5
+
+
+def writes_in_place(
+    *, async_save: bool, on_host: bool, last_write_s: float | None, step_s: float
+) -> bool:
+    """Whether an async save is written from the live state (`ShardedCheckpointer.save`'s
+    `in_place`), the next update waiting for the write rather than for a staging copy.
+    Only for a state in host memory (a device's state is copied to the host to be written
+    anyway), and once a write has been timed and fits (a slow disk stages: a copy then
+    holds the update for less time than the write would)."""
+    if not (async_save and on_host) or last_write_s is None or step_s <= 0:
+        return False
+    return last_write_s <= IN_PLACE_WRITE_SHARE * step_s
+
 
 def make_checkpointer(ctx: TrainContext, spec: JobSpec) -> ShardedCheckpointer:
     from elastrain.checkpoints.dcp import ShardedCheckpointer
@@ -50,16 +68,20 @@ def save_checkpoint(
     reason: str,
     metrics: Iterable[StepMetrics] = (),
     copy: HeldCopy | None = None,
+    last: bool = False,
+    in_place: bool = False,
 ) -> float:
     """Save a checkpoint of step `done`; returns the seconds training was blocked.
     `copy`: this rank's items copied at `done` (peer memory's), written instead of the
-    live state's."""
+    live state's. `last`: the attempt's last step; written at once, with no staging copy
+    (the attempt waits for its commit before it ends). `in_place`: written from the live
+    state in the background, the next update waiting for it (`writes_in_place`)."""
     training = spec.training
     layout = strategy.layout
     blocked = checkpointer.save(
         step=done,
         attempt=ctx.attempt,
-        state=strategy.state_dict_for_checkpoint(),
+        state=strategy.state_dict_for_checkpoint(copy_buffers=in_place),
         manifest_fields={
             "strategy": spec.strategy.label,
             "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp},
@@ -78,6 +100,8 @@ def save_checkpoint(
         rank_extra=get_rng_states(ctx.world_size),
         copy=copy,
         replicated=strategy.full_replica,  # DDP: a rank stages what it writes alone
+        sync=last,
+        in_place=in_place,
     )
     if ctx.rank == 0:
         log.info("checkpoint at step %d (%s): blocked %.3fs", done, reason, blocked)

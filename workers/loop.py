@@ -31,7 +31,12 @@ from elastrain.workers.api import (
     TrainHooks,
     TrainResult,
 )
-from elastrain.workers.checkpointing import make_checkpointer, save_checkpoint, settles_staging
+from elastrain.workers.checkpointing import (
+    make_checkpointer,
+    save_checkpoint,
+    settles_staging,
+    writes_in_place,
+)
 from elastrain.workers.errors import configuration_errors
 from elastrain.workers.lr_schedule import lr_at
 from elastrain.workers.memory import ReplicaMemory
@@ -194,9 +199,15 @@ def _train(
                                             final=control in _STOPS)  # fmt: skip
             if saving:
                 reason = control.value if control != Control.NONE else "scheduled"
+                in_place = writes_in_place(async_save=spec.checkpoint.async_save,
+                                           on_host=ctx.device.type == "cpu",
+                                           last_write_s=checkpointer.last_write_s,
+                                           step_s=step_time)  # fmt: skip
                 stalled = save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
                                           metrics=reports.kept_with_checkpoint(),
-                                          copy=snapshot.lend(ctx.rank) if snapshot else None)  # fmt: skip
+                                          copy=snapshot.lend(ctx.rank) if snapshot else None,
+                                          last=done == max_steps or control in _STOPS,
+                                          in_place=in_place)  # fmt: skip
             # Every rank polls: a failed background save then raises on every rank alike.
             reports.commits(checkpointer.poll_commits())
             profiler.after(done)

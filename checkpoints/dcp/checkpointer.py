@@ -36,7 +36,7 @@ from elastrain.checkpoints.commit import commit, manifest_for, uncommit
 from elastrain.checkpoints.dcp.held_copy import HeldCopy, HeldCopyPlanner
 from elastrain.checkpoints.dcp.own_items import OwnItemsStager
 from elastrain.checkpoints.dcp.reader import VerifyingReader
-from elastrain.checkpoints.dcp.staging import aligned_default_stager
+from elastrain.checkpoints.dcp.staging import aligned_default_stager, copy_non_tensors
 from elastrain.checkpoints.dcp.writer import SHARD_SUFFIX, DigestingWriter
 from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, algorithm_for_setting
 from elastrain.checkpoints.integrity import CorruptCheckpoint
@@ -167,6 +167,8 @@ class ShardedCheckpointer:
         self._inflight_copy: HeldCopy | None = None
         self._pending: list[CheckpointCommitted] = []
         self._last_saved: tuple[int, int] | None = None
+        self.last_write_s: float | None = None
+        """Seconds the latest save took to write this rank's data (plan, write, finish)."""
 
     # ---------------------------------------------------------------------------------
     # save
@@ -182,6 +184,8 @@ class ShardedCheckpointer:
         rank_extra: dict[str, Any] | None = None,
         copy: HeldCopy | None = None,
         replicated: bool = False,
+        sync: bool = False,
+        in_place: bool = False,
     ) -> float:
         """Save `state` (as from `get_state_dict`) as checkpoint (step, attempt). Every rank
         calls it at the same step. Returns the seconds the caller was blocked (including
@@ -193,9 +197,25 @@ class ShardedCheckpointer:
         when the save no longer reads it. Every rank passes one or none does.
 
         `replicated`: every rank's `state` is the same (DDP): an async save's staging copy
-        is then of the items this rank writes alone (`own_items`), not the whole state."""
+        is then of the items this rank writes alone (`own_items`), not the whole state.
+
+        `sync`: written in the caller even when saves are async, as the last save of an
+        attempt is (its caller waits for the commit anyway: a staging copy would be work
+        and host memory for nothing).
+
+        `in_place` (async saves with `async_staging`): no staging copy either; the live
+        tensors of `state` are written in the background and `wait_staged()` returns once
+        this rank's data is written, so the caller's next update waits for the write, not
+        for a copy. For a host-memory state whose write fits in the time before that update
+        (`elastrain.workers.checkpointing.writes_in_place`); the non-tensor values are
+        copied now. `last_write_s` is what the latest async save's write took."""
+        if in_place and not self.async_staging:
+            raise ValueError("in_place needs async_staging: the caller must wait for the write")
         try:
-            return self._save(step, attempt, state, manifest_fields, rank_extra, copy, replicated)
+            return self._save(
+                step, attempt, state, manifest_fields, rank_extra, copy, replicated, sync,
+                in_place,
+            )  # fmt: skip
         except BaseException:
             if copy is not None and (self._inflight is None or self._inflight_copy is not copy):
                 copy.release()  # never handed to the write
@@ -210,6 +230,8 @@ class ShardedCheckpointer:
         rank_extra: dict[str, Any] | None,
         copy: HeldCopy | None,
         replicated: bool,
+        sync: bool,
+        in_place: bool,
     ) -> float:
         started = time.perf_counter()
         self._wait_inflight()
@@ -233,11 +255,15 @@ class ShardedCheckpointer:
             torch.save(rank_extra, buf)
             extra = buf.getvalue()
 
-        if self.async_save:
+        if self.async_save and not sync:
             # From a held copy the live state is not read again once planned: no staging.
             staged: dict[str, Any] | Future[Any] = state
             written: HeldCopy | Future[HeldCopy] | None = copy
-            if copy is None and replicated and self.world_size > 1:
+            data_written: Future[None] | None = None
+            if copy is None and in_place:
+                staged = copy_non_tensors(state)
+                data_written = self._staging = Future[None]()
+            elif copy is None and replicated and self.world_size > 1:
                 written = self._staging = self._stage_own_items(state, step)
             elif copy is None:
                 staged = self._stage(state)
@@ -246,7 +272,7 @@ class ShardedCheckpointer:
             self._inflight_id = (step, attempt, path)
             self._inflight_copy = copy
             self._inflight = self._executor.submit(
-                self._write_and_commit, path, manifest, staged, extra, written
+                self._write_and_commit, path, manifest, staged, extra, written, data_written
             )
             if not self.async_staging:
                 self.wait_staged()
@@ -306,9 +332,12 @@ class ShardedCheckpointer:
         state: dict[str, Any] | Future[Any],
         extra: bytes | None,
         copy: HeldCopy | Future[HeldCopy] | None = None,
+        data_written: Future[None] | None = None,
     ) -> CheckpointCommitted | None:
         """Steps 1-3 of the commit protocol (`elastrain.checkpoints.commit`), in the caller (sync)
-        or the background thread."""
+        or the background thread. `data_written` is set once this rank's data is written
+        (or the write failed): an in-place save's tensors may change from then on."""
+        started = time.perf_counter()
         try:
             if extra is not None:
                 atomic_write_bytes(path / rank_extra_name(self.rank), extra)
@@ -330,9 +359,16 @@ class ShardedCheckpointer:
                 process_group=self._pg,
                 no_dist=self._save_alone,
             )
+        except BaseException as e:
+            if data_written is not None:
+                data_written.set_exception(e)
+            raise
         finally:
             if isinstance(copy, HeldCopy):
                 copy.release()  # written (or failed): its owner may write into it again
+        self.last_write_s = time.perf_counter() - started
+        if data_written is not None:
+            data_written.set_result(None)
         if not self._coordinator:
             return None
         return commit(

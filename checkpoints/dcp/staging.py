@@ -11,6 +11,7 @@ containers) is DCP's own.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -61,3 +62,16 @@ def aligned_default_stager(*, pin_memory: bool, non_blocking: bool) -> DefaultSt
             pin_memory=current.pin_memory, share_memory=False
         )
     return stager
+
+
+def copy_non_tensors(state: Any) -> Any:
+    """`state` with its containers and non-tensor values copied and its tensors as they
+    are: what an in-place save writes (its tensors are not changed before the write is
+    over; a learning rate in a param group may be, by the next step)."""
+    if isinstance(state, torch.Tensor):
+        return state
+    if isinstance(state, dict):
+        return {key: copy_non_tensors(value) for key, value in state.items()}
+    if isinstance(state, list | tuple) and not hasattr(state, "_fields"):
+        return type(state)(copy_non_tensors(value) for value in state)
+    return copy.deepcopy(state)

@@ -9,9 +9,10 @@
 - a DDP rank's async save copies the items it writes alone (`own_items`): each item
   staged by exactly one rank, the bytes balanced;
 - a refresh never writes into buffers a save still reads, and reuses them afterwards;
+- the last save of an attempt is written in the caller, staging nothing;
 - the training loop (2 ranks on 2 "nodes", async saves) writes its checkpoints from peer
-  memory (FSDP) or from its rank's share (DDP), byte for byte the files of sync saves of
-  the live state.
+  memory (FSDP) or from its rank's share (DDP), the last one from the live state, byte
+  for byte the files of sync saves of the live state.
 """
 
 from __future__ import annotations
@@ -154,6 +155,19 @@ def test_a_copy_of_another_step_is_refused_and_released(tmp_path: Path) -> None:
     ckpt.close()
 
 
+def test_the_last_save_is_written_in_the_caller_with_no_staging(tmp_path: Path) -> None:
+    ckpt = ShardedCheckpointer(tmp_path, rank=0, world_size=1, async_save=True,
+                               async_staging=True)  # fmt: skip
+    ckpt.save(step=2, attempt=0, state=state(1.0), manifest_fields={})
+    assert ckpt._stager is not None  # an ordinary async save stages
+    ckpt.save(step=3, attempt=0, state=state(2.0), manifest_fields={}, sync=True)
+    # Committed when save() returns (the step-2 save first), nothing left in flight.
+    assert [c.step for c in ckpt.poll_commits()] == [2, 3]
+    assert ckpt._inflight is None and ckpt._staging is None
+    assert torch.equal(load(tmp_path)["big"], state(2.0)["big"])
+    ckpt.close()
+
+
 # -- a replicated state (DDP) ----------------------------------------------------------
 
 
@@ -242,15 +256,33 @@ def test_a_refresh_never_writes_into_a_copy_being_saved(group_of_one: None) -> N
 
 def loop_saves(rank: int, world_size: int, root: str, label: str) -> dict[str, Any]:
     """The same job twice in the same processes: without peer memory, sync saves of the
-    live state; then on two "nodes" with peer memory every step and async saves."""
+    live state; then with async saves, written in place once a write is timed, and on two
+    "nodes" with peer memory every step (one node, "/one-node": no peer memory)."""
     from elastrain.checkpoints.dcp import held_copy
+    from elastrain.workers import loop
     from elastrain.workers.api import NullHooks, TrainContext
-    from elastrain.workers.loop import train
     from tests.unit.test_peer_memory import STRATEGIES, spec_for
 
+    strategy, _, where = label.partition("/")
     staged: list[int] = []
     from_copy: list[int] = []
+    in_place: list[int] = []
+    saves: list[int] = []
+
+    def after_the_first_save(*, async_save: bool, on_host: bool, **timing: Any) -> bool:
+        # Whatever a write takes on this machine (`writes_in_place` has its own tests),
+        # and whether or not the first one is over by the next save.
+        return async_save and on_host and bool(saves)
+
+    loop.writes_in_place = after_the_first_save  # type: ignore[assignment]
     stage, init = ShardedCheckpointer._stage, held_copy.HeldCopyPlanner.__init__
+    save = ShardedCheckpointer.save
+
+    def recording_save(self: ShardedCheckpointer, **kwargs: Any) -> float:
+        saves.append(kwargs["step"])
+        if kwargs["in_place"] and kwargs["copy"] is None and not kwargs["sync"]:
+            in_place.append(kwargs["step"])
+        return save(self, **kwargs)
 
     def counting_stage(self: ShardedCheckpointer, state: Any) -> Any:
         staged.append(1)
@@ -261,12 +293,13 @@ def loop_saves(rank: int, world_size: int, root: str, label: str) -> dict[str, A
         init(self, copy)
 
     ShardedCheckpointer._stage = counting_stage  # type: ignore[method-assign]
+    ShardedCheckpointer.save = recording_save  # type: ignore[method-assign]
     held_copy.HeldCopyPlanner.__init__ = counting_init  # type: ignore[method-assign]
-    base = spec_for(STRATEGIES[label])
+    base = spec_for(STRATEGIES[strategy])
     out: dict[str, Any] = {}
     for run, memory_every, async_save, nodes in (
         ("live", 0, False, "aa"),
-        ("copy", 1, True, "ab"),
+        ("copy", 1, True, "aa" if where == "one-node" else "ab"),
     ):
         spec = base.model_copy(update={"checkpoint": base.checkpoint.model_copy(update={
             "memory_every": memory_every, "async_save": async_save, "every_steps": 2})})  # fmt: skip
@@ -275,30 +308,43 @@ def loop_saves(rank: int, world_size: int, root: str, label: str) -> dict[str, A
                            checkpoint_root=Path(root) / run)  # fmt: skip
         staged.clear()
         from_copy.clear()
+        in_place.clear()
+        saves.clear()
         hooks = NullHooks()
-        train(ctx, spec, hooks)
+        loop.train(ctx, spec, hooks)
         out[run] = {
             "losses": [m.loss for m in hooks.metrics],
             "staged": len(staged),
             "from_copy": list(from_copy),
+            "in_place": list(in_place),
         }
     return out
 
 
-@pytest.mark.parametrize("label", ["fsdp", "ddp"])
+#: Saves at steps 2, 4, 6 and 7 (the last): (written from a copy, staged by DCP's stager,
+#: written in place).
+EXPECTED = {
+    # Each save of a step peer memory refreshed at is written from its copy.
+    "fsdp": ([2, 4, 6], 0, []),
+    # No peer memory (every rank holds the whole state): the first save copies the items
+    # its rank writes alone; once a write is timed, the next are written in place.
+    "ddp": ([2], 0, [4, 6]),
+    # No buddy on one node, no peer memory: the first save staged, then in place.
+    "fsdp/one-node": ([], 1, [4, 6]),
+}
+
+
+@pytest.mark.parametrize("label", list(EXPECTED))
 def test_the_loop_writes_checkpoints_from_copies_byte_for_byte(tmp_path: Path, label: str) -> None:
-    """FSDP: each save of a step peer memory refreshed at is written from its copy (the
-    last step's, which no refresh follows, is staged). DDP (no peer memory: every rank
-    holds the whole state): each async save copies the items its rank writes alone."""
+    """Every async save of the loop, from a copy, staged or in place, and the last step's
+    (7, written at once from the live state, staging nothing), writes the files of a sync
+    save of the live state at that step."""
     out = run_distributed(loop_saves, 2, str(tmp_path), label, timeout_s=300)
     for rank in (0, 1):
         live, copy = out[rank]["live"], out[rank]["copy"]
         assert live["losses"] == copy["losses"]
-        assert live["from_copy"] == []
-        if label == "fsdp":  # the last step's save (7) follows no refresh: staged
-            assert (copy["from_copy"], copy["staged"]) == ([2, 4, 6], 1), copy
-        else:
-            assert (copy["from_copy"], copy["staged"]) == ([2, 4, 6, 7], 0), copy
+        assert live["from_copy"] == live["in_place"] == []
+        assert (copy["from_copy"], copy["staged"], copy["in_place"]) == EXPECTED[label], copy
     for step in (2, 4, 6, 7):
         folders = {run: tmp_path / run / f"step_{step:09d}-a1" for run in ("live", "copy")}
         for rank in (0, 1):

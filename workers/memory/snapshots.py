@@ -166,7 +166,9 @@ class PeerRefresher:
             group=group,
             buddy=buddy_of[ctx.rank],
             wards=wards(buddy_of)[ctx.rank],
-            pacer=RefreshPacer(fixed=spec.checkpoint.memory_every),
+            pacer=RefreshPacer(
+                fixed=spec.checkpoint.memory_every, checkpoint_every=spec.checkpoint.every_steps
+            ),
             periodic=any(b is not None for b in buddy_of),
         )
 

@@ -183,14 +183,26 @@ class Strategy(ABC):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+    def state_dict_for_checkpoint(self, *, copy_buffers: bool = False) -> dict[str, Any]:
         """Model and optimizer state keyed by FQN, as `torch.distributed.checkpoint` wants
-        (DTensors for fsdp), loadable at any other world size or split."""
+        (DTensors for fsdp), loadable at any other world size or split. Its tensors are the
+        live ones; `copy_buffers`: the module buffers' are copies, for a save that writes
+        the live tensors while the next forward runs (a forward may change buffers in
+        place: batch-norm statistics, DDP's broadcast of them); the weights and optimizer
+        state change only in the update."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(
             self.model, self.optimizer, options=self.checkpoint_options
         )
+        if copy_buffers:
+            buffers = {local_tensor(b).data_ptr() for b in self.model.buffers()}
+            model_sd = {
+                key: value.clone()
+                if isinstance(value, torch.Tensor) and local_tensor(value).data_ptr() in buffers
+                else value
+                for key, value in model_sd.items()
+            }
         return {"model": model_sd, "optim": optim_sd}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
@@ -210,7 +222,7 @@ class Strategy(ABC):
         the device's peak allocation since the last call."""
 
         def local_bytes(t: torch.Tensor) -> int:
-            local = t.to_local() if hasattr(t, "to_local") else t
+            local = local_tensor(t)
             return local.numel() * local.element_size()
 
         params = sum(local_bytes(p) for p in self.model.parameters())
@@ -262,3 +274,10 @@ def microbatch_loss(
         return loss * 0.0, torch.zeros((), device=loss.device)
     summed = loss_fn(model(inputs), targets) * n
     return summed * loss_scale, summed.detach()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; a plain tensor as it is."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    assert isinstance(local, torch.Tensor)
+    return local

@@ -242,19 +242,25 @@ def test_large_records_start_their_data_on_a_block_and_torch_reads_them(
     assert target["count"] == 3
 
 
-def test_flushes_after_every_small_record_cost_no_write_each(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # torch.save flushes its file after every tensor; with direct I/O each flush would be
-    # a synchronous disk write of a padded block.
-    writes: list[int] = []
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the writes shard files make to the disk."""
+    sizes: list[int] = []
     real_pwrite = os.pwrite
 
     def counting(fd: int, data: Any, offset: int) -> int:
-        writes.append(len(data))
+        sizes.append(len(data))
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(shard_file.os, "pwrite", counting)
+    return sizes
+
+
+def test_flushes_after_every_small_record_cost_no_write_each(
+    tmp_path: Path, writes: list[int]
+) -> None:
+    # torch.save flushes its file after every tensor; with direct I/O each flush would be
+    # a synchronous disk write of a padded block.
     pieces = [os.urandom(1000) for _ in range(200)]
     path = tmp_path / "__0_0.distcp"
     got: dict[str, Any] = {}
@@ -267,19 +273,9 @@ def test_flushes_after_every_small_record_cost_no_write_each(
     assert len(writes) <= 2, writes  # the whole blocks, then the padded last one
 
 
-def test_closing_after_the_fsync_writes_nothing_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_closing_after_the_fsync_writes_nothing_again(tmp_path: Path, writes: list[int]) -> None:
     # DCP's writer and ours fsync `fileno()` and then close: the padded last block is
     # written once, before the fsync.
-    writes: list[int] = []
-    real_pwrite = os.pwrite
-
-    def counting(fd: int, data: Any, offset: int) -> int:
-        writes.append(len(data))
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(shard_file.os, "pwrite", counting)
     path = tmp_path / "__0_0.distcp"
     with DigestingStream(path, lambda size, digest: None, direct=True) as stream:
         stream.write(b"x" * 100)

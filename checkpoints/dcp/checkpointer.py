@@ -208,7 +208,7 @@ class ShardedCheckpointer:
         this rank's data is written, so the caller's next update waits for the write, not
         for a copy. For a host-memory state whose write fits in the time before that update
         (`elastrain.workers.checkpointing.writes_in_place`); the non-tensor values are
-        copied now. `last_write_s` is what the latest async save's write took."""
+        copied now. `last_write_s` is what the latest save's write took."""
         if in_place and not self.async_staging:
             raise ValueError("in_place needs async_staging: the caller must wait for the write")
         try:
@@ -337,7 +337,6 @@ class ShardedCheckpointer:
         """Steps 1-3 of the commit protocol (`elastrain.checkpoints.commit`), in the caller (sync)
         or the background thread. `data_written` is set once this rank's data is written
         (or the write failed): an in-place save's tensors may change from then on."""
-        started = time.perf_counter()
         try:
             if extra is not None:
                 atomic_write_bytes(path / rank_extra_name(self.rank), extra)
@@ -345,6 +344,7 @@ class ShardedCheckpointer:
                 state = state.result()
             if isinstance(copy, Future):
                 copy = copy.result()
+            started = time.perf_counter()  # the write alone, not the wait for its copy
             writer = DigestingWriter(
                 path,
                 algorithm=self.digest_algorithm,

@@ -74,6 +74,7 @@ from bench.report_blocks import write_block  # noqa: E402
 from elastrain.checkpoints.dcp import ShardedCheckpointer  # noqa: E402
 from elastrain.checkpoints.dcp.own_items import OwnItemsStager  # noqa: E402
 from elastrain.workers.api import TrainContext  # noqa: E402
+from elastrain.workers.checkpointing import IN_PLACE_WRITE_SHARE  # noqa: E402
 from elastrain.workers.memory.pacing import RefreshPacer  # noqa: E402
 from elastrain.workers.memory.snapshots import PeerRefresher, Snapshot  # noqa: E402
 from tests.unit.dist_utils import run_distributed  # noqa: E402
@@ -317,6 +318,8 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
             # for rank 0's hashing, which per-rank blocked time alone would miss.
             record(f"{mode}.window", max_over_ranks(window))
             record(f"{mode}.tail", max_over_ranks(tail))
+            if ckpt.last_write_s is not None:
+                record(f"{mode}.write", max_over_ranks(ckpt.last_write_s))
             if commits:
                 total_bytes = commits[0].bytes
             if rank == 0:  # keep the disk footprint to one checkpoint per mode
@@ -457,6 +460,15 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
         ),
         "| (the same, estimated from CPU time) "
         f"| {cpu_cost('async-live') / cpu_cost('sync'):.2f} | | |",
+        # What `writes_in_place` compares: the loop writes in place only when this holds.
+        f"| (its write {r['async-live.write']:.3f} s vs half a step "
+        f"{IN_PLACE_WRITE_SHARE * base / STEPS_AFTER_SAVE:.3f} s: the loop would "
+        + (
+            "write in place"
+            if r["async-live.write"] <= IN_PLACE_WRITE_SHARE * base / STEPS_AFTER_SAVE
+            else "stage"
+        )
+        + ") | | | |",
         "| (both through the page cache, no direct I/O: by wall time; by CPU time) "
         f"| {stall('async-cache') / stall('sync-cache'):.2f}; "
         f"{cpu_cost('async-cache') / cpu_cost('sync-cache'):.2f} | | |",

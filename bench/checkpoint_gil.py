@@ -39,7 +39,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from elastrain.checkpoints.dcp import ShardedCheckpointer
-from elastrain.checkpoints.manifest import Manifest
 from elastrain.contracts.messages import CheckpointCommitted
 from elastrain.workers.workloads.gpt import GPT, lm_loss
 
@@ -153,12 +152,11 @@ class _TimedCheckpointer(ShardedCheckpointer):
         if collectives:  # the "before" of a group of one (checkpointer.py, _save_alone)
             self._save_alone = False
 
-    def _write_and_commit(
-        self, path: Path, manifest: Manifest, state: Any, extra: bytes | None, copy: Any = None
-    ) -> CheckpointCommitted | None:
+    def _write_and_commit(self, *args: Any, **kwargs: Any) -> CheckpointCommitted | None:
+        # Whatever the checkpointer passes on (its arguments grow with its save paths).
         started = time.thread_time()
         try:
-            return super()._write_and_commit(path, manifest, state, extra, copy)
+            return super()._write_and_commit(*args, **kwargs)
         finally:
             self.write_cpu.append(time.thread_time() - started)
 

@@ -205,8 +205,8 @@ class ShardedCheckpointer:
 
         `in_place` (async saves with `async_staging`): no staging copy either; the live
         tensors of `state` are written in the background and `wait_staged()` returns once
-        this rank's data is written, so the caller's next update waits for the write, not
-        for a copy. For a host-memory state whose write fits in the time before that update
+        the save's data is written (DCP's save returned: every rank's part), so the
+        caller's next update waits for the write, not for a copy. For a host-memory state whose write fits in the time before that update
         (`elastrain.workers.checkpointing.writes_in_place`); the non-tensor values are
         copied now. `last_write_s` is what the latest save's write took."""
         if in_place and not self.async_staging:
@@ -335,8 +335,8 @@ class ShardedCheckpointer:
         data_written: Future[None] | None = None,
     ) -> CheckpointCommitted | None:
         """Steps 1-3 of the commit protocol (`elastrain.checkpoints.commit`), in the caller (sync)
-        or the background thread. `data_written` is set once this rank's data is written
-        (or the write failed): an in-place save's tensors may change from then on."""
+        or the background thread. `data_written` is set once the data is written (DCP's
+        save returned) or the write failed: an in-place save's tensors may change then."""
         try:
             if extra is not None:
                 atomic_write_bytes(path / rank_extra_name(self.rank), extra)

@@ -1,7 +1,7 @@
 """An async save of a state in host memory written from the live tensors, with no staging
 copy (`ShardedCheckpointer.save(in_place=True)`), the next update waiting for the write:
 
-- `wait_staged()` returns only once this rank's data is written, so the tensors the
+- `wait_staged()` returns only once the save's data is written, so the tensors the
   update then changes are saved as they were at the save; the non-tensor values (a param
   group's learning rate) are copied at save();
 - a failed write raises at `wait_staged()` in the caller, as a failed staging copy does;

@@ -81,7 +81,10 @@ def save_checkpoint(
     blocked = checkpointer.save(
         step=done,
         attempt=ctx.attempt,
-        state=strategy.state_dict_for_checkpoint(copy_buffers=in_place),
+        # Only a save that writes the live tensors needs the buffers' copies.
+        state=strategy.state_dict_for_checkpoint(
+            copy_buffers=in_place and copy is None and not last
+        ),
         manifest_fields={
             "strategy": spec.strategy.label,
             "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp},

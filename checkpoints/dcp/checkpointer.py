@@ -206,9 +206,10 @@ class ShardedCheckpointer:
         `in_place` (async saves with `async_staging`): no staging copy either; the live
         tensors of `state` are written in the background and `wait_staged()` returns once
         the save's data is written (DCP's save returned: every rank's part), so the
-        caller's next update waits for the write, not for a copy. For a host-memory state whose write fits in the time before that update
+        caller's next update waits for the write, not for a copy. For a host-memory state
+        whose write fits in the time before that update
         (`elastrain.workers.checkpointing.writes_in_place`); the non-tensor values are
-        copied now. `last_write_s` is what the latest save's write took."""
+        copied now. Ignored with a `copy` or `sync`. `last_write_s` is what the latest save's write took."""
         if in_place and not self.async_staging:
             raise ValueError("in_place needs async_staging: the caller must wait for the write")
         try:

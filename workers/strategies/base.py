@@ -24,6 +24,7 @@ from elastrain.contracts.spec import JobSpec
 from elastrain.workers.activation import ActivationMeter
 from elastrain.workers.agreement import StepAgreement
 from elastrain.workers.api import TrainContext, Workload
+from elastrain.workers.strategies.collectives import local
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -196,10 +197,10 @@ class Strategy(ABC):
             self.model, self.optimizer, options=self.checkpoint_options
         )
         if copy_buffers:
-            buffers = {local_tensor(b).data_ptr() for b in self.model.buffers()}
+            buffers = {local(b).data_ptr() for b in self.model.buffers()}
             model_sd = {
                 key: value.clone()
-                if isinstance(value, torch.Tensor) and local_tensor(value).data_ptr() in buffers
+                if isinstance(value, torch.Tensor) and local(value).data_ptr() in buffers
                 else value
                 for key, value in model_sd.items()
             }
@@ -222,8 +223,8 @@ class Strategy(ABC):
         the device's peak allocation since the last call."""
 
         def local_bytes(t: torch.Tensor) -> int:
-            local = local_tensor(t)
-            return local.numel() * local.element_size()
+            shard = local(t)
+            return shard.numel() * shard.element_size()
 
         params = sum(local_bytes(p) for p in self.model.parameters())
         grads = sum(local_bytes(p.grad) for p in self.model.parameters() if p.grad is not None)
@@ -274,10 +275,3 @@ def microbatch_loss(
         return loss * 0.0, torch.zeros((), device=loss.device)
     summed = loss_fn(model(inputs), targets) * n
     return summed * loss_scale, summed.detach()
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor; a plain tensor as it is."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    assert isinstance(local, torch.Tensor)
-    return local

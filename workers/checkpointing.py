@@ -24,22 +24,26 @@ if TYPE_CHECKING:  # imported when made, so `workers` imports without DCP loaded
 log = logging.getLogger("elastrain.workers.checkpointing")
 
 #: An async save of a state in host memory writes the live tensors, with no staging copy,
-#: when the previous save's write took at most this share of a step: the update that waits
-#: for it comes after the next step's forward and backward, most of a step.
-IN_PLACE_WRITE_SHARE = 0.5
+#: unless the previous save took more than this many steps to write its tensors. The
+#: update that needs them back comes after the next step's forward and backward, most of
+#: a step; a write a little longer leaves a few tensors for that update to copy.
+IN_PLACE_MAX_WRITE_STEPS = 1.0
 
 
 def writes_in_place(
-    *, async_save: bool, on_host: bool, last_write_s: float | None, step_s: float
+    *, async_save: bool, on_host: bool, tensor_write_s: float | None, step_s: float
 ) -> bool:
     """Whether an async save is written from the live state (`ShardedCheckpointer.save`'s
-    `in_place`), the next update waiting for the write rather than for a staging copy.
-    Only for a state in host memory (a device's state is copied to the host to be written
-    anyway), and once a write has been timed and fits (a slow disk stages: a copy then
-    holds the update for less time than the write would)."""
-    if not (async_save and on_host) or last_write_s is None or step_s <= 0:
+    `in_place`): the next update waits for the write, or, where it is not over, for a copy
+    of the tensors not yet written. Only for a state in host memory (a device's state is
+    copied to the host to be written anyway). An attempt's first save (no write timed
+    yet) goes in place too: at worst its update copies what is left, less than a staging
+    copy. Where the previous save's tensors (`tensor_write_s`) took longer than a step
+    to write, the save stages instead (a slow disk): the staging copy then runs beside
+    the forward and backward, where a spare core hides it, rather than hold the update."""
+    if not (async_save and on_host) or step_s <= 0:
         return False
-    return last_write_s <= IN_PLACE_WRITE_SHARE * step_s
+    return tensor_write_s is None or tensor_write_s <= IN_PLACE_MAX_WRITE_STEPS * step_s
 
 
 def make_checkpointer(ctx: TrainContext, spec: JobSpec) -> ShardedCheckpointer:

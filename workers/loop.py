@@ -201,7 +201,7 @@ def _train(
                 reason = control.value if control != Control.NONE else "scheduled"
                 in_place = writes_in_place(async_save=spec.checkpoint.async_save,
                                            on_host=ctx.device.type == "cpu",
-                                           last_write_s=checkpointer.last_write_s,
+                                           tensor_write_s=checkpointer.last_tensor_write_s,
                                            step_s=step_time)  # fmt: skip
                 stalled = save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
                                           metrics=reports.kept_with_checkpoint(),

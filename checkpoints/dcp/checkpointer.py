@@ -7,7 +7,9 @@ once; the caller must then call `wait_staged()` before anything mutates the save
 in place (the training loop: before the optimizer step), so that no later update leaks
 into the checkpoint. A save given a copy of the state made at its step (`held_copy`:
 peer memory's) writes that and makes no copy of its own; an async save of a state every
-rank holds whole (DDP) copies only what its rank writes (`own_items`).
+rank holds whole (DDP) copies only what its rank writes (`own_items`); an in-place save
+writes the live tensors, and `wait_staged()` copies only those not yet written
+(`live_tensors`).
 
 Loads read each shard file once, verifying its digest on the way, on the ranks that read
 it (`elastrain.checkpoints.dcp.reader`); rank 0 checks the small files while choosing the
@@ -34,6 +36,7 @@ from elastrain.checkpoints._fs import atomic_write_bytes
 from elastrain.checkpoints.catalog import LoadOutcome, find_latest_good
 from elastrain.checkpoints.commit import commit, manifest_for, uncommit
 from elastrain.checkpoints.dcp.held_copy import HeldCopy, HeldCopyPlanner
+from elastrain.checkpoints.dcp.live_tensors import LiveTensors
 from elastrain.checkpoints.dcp.own_items import OwnItemsStager
 from elastrain.checkpoints.dcp.reader import VerifyingReader
 from elastrain.checkpoints.dcp.staging import aligned_default_stager, copy_non_tensors
@@ -162,13 +165,18 @@ class ShardedCheckpointer:
         self._stager: DefaultStager | None = None
         self._own_stager: OwnItemsStager | None = None
         self._staging: Future[Any] | None = None
+        self._live: LiveTensors | None = None  # an in-place save's, until wait_staged()
         self._inflight: Future[CheckpointCommitted | None] | None = None
         self._inflight_id: tuple[int, int, Path] | None = None
         self._inflight_copy: HeldCopy | None = None
         self._pending: list[CheckpointCommitted] = []
         self._last_saved: tuple[int, int] | None = None
-        self.last_write_s: float | None = None
-        """Seconds the latest save took to write this rank's data (plan, write, finish)."""
+        self.last_tensor_write_s: float | None = None
+        """Seconds from the latest save's start in its thread to its last tensor written
+        (DCP's planning and the tensor records, not the fsync or the commit): how long an
+        in-place save reads the live tensors."""
+        self.last_taken_back_bytes = 0
+        """Bytes the latest in-place save copied at `wait_staged()` (not yet written then)."""
 
     # ---------------------------------------------------------------------------------
     # save
@@ -204,12 +212,12 @@ class ShardedCheckpointer:
         and host memory for nothing).
 
         `in_place` (async saves with `async_staging`): no staging copy either; the live
-        tensors of `state` are written in the background and `wait_staged()` returns once
-        the save's data is written (DCP's save returned: every rank's part), so the
-        caller's next update waits for the write, not for a copy. For a host-memory state
-        whose write fits in the time before that update
-        (`elastrain.workers.checkpointing.writes_in_place`); the non-tensor values are
-        copied now. Ignored with a `copy` or `sync`. `last_write_s` is what the latest save's write took."""
+        tensors of `state` are written in the background (the non-tensor values are copied
+        now). `wait_staged()` returns once the save no longer reads them: the write is
+        over, or the tensor being written is and the ones not yet written are copied then
+        (`live_tensors`), so the caller's next update waits at most for a copy of what is
+        left. For a host-memory state (`elastrain.workers.checkpointing.writes_in_place`).
+        Ignored with a `copy` or `sync`."""
         if in_place and not self.async_staging:
             raise ValueError("in_place needs async_staging: the caller must wait for the write")
         try:
@@ -261,9 +269,12 @@ class ShardedCheckpointer:
             staged: dict[str, Any] | Future[Any] = state
             written: HeldCopy | Future[HeldCopy] | None = copy
             data_written: Future[None] | None = None
+            live: LiveTensors | None = None
             if copy is None and in_place:
                 staged = copy_non_tensors(state)
                 data_written = self._staging = Future[None]()
+                live = self._live = LiveTensors()
+                self.last_taken_back_bytes = 0
             elif copy is None and replicated and self.world_size > 1:
                 written = self._staging = self._stage_own_items(state, step)
             elif copy is None:
@@ -273,8 +284,9 @@ class ShardedCheckpointer:
             self._inflight_id = (step, attempt, path)
             self._inflight_copy = copy
             self._inflight = self._executor.submit(
-                self._write_and_commit, path, manifest, staged, extra, written, data_written
-            )
+                self._write_and_commit, path, manifest, staged, extra, written, data_written,
+                live,
+            )  # fmt: skip
             if not self.async_staging:
                 self.wait_staged()
         else:
@@ -314,11 +326,16 @@ class ShardedCheckpointer:
         failed synchronous save, rather than train on while its peers wait in the save's
         collectives for a write that will never start."""
         staging, self._staging = self._staging, None
+        live, self._live = self._live, None
         if staging is None:
             return 0.0
         started = time.perf_counter()
         try:
-            staging.result()
+            if live is not None:
+                live.take_back(staging)
+                self.last_taken_back_bytes = live.copied_bytes
+            else:
+                staging.result()
         except BaseException as e:
             if self._inflight_id is None:
                 raise
@@ -334,10 +351,12 @@ class ShardedCheckpointer:
         extra: bytes | None,
         copy: HeldCopy | Future[HeldCopy] | None = None,
         data_written: Future[None] | None = None,
+        live: LiveTensors | None = None,
     ) -> CheckpointCommitted | None:
         """Steps 1-3 of the commit protocol (`elastrain.checkpoints.commit`), in the caller (sync)
-        or the background thread. `data_written` is set once the data is written (DCP's
-        save returned) or the write failed: an in-place save's tensors may change then."""
+        or the background thread. An in-place save's: `data_written`, set once the data is
+        written (DCP's save returned) or the write failed, and `live`, through which the
+        writer reads the live tensors."""
         try:
             if extra is not None:
                 atomic_write_bytes(path / rank_extra_name(self.rank), extra)
@@ -351,6 +370,7 @@ class ShardedCheckpointer:
                 algorithm=self.digest_algorithm,
                 template_records=self.template_records,
                 direct_io=self.direct_io,
+                live=live,
             )
             # Looked up on the module at call time (tests hold the write by patching it).
             state_dict_saver.save(
@@ -367,7 +387,7 @@ class ShardedCheckpointer:
         finally:
             if isinstance(copy, HeldCopy):
                 copy.release()  # written (or failed): its owner may write into it again
-        self.last_write_s = time.perf_counter() - started
+        self.last_tensor_write_s = (writer.tensors_written_at or time.perf_counter()) - started
         if data_written is not None:
             data_written.set_result(None)
         if not self._coordinator:
@@ -391,7 +411,7 @@ class ShardedCheckpointer:
         if fut is None or ident is None or (not block and not fut.done()):
             return
         # The write is over, so is its staging (a failed one is reported just below).
-        self._inflight, self._inflight_id, self._staging = None, None, None
+        self._inflight, self._inflight_id, self._staging, self._live = None, None, None, None
         self._inflight_copy = None
         try:
             result = fut.result()

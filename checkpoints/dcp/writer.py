@@ -27,8 +27,9 @@ import dataclasses
 import io
 import os
 import threading
+import time
 from collections.abc import Generator, Iterable
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import IO, cast
 
@@ -46,6 +47,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
+from elastrain.checkpoints.dcp.live_tensors import LiveTensors
 from elastrain.checkpoints.dcp.shard_file import DigestingStream, aligned_record_start
 from elastrain.checkpoints.dcp.tensor_records import record_parts, serialization_settings
 from elastrain.checkpoints.digest import DEFAULT_ALGORITHM
@@ -125,6 +127,10 @@ class DigestingWriter(FileSystemWriter):
 
     `direct_io`: shard files written with direct I/O where the file system takes it
     (`shard_file`); None: unless `ELASTRAIN_CHECKPOINT_DIRECT_IO=0`.
+
+    `live`: the state's tensors are the live ones (an in-place save): each is claimed
+    from it while written, so that the caller may take the rest back as copies
+    (`live_tensors`).
     """
 
     def __init__(
@@ -134,12 +140,17 @@ class DigestingWriter(FileSystemWriter):
         algorithm: str = DEFAULT_ALGORITHM,
         template_records: bool = True,
         direct_io: bool | None = None,
+        live: LiveTensors | None = None,
     ) -> None:
         # The staging copy is made by the checkpointer's own stager (checkpointer.py), so
         # no staging options here; sync_files: a file is durable before the manifest
         # names it.
         super().__init__(path, single_file_per_rank=True, sync_files=True)
         self.template_records = template_records
+        self.live = live
+        self.tensors_written_at: float | None = None
+        """`time.perf_counter()` when the last tensor record was handed to the file (before
+        the fsync); None when DCP's own loop wrote them."""
         self._digesting_fs = DigestingFileSystem(algorithm, direct_io)
         self.fs = self._digesting_fs
         self.shard_digests: dict[str, FileEntry] = {}
@@ -152,6 +163,8 @@ class DigestingWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         with without_zip_crc32():
             shard = self._write_shard(plan, planner) if self._one_plain_shard() else None
+            if shard is None and self.live is not None:
+                self.live.unmanaged()  # DCP's loop writes the live tensors: no claims
             results = shard if shard is not None else list(super().write_data(plan, planner).wait())
         results.extend(_digest_result(d) for d in self._digesting_fs.take_digests())
         out: TorchFuture[list[WriteResult]] = TorchFuture()
@@ -194,6 +207,8 @@ class DigestingWriter(FileSystemWriter):
             if not tensor.is_cpu:
                 return None
             tensors.append(tensor.detach())
+        if self.live is not None:
+            self.live.register(tensors)
         settings = serialization_settings()
         results: list[WriteResult] = []
         with self.fs.create_stream(path, "wb") as stream:
@@ -203,25 +218,31 @@ class DigestingWriter(FileSystemWriter):
                 offset = stream.tell()
                 stream.write(data.getbuffer())
                 results.append(_result(item, file_name, offset, stream.tell() - offset))
-            for item, tensor in zip(tensor_items, tensors, strict=True):
-                if tensor.untyped_storage().size() != tensor.numel() * tensor.itemsize:
-                    tensor = tensor.clone()  # as DCP's loaders: minimal storage
-                parts = record_parts(tensor, settings)
-                if parts is None:
-                    offset = stream.tell()
-                    torch.save(tensor, cast(IO[bytes], stream))
-                else:
-                    prefix, body, _suffix = parts
-                    end = stream.tell()
-                    offset = aligned_record_start(end, len(prefix), len(body))
-                    stream.write(bytes(offset - end))  # so large data is block-aligned
-                    for part in parts:
-                        stream.write(part)
+            for item, listed in zip(tensor_items, tensors, strict=True):
+                with self._reading(listed) as tensor:
+                    if tensor.untyped_storage().size() != tensor.numel() * tensor.itemsize:
+                        tensor = tensor.clone()  # as DCP's loaders: minimal storage
+                    parts = record_parts(tensor, settings)
+                    if parts is None:
+                        offset = stream.tell()
+                        torch.save(tensor, cast(IO[bytes], stream))
+                    else:
+                        prefix, body, _suffix = parts
+                        end = stream.tell()
+                        offset = aligned_record_start(end, len(prefix), len(body))
+                        stream.write(bytes(offset - end))  # so large data is block-aligned
+                        for part in parts:
+                            stream.write(part)
                 results.append(_result(item, file_name, offset, stream.tell() - offset))
+            self.tensors_written_at = time.perf_counter()
             stream.flush()
             if self.sync_files:
                 os.fsync(stream.fileno())
         return results
+
+    def _reading(self, tensor: torch.Tensor) -> AbstractContextManager[torch.Tensor]:
+        """`tensor`, or in an in-place save the claimed live tensor or its copy."""
+        return self.live.claim() if self.live is not None else nullcontext(tensor)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         digests, dcp_results = split_digest_results(results)

@@ -380,6 +380,9 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
         return original_save(*args, **kwargs)
 
     loop.make_checkpointer = make_checkpointer
+    # The staging path (a state on a device, or a slow disk): an in-place save's update
+    # waits for the write instead (tests/unit/test_checkpoint_in_place.py).
+    loop.writes_in_place = lambda **_: False
     register_optimizer_step_pre_hook(before_update)
     state_dict_saver.save = held_save
     spec = JobSpec.model_validate(

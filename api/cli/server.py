@@ -151,7 +151,7 @@ def _submit_demo_when_up(url: str) -> None:
     import threading
     from importlib.resources import files
 
-    spec = yaml.safe_load(files("api").joinpath("demo/gpt-tiny.yaml").read_text())
+    spec = yaml.safe_load(files("elastrain.api").joinpath("demo/gpt-tiny.yaml").read_text())
 
     def submit_when_up() -> None:
         with httpx.Client(base_url=url, timeout=10) as client:

@@ -1,8 +1,9 @@
-"""The README's command lines stay true: every `elastrain ...` line in its code blocks names
+"""The README's commands stay true: every `elastrain ...` line in its code blocks names
 a command the CLI has, with options that command takes, and every `examples/...` path it
 names exists, each example spec valid (the ones whose code comes with `--working-dir`
-refused without it, saying so). Nothing is run: the commands are parsed against the CLI's
-own definition."""
+refused without it, saying so), and every REST call it names (`GET /v1/...`) is one the
+API serves. Nothing is run: the commands are parsed against the CLI's own definition, the
+calls looked up in the API's OpenAPI description."""
 
 from __future__ import annotations
 
@@ -81,3 +82,25 @@ def test_each_example_spec_is_valid(path: Path) -> None:
     except ValidationError as exc:  # code shipped with the job: refused without it
         assert "--working-dir" in str(exc), exc
         assert (path.parent / path.stem).is_dir(), f"{path.name} needs a folder to ship"
+
+
+def test_every_rest_call_the_readme_names_is_served(tmp_path: Path) -> None:
+    from elastrain.api.main import create_app
+    from elastrain.service.settings import Settings
+
+    app = create_app(
+        Settings(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}", storage_path=tmp_path / "st")
+    )
+
+    def shape(path: str) -> str:  # `{id}` in the README, `{job_id}` in the app
+        return re.sub(r"\{[^}]*\}", "{}", path)
+
+    served = {(m.upper(), shape(p)) for p, ops in app.openapi()["paths"].items() for m in ops}
+    named = {
+        (method, shape(path))
+        for method, path in re.findall(
+            r"(GET|POST|PUT|PATCH|DELETE)\s+`?(/v1/[\w{}/.\-]*\w\}?)", README
+        )
+    }
+    assert len(named) >= 15
+    assert sorted(named - served) == []

@@ -2,7 +2,7 @@
 a command the CLI has, with options that command takes, and every `examples/...` path it
 names exists, each example spec valid (the ones whose code comes with `--working-dir`
 refused without it, saying so), and every REST call it names (`GET /v1/...`) is one the
-API serves. Nothing is run: the commands are parsed against the CLI's own definition, the
+API serves, and every `ELASTRAIN_*` variable it names is read somewhere. Nothing is run: the commands are parsed against the CLI's own definition, the
 calls looked up in the API's OpenAPI description."""
 
 from __future__ import annotations
@@ -104,3 +104,21 @@ def test_every_rest_call_the_readme_names_is_served(tmp_path: Path) -> None:
     }
     assert len(named) >= 15
     assert sorted(named - served) == []
+
+
+def test_every_environment_variable_the_readme_names_is_read() -> None:
+    from elastrain.service.settings import Settings
+
+    named = set(re.findall(r"ELASTRAIN_[A-Z0-9_]*[A-Z0-9]", README))
+    settings = {f"ELASTRAIN_{name.upper()}" for name in Settings.model_fields}
+    sources = [
+        path
+        for folder in ("api", "service", "workers", "checkpoints", "contracts", "bench", "tests")
+        for path in (REPO / folder).rglob("*.py")
+    ] + [REPO / "Makefile", *(REPO / ".ci").iterdir()]
+    read = set()
+    for path in sources:
+        if path.is_file():
+            read |= set(re.findall(r"ELASTRAIN_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
+    assert len(named) >= 10
+    assert sorted(named - settings - read) == []

@@ -1,9 +1,10 @@
 """The README's commands stay true: every `elastrain ...` line in its code blocks names
-a command the CLI has, with options that command takes, and every `examples/...` path it
+a command the CLI has, with options that command takes; every `examples/...` path it
 names exists, each example spec valid (the ones whose code comes with `--working-dir`
-refused without it, saying so), and every REST call it names (`GET /v1/...`) is one the
-API serves, and every `ELASTRAIN_*` variable it names is read somewhere. Nothing is run: the commands are parsed against the CLI's own definition, the
-calls looked up in the API's OpenAPI description."""
+refused without it, saying so); every REST call it names (`GET /v1/...`) is one the API
+serves; every `ELASTRAIN_*` variable it names is read somewhere. Nothing is run: the
+commands are parsed against the CLI's own definition, the calls looked up in the API's
+OpenAPI description."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -257,26 +258,40 @@ def test_a_refresh_never_writes_into_a_copy_being_saved(group_of_one: None) -> N
 def loop_saves(rank: int, world_size: int, root: str, label: str) -> dict[str, Any]:
     """The same job twice in the same processes: without peer memory, sync saves of the
     live state; then with async saves, written in place once a write is timed, and on two
-    "nodes" with peer memory every step (one node, "/one-node": no peer memory)."""
-    from elastrain.checkpoints.dcp import held_copy
+    "nodes" with peer memory every step (one node, "/one-node": no peer memory; "/slow":
+    every save in place on a disk so slow that each update takes tensors back)."""
+    from elastrain.checkpoints.dcp import held_copy, writer
     from elastrain.workers import loop
     from elastrain.workers.api import NullHooks, TrainContext
     from tests.unit.test_peer_memory import STRATEGIES, spec_for
 
     strategy, _, where = label.partition("/")
+    slow = where.endswith("slow")
     staged: list[int] = []
     from_copy: list[int] = []
     in_place: list[int] = []
     saves: list[int] = []
+    taken_back: list[int] = []
 
     def after_the_first_save(*, async_save: bool, on_host: bool, **timing: Any) -> bool:
         # Whatever a write takes on this machine (`writes_in_place` has its own tests),
         # and whether or not the first one is over by the next save.
-        return async_save and on_host and bool(saves)
+        return async_save and on_host and (slow or bool(saves))
 
     loop.writes_in_place = after_the_first_save  # type: ignore[assignment]
     stage, init = ShardedCheckpointer._stage, held_copy.HeldCopyPlanner.__init__
-    save = ShardedCheckpointer.save
+    save, wait_staged = ShardedCheckpointer.save, ShardedCheckpointer.wait_staged
+    record_parts = writer.record_parts
+
+    def slow_record_parts(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.02)  # each tensor: the update comes long before the last
+        return record_parts(*args, **kwargs)
+
+    def noting_wait_staged(self: ShardedCheckpointer) -> float:
+        waited = wait_staged(self)
+        if self.last_taken_back_bytes:
+            taken_back.append(self.last_taken_back_bytes)
+        return waited
 
     def recording_save(self: ShardedCheckpointer, **kwargs: Any) -> float:
         saves.append(kwargs["step"])
@@ -294,13 +309,15 @@ def loop_saves(rank: int, world_size: int, root: str, label: str) -> dict[str, A
 
     ShardedCheckpointer._stage = counting_stage  # type: ignore[method-assign]
     ShardedCheckpointer.save = recording_save  # type: ignore[method-assign]
+    ShardedCheckpointer.wait_staged = noting_wait_staged  # type: ignore[method-assign]
     held_copy.HeldCopyPlanner.__init__ = counting_init  # type: ignore[method-assign]
     base = spec_for(STRATEGIES[strategy])
     out: dict[str, Any] = {}
     for run, memory_every, async_save, nodes in (
         ("live", 0, False, "aa"),
-        ("copy", 1, True, "aa" if where == "one-node" else "ab"),
+        ("copy", 1, True, "aa" if where.startswith("one-node") else "ab"),
     ):
+        writer.record_parts = slow_record_parts if slow and run == "copy" else record_parts
         spec = base.model_copy(update={"checkpoint": base.checkpoint.model_copy(update={
             "memory_every": memory_every, "async_save": async_save, "every_steps": 2})})  # fmt: skip
         ctx = TrainContext(rank=rank, world_size=world_size, local_rank=rank,
@@ -310,6 +327,7 @@ def loop_saves(rank: int, world_size: int, root: str, label: str) -> dict[str, A
         from_copy.clear()
         in_place.clear()
         saves.clear()
+        taken_back.clear()
         hooks = NullHooks()
         loop.train(ctx, spec, hooks)
         out[run] = {
@@ -317,6 +335,7 @@ def loop_saves(rank: int, world_size: int, root: str, label: str) -> dict[str, A
             "staged": len(staged),
             "from_copy": list(from_copy),
             "in_place": list(in_place),
+            "taken_back": list(taken_back),
         }
     return out
 
@@ -331,6 +350,8 @@ EXPECTED = {
     "ddp": ([2], 0, [4, 6]),
     # No buddy on one node, no peer memory: the first save staged, then in place.
     "fsdp/one-node": ([], 1, [4, 6]),
+    # Every save in place, each update taking back the tensors not yet written.
+    "fsdp/one-node/slow": ([], 0, [2, 4, 6]),
 }
 
 
@@ -345,6 +366,8 @@ def test_the_loop_writes_checkpoints_from_copies_byte_for_byte(tmp_path: Path, l
         assert live["losses"] == copy["losses"]
         assert live["from_copy"] == live["in_place"] == []
         assert (copy["from_copy"], copy["staged"], copy["in_place"]) == EXPECTED[label], copy
+        # Only a slow write leaves tensors for the update to copy (a fast one may too).
+        assert live["taken_back"] == [] and (copy["taken_back"] or not label.endswith("slow"))
     for step in (2, 4, 6, 7):
         folders = {run: tmp_path / run / f"step_{step:09d}-a1" for run in ("live", "copy")}
         for rank in (0, 1):

@@ -164,8 +164,8 @@ class ShardedCheckpointer:
         self._executor: ThreadPoolExecutor | None = None
         self._stager: DefaultStager | None = None
         self._own_stager: OwnItemsStager | None = None
-        self._staging: Future[Any] | None = None
-        self._live: LiveTensors | None = None  # an in-place save's, until wait_staged()
+        # What wait_staged() waits for: the staging copy, or an in-place save's live tensors.
+        self._staging: Future[Any] | LiveTensors | None = None
         self._inflight: Future[CheckpointCommitted | None] | None = None
         self._inflight_id: tuple[int, int, Path] | None = None
         self._inflight_copy: HeldCopy | None = None
@@ -268,12 +268,10 @@ class ShardedCheckpointer:
             # From a held copy the live state is not read again once planned: no staging.
             staged: dict[str, Any] | Future[Any] = state
             written: HeldCopy | Future[HeldCopy] | None = copy
-            data_written: Future[None] | None = None
             live: LiveTensors | None = None
             if copy is None and in_place:
                 staged = copy_non_tensors(state)
-                data_written = self._staging = Future[None]()
-                live = self._live = LiveTensors()
+                live = self._staging = LiveTensors()
                 self.last_taken_back_bytes = 0
             elif copy is None and replicated and self.world_size > 1:
                 written = self._staging = self._stage_own_items(state, step)
@@ -284,9 +282,8 @@ class ShardedCheckpointer:
             self._inflight_id = (step, attempt, path)
             self._inflight_copy = copy
             self._inflight = self._executor.submit(
-                self._write_and_commit, path, manifest, staged, extra, written, data_written,
-                live,
-            )  # fmt: skip
+                self._write_and_commit, path, manifest, staged, extra, written, live
+            )
             if not self.async_staging:
                 self.wait_staged()
         else:
@@ -326,14 +323,13 @@ class ShardedCheckpointer:
         failed synchronous save, rather than train on while its peers wait in the save's
         collectives for a write that will never start."""
         staging, self._staging = self._staging, None
-        live, self._live = self._live, None
         if staging is None:
             return 0.0
         started = time.perf_counter()
         try:
-            if live is not None:
-                live.take_back(staging)
-                self.last_taken_back_bytes = live.copied_bytes
+            if isinstance(staging, LiveTensors):
+                staging.take_back()
+                self.last_taken_back_bytes = staging.copied_bytes
             else:
                 staging.result()
         except BaseException as e:
@@ -350,13 +346,11 @@ class ShardedCheckpointer:
         state: dict[str, Any] | Future[Any],
         extra: bytes | None,
         copy: HeldCopy | Future[HeldCopy] | None = None,
-        data_written: Future[None] | None = None,
         live: LiveTensors | None = None,
     ) -> CheckpointCommitted | None:
         """Steps 1-3 of the commit protocol (`elastrain.checkpoints.commit`), in the caller (sync)
-        or the background thread. An in-place save's: `data_written`, set once the data is
-        written (DCP's save returned) or the write failed, and `live`, through which the
-        writer reads the live tensors."""
+        or the background thread. `live`: an in-place save's live tensors, which the
+        writer claims and is told the write ended through."""
         try:
             if extra is not None:
                 atomic_write_bytes(path / rank_extra_name(self.rank), extra)
@@ -381,15 +375,15 @@ class ShardedCheckpointer:
                 no_dist=self._save_alone,
             )
         except BaseException as e:
-            if data_written is not None:
-                data_written.set_exception(e)
+            if live is not None:
+                live.write_ended(e)
             raise
         finally:
             if isinstance(copy, HeldCopy):
                 copy.release()  # written (or failed): its owner may write into it again
         self.last_tensor_write_s = (writer.tensors_written_at or time.perf_counter()) - started
-        if data_written is not None:
-            data_written.set_result(None)
+        if live is not None:
+            live.write_ended()
         if not self._coordinator:
             return None
         return commit(
@@ -411,7 +405,7 @@ class ShardedCheckpointer:
         if fut is None or ident is None or (not block and not fut.done()):
             return
         # The write is over, so is its staging (a failed one is reported just below).
-        self._inflight, self._inflight_id, self._staging, self._live = None, None, None, None
+        self._inflight, self._inflight_id, self._staging = None, None, None
         self._inflight_copy = None
         try:
             result = fut.result()

@@ -13,14 +13,14 @@ one for what was already written.
 
 The writer claims the tensors one by one in the order it writes them (`claim`); a
 writer that cannot (DCP's own write loop) says so (`unmanaged`) and the update then waits
-for the whole write, as before.
+for the whole write, as before. The save's thread says when the write ended, and how
+(`write_ended`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 from contextlib import contextmanager
 
 import torch
@@ -31,7 +31,8 @@ from elastrain.checkpoints.dcp.staging import ALIGNED_STAGING_MIN_BYTES
 
 class LiveTensors:
     """The hand-over between an in-place save's writer (`register`, `claim`,
-    `unmanaged`) and the caller whose update needs the tensors back (`take_back`)."""
+    `unmanaged`, `write_ended`) and the caller whose update needs the tensors back
+    (`take_back`)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -43,6 +44,8 @@ class LiveTensors:
         # every time, and the update would wait for the whole write after all).
         self._taking_back = False
         self._unmanaged = False
+        self._ended = False  # the save's data is written, or the write failed (`_error`)
+        self._error: BaseException | None = None
         self.copied_bytes = 0
         """Bytes copied at `take_back` (the tensors not yet written then)."""
 
@@ -59,6 +62,12 @@ class LiveTensors:
         whole write."""
         with self._cond:
             self._unmanaged = True
+            self._cond.notify_all()
+
+    def write_ended(self, error: BaseException | None = None) -> None:
+        """The save's data is written (DCP's save returned), or the write failed."""
+        with self._cond:
+            self._ended, self._error = True, error
             self._cond.notify_all()
 
     @contextmanager
@@ -80,17 +89,14 @@ class LiveTensors:
 
     # -- the caller's side ----------------------------------------------------------------
 
-    def take_back(self, written: Future[None]) -> None:
-        """Return once the caller may change the live tensors: the write's data is written
-        (`written`: set by the save thread; its error is raised here), or the tensor being
-        written is done and every one not yet written is a copy. Before the writer
-        registered its tensors (it is still planning), this waits for that."""
-        written.add_done_callback(self._wake)
+    def take_back(self) -> None:
+        """Return once the caller may change the live tensors: the write ended (a failed
+        write's error is raised here), or the tensor being written is done and every one
+        not yet written is a copy. Before the writer registered its tensors (it is still
+        planning), this waits for that."""
         with self._cond:
-            self._cond.wait_for(
-                lambda: self._tensors is not None or self._unmanaged or written.done()
-            )
-            if self._tensors is not None and not self._unmanaged and not written.done():
+            self._cond.wait_for(lambda: self._tensors is not None or self._unmanaged or self._ended)
+            if self._tensors is not None and not self._unmanaged and not self._ended:
                 self._taking_back = True
                 try:
                     self._cond.wait_for(lambda: not self._writing)
@@ -101,11 +107,9 @@ class LiveTensors:
                     self._taking_back = False
                     self._cond.notify_all()
                 return
-        written.result()
-
-    def _wake(self, _: Future[None]) -> None:
-        with self._cond:
-            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._ended)
+            if self._error is not None:
+                raise self._error
 
 
 def _copy_of(tensor: torch.Tensor) -> torch.Tensor:

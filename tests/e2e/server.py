@@ -155,8 +155,10 @@ def start_server(
     env: Mapping[str, str] | None = None,
     argv: Callable[[int], Sequence[str]] = uvicorn_argv,
     startup_timeout: float = 60,
+    cwd: Path = REPO_ROOT,
 ) -> ServerHandle:
-    """Start the service on a free port and wait until `/healthz` answers 200."""
+    """Start the service on a free port and wait until `/healthz` answers 200. `cwd`: where
+    it runs (a folder outside the repository shows what resolves only from there)."""
     workdir.mkdir(parents=True, exist_ok=True)
     storage = workdir / "storage"
     db_url = database_url or f"sqlite:///{workdir / 'elastrain.db'}"
@@ -175,7 +177,7 @@ def start_server(
     log_path = workdir / f"server-{port}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            list(argv(port)), cwd=REPO_ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT
+            list(argv(port)), cwd=cwd, env=child_env, stdout=log, stderr=subprocess.STDOUT
         )
     handle = ServerHandle(
         url=f"http://127.0.0.1:{port}",

@@ -468,6 +468,9 @@ def main() -> None:
         help="seconds both sides' drains give the node (Ray Train waits out most of it)",
     )
     args = parser.parse_args()
+    if args.repeats < 1 or args.baseline_repeats < 1:
+        # The report sets every figure beside Ray Train's: it needs a trial of each side.
+        parser.error("--repeats and --baseline-repeats must be at least 1")
     DRAIN_DEADLINE_S = args.drain_deadline
     if args.ray_train_start_timeout is not None:
         # Set before any cluster starts: the raylets, and so the Train controller, inherit it.

@@ -15,7 +15,9 @@ Lane `lint` runs ruff and mypy (about two minutes of one core, cold), beside the
 rather than before them.
 
 Each command's output goes to a file and is printed whole when it ends; the exit status
-is the first failing command's. (pytest-xdist's `--dist loadgroup` could split the suite
+is the first failing command's. After the last, each failing command's digest is printed
+again (`failure_digest`: the failed tests and their error lines), so the end of a CI log,
+often all a reader gets to see, says what failed and why. (pytest-xdist's `--dist loadgroup` could split the suite
 the same way, but it stopped grouping on pytest 9.2: pytest-dev/pytest-xdist#1386.)
 """
 
@@ -26,10 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PYTEST_NO_TESTS = 5  # pytest's status when a selection matches nothing: not a failure
+DIGEST_LINES_PER_FAILURE = 12
+DIGEST_LINE_CHARS = 800  # a wait_for's message carries the job's whole event list
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Lane:
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
     status: int = 0
+    digests: list[str] = field(default_factory=list)  # of its failed commands
 
 
 def lanes(pytest_args: list[str], tmp: Path) -> list[Lane]:
@@ -88,10 +93,13 @@ def advance(lane: Lane, tmp: Path) -> bool:
             return True
         assert lane.log is not None
         print(f"== {lane.name}: exit {code} after {time.monotonic() - lane.started:.0f} s")
-        sys.stdout.write(lane.log.read_text(errors="replace"))
+        output = lane.log.read_text(errors="replace")
+        sys.stdout.write(output)
         sys.stdout.flush()
-        if code not in lane.current.ok and lane.status == 0:
-            lane.status = code
+        if code not in lane.current.ok:
+            lane.status = lane.status or code
+            name = " ".join([Path(lane.current.argv[0]).name, *lane.current.argv[1:]])
+            lane.digests.append(f"-- {lane.name}: {name}: exit {code}\n{failure_digest(output)}")
         lane.proc = None
     if not lane.commands:
         return False
@@ -111,7 +119,54 @@ def run(active: list[Lane], tmp: Path) -> int:
     while active:
         active = [lane for lane in active if advance(lane, tmp)]
         time.sleep(0.2)
+    digests = [digest for lane in everyone for digest in lane.digests]
+    if digests:
+        print("== what failed (repeated from above)", *digests, sep="\n", flush=True)
     return next((lane.status for lane in everyone if lane.status), 0)
+
+
+def failure_digest(output: str) -> str:
+    """What a failed command's output says went wrong, in a few lines: for pytest, each
+    failed test's heading, its `E` lines and the place it failed (the first
+    `DIGEST_LINES_PER_FAILURE` lines, each cut at `DIGEST_LINE_CHARS`), then the short
+    summary; for anything else, its last lines."""
+    lines = output.splitlines()
+    kept: list[str] = []
+    failure: list[str] | None = None
+    section = ""
+    for line in lines:
+        if line.startswith("=") and line.endswith("=") and line.strip("= "):
+            section = line.strip("= ")
+            failure = None
+            if section == "short test summary info":
+                kept.append(line)
+            continue
+        if section == "short test summary info":
+            kept.append(line)
+        elif section in ("FAILURES", "ERRORS"):
+            if line.startswith("_") and line.endswith("_"):
+                failure = [line]
+                kept.append(line)
+            elif (
+                failure is not None
+                and len(failure) <= DIGEST_LINES_PER_FAILURE
+                and (line.startswith("E ") or _is_failure_place(line))
+            ):
+                failure.append(line)
+                kept.append(line)
+    if not kept:
+        kept = lines[-DIGEST_LINES_PER_FAILURE:]
+    return "\n".join(_cut(line) for line in kept)
+
+
+def _is_failure_place(line: str) -> bool:
+    """pytest's `path.py:123: ErrorType` line under a failure's traceback."""
+    place, _, error = line.partition(": ")
+    return place.endswith(tuple(f":{d}" for d in "0123456789")) and ".py:" in place and bool(error)
+
+
+def _cut(line: str) -> str:
+    return line if len(line) <= DIGEST_LINE_CHARS else line[:DIGEST_LINE_CHARS] + " [...]"
 
 
 def main(pytest_args: list[str]) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.lanes import PYTEST_NO_TESTS, Command, Lane, lanes, run
+from tests.lanes import PYTEST_NO_TESTS, Command, Lane, failure_digest, lanes, run
 
 
 def _py(code: str, ok: frozenset[int] = frozenset({0})) -> Command:
@@ -58,3 +58,36 @@ def test_the_lanes_split_the_suite_by_marker_and_lint_runs_too(tmp_path: Path) -
     assert by_name["rest"].env["RAY_TMPDIR"] == str(tmp_path / "ray")
     linters = [Path(c.argv[0]).name for c in by_name["lint"].commands]
     assert linters == ["ruff", "ruff", "mypy"]
+
+
+def test_the_end_of_the_output_says_which_tests_failed_and_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CI log is often read from its end: after every lane, each failed command's
+    digest (a real pytest's failed tests, their error lines) is printed again."""
+    tests = tmp_path / "test_sample.py"
+    tests.write_text(
+        "def test_fine():\n    assert True\n\n"
+        "def test_broken():\n    events = ['x' * 5000]\n"
+        "    assert False, f'resume at 2 not reached; events={events}'\n"
+    )
+    failing = Command([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)])
+    noisy = _py("print('\\n'.join(f'line {i}' for i in range(100))); raise SystemExit(2)")
+    status = run(
+        [Lane("ray", [failing], dict(os.environ)), Lane("rest", [noisy], dict(os.environ))],
+        tmp_path,
+    )
+    assert status != 0
+    end = capsys.readouterr().out.split("== what failed (repeated from above)\n")[-1]
+    assert "-- ray: python -m pytest" in end and "-- rest: python -c" in end
+    assert "test_broken" in end and "resume at 2 not reached" in end
+    assert "test_fine" not in end
+    assert "test_sample.py:6: AssertionError" in end
+    assert max(len(line) for line in end.splitlines()) < 1000  # the long events are cut
+    assert "line 99" in end and "line 50" not in end  # not pytest: its last lines
+
+
+def test_a_passing_run_prints_no_digest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run([Lane("a", [_py("print('ok')")], dict(os.environ))], tmp_path) == 0
+    assert "what failed" not in capsys.readouterr().out
+    assert failure_digest("") == ""

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from elastrain.contracts.messages import ErrorKind
 from elastrain.workers.workloads import WorkloadError
@@ -28,14 +29,36 @@ _GLOO_PEER_GONE = (
 def error_kind(exc: BaseException) -> ErrorKind:
     """The kind of `exc`, caught from a rank's training: a workload that cannot be built is
     a configuration error; a collective broken by a peer that went away is an echo of that
-    peer's failure (PEER_LOST); anything else the workload or the loop raised (RAISED)."""
+    peer's failure (PEER_LOST), and so is an error raised from one (`raise ... from`): a
+    background checkpoint save whose collectives lost that peer fails the next update
+    with a CheckpointSaveError; anything else the workload or the loop raised (RAISED)."""
     if isinstance(exc, WorkloadError):
         return ErrorKind.CONFIGURATION
-    if isinstance(exc, (dist.DistNetworkError, dist.DistBackendError)):
-        return ErrorKind.PEER_LOST
-    if _is_gloo_peer_gone(exc):
+    if any(_is_peer_gone(cause) for cause in _causes(exc)):
         return ErrorKind.PEER_LOST
     return ErrorKind.RAISED
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, what it was raised from, and so on; for DCP's CheckpointException, the
+    failure it gathered from each rank."""
+    pending, seen = [exc], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if current.__cause__ is not None:
+            pending.append(current.__cause__)
+        if isinstance(current, CheckpointException):
+            pending.extend(failure for failure, _ in current.failures.values())
+
+
+def _is_peer_gone(exc: BaseException) -> bool:
+    if isinstance(exc, (dist.DistNetworkError, dist.DistBackendError)):
+        return True
+    return _is_gloo_peer_gone(exc)
 
 
 def _is_gloo_peer_gone(exc: BaseException) -> bool:

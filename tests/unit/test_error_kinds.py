@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from elastrain.checkpoints.dcp import CheckpointSaveError, ShardedCheckpointer
 from elastrain.contracts.messages import ErrorKind, WorkerError
 from elastrain.workers.errors import error_kind
 from elastrain.workers.rendezvous import host_store
@@ -37,6 +41,24 @@ class PeerResetError(RuntimeError):
     """A workload's own RuntimeError subclass: not gloo's, whatever it says."""
 
 
+def raised_from(exc: BaseException, cause: BaseException) -> BaseException:
+    exc.__cause__ = cause
+    return exc
+
+
+def implicitly_after(earlier: BaseException, exc: BaseException) -> BaseException:
+    exc.__context__ = earlier
+    return exc
+
+
+def save_failed(cause: BaseException) -> BaseException:
+    return raised_from(CheckpointSaveError(10, 1, Path("/ckpt/step_10"), cause), cause)
+
+
+def dcp_failed(cause: BaseException) -> BaseException:
+    return CheckpointException("planning failed", {1: (cause, traceback.StackSummary())})
+
+
 @pytest.mark.parametrize(
     ("exc", "kind"),
     [
@@ -52,6 +74,15 @@ class PeerResetError(RuntimeError):
         (RuntimeError("connection reset by peer while reading s3://bucket"), ErrorKind.RAISED),
         (PeerResetError(GLOO_RESET), ErrorKind.RAISED),
         (ConnectionResetError("Connection reset by peer"), ErrorKind.RAISED),
+        # A background save's collective lost the peer: the update that waited for it
+        # raises CheckpointSaveError from gloo's error, or from DCP's gathered failures.
+        (save_failed(RuntimeError(GLOO_CLOSED)), ErrorKind.PEER_LOST),
+        (save_failed(dcp_failed(RuntimeError(GLOO_RESET))), ErrorKind.PEER_LOST),
+        (save_failed(OSError(28, "No space left on device")), ErrorKind.RAISED),
+        (save_failed(dcp_failed(OSError(28, "No space left on device"))), ErrorKind.RAISED),
+        (raised_from(ValueError("bad batch"), ValueError("worse")), ErrorKind.RAISED),
+        # Only an explicit cause: an error raised while handling a peer loss is its own.
+        (implicitly_after(RuntimeError(GLOO_CLOSED), ValueError("bad")), ErrorKind.RAISED),
     ],
 )
 def test_error_kind(exc: BaseException, kind: ErrorKind) -> None:
@@ -168,3 +199,51 @@ def test_a_workload_error_passes_through_unchanged() -> None:
     with pytest.raises(WorkloadError) as raised, configuration_errors("anything"):
         raise original
     assert raised.value is original
+
+
+def _saving_rank(rank: int, port: int, root: str, kinds: Any) -> None:
+    """Both ranks make a checkpointer; rank 1 exits; rank 0's in-place async save then
+    plans without it, and its next update (wait_staged) reports the kind of what it got."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    checkpointer = ShardedCheckpointer(
+        Path(root), rank=rank, world_size=2, async_save=True, async_staging=True
+    )
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    state = {"w": torch.ones(1000)}
+    checkpointer.save(step=1, attempt=0, state=state, manifest_fields={}, in_place=True)
+    try:
+        checkpointer.wait_staged()
+        kinds.put("no error")
+    except Exception as exc:
+        kinds.put(f"{error_kind(exc).value} {type(exc).__name__}")
+    kinds.close()
+    kinds.join_thread()
+    os._exit(0)
+
+
+def test_a_save_that_lost_its_peer_fails_the_update_as_peer_lost(tmp_path: Path) -> None:
+    """The survivor's update waits for its in-place save, whose planning collective lost
+    the peer: the error it raises is the peer's loss (not the job's fault, no restart
+    counted, its state handed on), not a failure of its own."""
+    spawn = mp.get_context("spawn")
+    kinds = spawn.Queue()
+    store = host_store("127.0.0.1", 2, timedelta(seconds=60))
+    ranks = [
+        spawn.Process(target=_saving_rank, args=(r, store.port, str(tmp_path), kinds))
+        for r in (0, 1)
+    ]
+    for p in ranks:
+        p.start()
+    try:
+        assert kinds.get(timeout=120) == f"{ErrorKind.PEER_LOST.value} CheckpointSaveError"
+    finally:
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()

@@ -17,13 +17,15 @@ rather than before them.
 Each command's output goes to a file and is printed whole when it ends; the exit status
 is the first failing command's. After the last, each failing command's digest is printed
 again (`failure_digest`: the failed tests and their error lines), so the end of a CI log,
-often all a reader gets to see, says what failed and why. (pytest-xdist's `--dist loadgroup` could split the suite
-the same way, but it stopped grouping on pytest 9.2: pytest-dev/pytest-xdist#1386.)
+often all a reader gets to see, says what failed and why. (pytest-xdist's `--dist
+loadgroup` could split the suite the same way, but it stopped grouping on pytest 9.2:
+pytest-dev/pytest-xdist#1386.)
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,6 +36,8 @@ from pathlib import Path
 PYTEST_NO_TESTS = 5  # pytest's status when a selection matches nothing: not a failure
 DIGEST_LINES_PER_FAILURE = 12
 DIGEST_LINE_CHARS = 800  # a wait_for's message carries the job's whole event list
+#: pytest's `path.py:123: ErrorType` (or `: in function`) line in a failure's traceback.
+_FAILURE_PLACE = re.compile(r"^\S+\.py:\d+: \S")
 
 
 @dataclass(frozen=True)
@@ -132,37 +136,25 @@ def failure_digest(output: str) -> str:
     summary; for anything else, its last lines."""
     lines = output.splitlines()
     kept: list[str] = []
-    failure: list[str] | None = None
+    left = 0  # lines the current failure may still add
     section = ""
     for line in lines:
         if line.startswith("=") and line.endswith("=") and line.strip("= "):
-            section = line.strip("= ")
-            failure = None
+            section, left = line.strip("= "), 0
             if section == "short test summary info":
                 kept.append(line)
-            continue
-        if section == "short test summary info":
+        elif section == "short test summary info":
             kept.append(line)
         elif section in ("FAILURES", "ERRORS"):
             if line.startswith("_") and line.endswith("_"):
-                failure = [line]
+                kept.append(line)  # a failed test's heading
+                left = DIGEST_LINES_PER_FAILURE
+            elif left and (line.startswith("E ") or _FAILURE_PLACE.match(line)):
                 kept.append(line)
-            elif (
-                failure is not None
-                and len(failure) <= DIGEST_LINES_PER_FAILURE
-                and (line.startswith("E ") or _is_failure_place(line))
-            ):
-                failure.append(line)
-                kept.append(line)
+                left -= 1
     if not kept:
         kept = lines[-DIGEST_LINES_PER_FAILURE:]
     return "\n".join(_cut(line) for line in kept)
-
-
-def _is_failure_place(line: str) -> bool:
-    """pytest's `path.py:123: ErrorType` line under a failure's traceback."""
-    place, _, error = line.partition(": ")
-    return place.endswith(tuple(f":{d}" for d in "0123456789")) and ".py:" in place and bool(error)
 
 
 def _cut(line: str) -> str:

@@ -89,13 +89,45 @@ def test_error_kind(exc: BaseException, kind: ErrorKind) -> None:
     assert error_kind(exc) == kind
 
 
-def _rank(rank: int, port: int, ddp: bool, kinds: Any) -> None:
-    """Rank 1 exits after two steps; rank 0 reports the kind of what its next step raised."""
+def _join_group(rank: int, port: int) -> None:
+    """In a spawned rank: join the two-rank gloo group whose store listens at `port`."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     timeout = timedelta(seconds=60)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+
+
+def _report(kinds: Any, what: str) -> None:
+    """In a spawned rank: send `what`, delivered before the hard exit (no gloo teardown
+    to hang in)."""
+    kinds.put(what)
+    kinds.close()
+    kinds.join_thread()
+    os._exit(0)
+
+
+def _reported_by_two_ranks(target: Any, *args: Any) -> str:
+    """Run `target(rank, store_port, *args, queue)` in two spawned processes; the first
+    thing either reports."""
+    spawn = mp.get_context("spawn")
+    kinds = spawn.Queue()
+    store = host_store("127.0.0.1", 2, timedelta(seconds=60))  # listening before the ranks
+    ranks = [spawn.Process(target=target, args=(r, store.port, *args, kinds)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        return str(kinds.get(timeout=120))
+    finally:
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def _rank(rank: int, port: int, ddp: bool, kinds: Any) -> None:
+    """Rank 1 exits after two steps; rank 0 reports the kind of what its next step raised."""
+    _join_group(rank, port)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4)) if ddp else None
     for step in range(50):
         if rank == 1 and step == 2:
@@ -106,29 +138,14 @@ def _rank(rank: int, port: int, ddp: bool, kinds: Any) -> None:
             else:
                 dist.all_reduce(torch.ones(1000))
         except Exception as exc:
-            kinds.put(error_kind(exc).value)
-            kinds.close()
-            kinds.join_thread()  # delivered before the hard exit (no gloo teardown to hang in)
-            os._exit(0)
-    kinds.put("no error")
+            _report(kinds, error_kind(exc).value)
+    _report(kinds, "no error")
 
 
 @pytest.mark.parametrize("ddp", [False, True], ids=["all_reduce", "ddp_backward"])
 def test_a_real_gloo_peer_loss_is_peer_lost(ddp: bool) -> None:
     # What gloo raises here is what `_GLOO_PEER_GONE` must recognise, in this torch.
-    spawn = mp.get_context("spawn")
-    kinds = spawn.Queue()
-    store = host_store("127.0.0.1", 2, timedelta(seconds=60))  # listening before the ranks
-    ranks = [spawn.Process(target=_rank, args=(r, store.port, ddp, kinds)) for r in (0, 1)]
-    for p in ranks:
-        p.start()
-    try:
-        assert kinds.get(timeout=120) == ErrorKind.PEER_LOST.value
-    finally:
-        for p in ranks:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    assert _reported_by_two_ranks(_rank, ddp) == ErrorKind.PEER_LOST.value
 
 
 def test_the_kind_survives_the_database() -> None:
@@ -204,11 +221,7 @@ def test_a_workload_error_passes_through_unchanged() -> None:
 def _saving_rank(rank: int, port: int, root: str, kinds: Any) -> None:
     """Both ranks make a checkpointer; rank 1 exits; rank 0's in-place async save then
     plans without it, and its next update (wait_staged) reports the kind of what it got."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    timeout = timedelta(seconds=60)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    _join_group(rank, port)
     checkpointer = ShardedCheckpointer(
         Path(root), rank=rank, world_size=2, async_save=True, async_staging=True
     )
@@ -219,31 +232,14 @@ def _saving_rank(rank: int, port: int, root: str, kinds: Any) -> None:
     checkpointer.save(step=1, attempt=0, state=state, manifest_fields={}, in_place=True)
     try:
         checkpointer.wait_staged()
-        kinds.put("no error")
     except Exception as exc:
-        kinds.put(f"{error_kind(exc).value} {type(exc).__name__}")
-    kinds.close()
-    kinds.join_thread()
-    os._exit(0)
+        _report(kinds, f"{error_kind(exc).value} {type(exc).__name__}")
+    _report(kinds, "no error")
 
 
 def test_a_save_that_lost_its_peer_fails_the_update_as_peer_lost(tmp_path: Path) -> None:
     """The survivor's update waits for its in-place save, whose planning collective lost
     the peer: the error it raises is the peer's loss (not the job's fault, no restart
     counted, its state handed on), not a failure of its own."""
-    spawn = mp.get_context("spawn")
-    kinds = spawn.Queue()
-    store = host_store("127.0.0.1", 2, timedelta(seconds=60))
-    ranks = [
-        spawn.Process(target=_saving_rank, args=(r, store.port, str(tmp_path), kinds))
-        for r in (0, 1)
-    ]
-    for p in ranks:
-        p.start()
-    try:
-        assert kinds.get(timeout=120) == f"{ErrorKind.PEER_LOST.value} CheckpointSaveError"
-    finally:
-        for p in ranks:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    reported = _reported_by_two_ranks(_saving_rank, str(tmp_path))
+    assert reported == f"{ErrorKind.PEER_LOST.value} CheckpointSaveError"

@@ -64,7 +64,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.distributed.checkpoint.staging import DefaultStager  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
@@ -73,6 +72,7 @@ from bench import checkpoint_gil  # noqa: E402
 from bench.report_blocks import write_block  # noqa: E402
 from elastrain.checkpoints.dcp import ShardedCheckpointer  # noqa: E402
 from elastrain.checkpoints.dcp.own_items import OwnItemsStager  # noqa: E402
+from elastrain.checkpoints.dcp.staging import LayoutStager  # noqa: E402
 from elastrain.workers.api import TrainContext  # noqa: E402
 from elastrain.workers.checkpointing import IN_PLACE_MAX_WRITE_STEPS  # noqa: E402
 from elastrain.workers.memory.pacing import RefreshPacer  # noqa: E402
@@ -154,7 +154,7 @@ class SaveThreadsClock:
     def install(self) -> None:
         for owner, name in (
             (ShardedCheckpointer, "_write_and_commit"),
-            (DefaultStager, "_stage"),
+            (LayoutStager, "_copy"),
             (OwnItemsStager, "_copy"),  # a DDP rank's staging copy
         ):
             setattr(owner, name, self._timed(getattr(owner, name)))

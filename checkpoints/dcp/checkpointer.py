@@ -30,7 +30,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager
 
 from elastrain.checkpoints._fs import atomic_write_bytes
 from elastrain.checkpoints.catalog import LoadOutcome, find_latest_good
@@ -39,7 +38,7 @@ from elastrain.checkpoints.dcp.held_copy import HeldCopy, HeldCopyPlanner
 from elastrain.checkpoints.dcp.live_tensors import LiveTensors
 from elastrain.checkpoints.dcp.own_items import OwnItemsStager
 from elastrain.checkpoints.dcp.reader import VerifyingReader
-from elastrain.checkpoints.dcp.staging import aligned_default_stager, copy_non_tensors
+from elastrain.checkpoints.dcp.staging import LayoutStager, copy_non_tensors
 from elastrain.checkpoints.dcp.writer import SHARD_SUFFIX, DigestingWriter
 from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, algorithm_for_setting
 from elastrain.checkpoints.integrity import CorruptCheckpoint
@@ -76,11 +75,12 @@ class ShardedCheckpointer:
     "Threads, not a helper process"). The write spends its time in syscalls and the
     digest (XXH3-128 unless `digest="sha256"`), which release the GIL.
 
-    The staging copy (what makes an async save immune to later updates) is made by one DCP
-    `DefaultStager` kept for the checkpointer's life: its copy buffers are allocated at the
+    The staging copy (what makes an async save immune to later updates) is made by one
+    `LayoutStager` kept for the checkpointer's life: its copy buffers are allocated at the
     first save and reused (one more copy of this rank's state stays in host memory), so
-    later saves do not page-fault fresh memory in; the large ones are page-aligned, so the
-    shard writer sends them to the disk without a copy (`staging`, `shard_file`). With
+    later saves do not page-fault fresh memory in, and copy bytes only while the state's
+    layout stays the same; the large ones are page-aligned, so the shard writer sends them
+    to the disk without a copy (`staging`, `shard_file`). With
     `async_staging` the copy runs in the stager's thread and save() returns before it is
     made; the caller then owes a `wait_staged()` before it mutates the state (see the
     module docstring). Saves given a `copy` (peer memory's, page-aligned too) stage
@@ -162,7 +162,7 @@ class ShardedCheckpointer:
         # One background thread: it writes (after the staging copy is made), then (rank 0)
         # commits. Saves never overlap because save() waits for the previous one first.
         self._executor: ThreadPoolExecutor | None = None
-        self._stager: DefaultStager | None = None
+        self._stager: LayoutStager | None = None
         self._own_stager: OwnItemsStager | None = None
         # What wait_staged() waits for: the staging copy, or an in-place save's live tensors.
         self._staging: Future[Any] | LiveTensors | None = None
@@ -295,17 +295,11 @@ class ShardedCheckpointer:
 
     def _stage(self, state: dict[str, Any]) -> Future[Any]:
         """Start the staging copy of `state` in the stager's thread."""
-        if self._stager is not None and not _still_usable(self._stager):
-            self._stager.close()
-            self._stager = None
         if self._stager is None:
             # Pinned buffers and non-blocking device copies only where there is a device
             # to copy from.
-            accelerator = torch.accelerator.is_available()
-            self._stager = aligned_default_stager(pin_memory=accelerator, non_blocking=accelerator)
-        staged = self._stager.stage(state)
-        assert isinstance(staged, Future)  # use_async_staging
-        self._staging = staged
+            self._stager = LayoutStager(device_copies=torch.accelerator.is_available())
+        staged = self._staging = self._stager.stage(state)
         return staged
 
     def _stage_own_items(self, state: dict[str, Any], step: int) -> Future[HeldCopy]:
@@ -533,13 +527,3 @@ def corrupt_shard_reason(error: BaseException) -> str | None:
         reasons.append(failure.reason)
     # The rank that found the problem says what it is; the others only that it was found.
     return min(reasons, key=lambda r: r.startswith("another rank"))
-
-
-def _still_usable(stager: DefaultStager) -> bool:
-    """Whether `stager` can stage again. torch 2.11 empties its copy table after every
-    stage made with non-blocking device copies (its `_stage` closes the StateDictStager,
-    dropping the pinned buffers too), and the next stage then fails on any state
-    (KeyError(<class 'type'>): seen on the GPU check's image, every async save after a
-    job's first); 2.13 keeps the table. Internals not found: assumed usable."""
-    table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
-    return not isinstance(table, dict) or dict in table

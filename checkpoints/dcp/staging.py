@@ -22,7 +22,6 @@ import copy
 from collections import OrderedDict
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -65,8 +64,10 @@ class LayoutStager:
 
     `device_copies`: the state may live on an accelerator; its copies go to pinned
     buffers, non-blocking on a stream of their own, waited for before the copy is handed
-    on (as DCP's `DefaultStager` does). Create it on the thread that trains: the stream
-    must not be the compute stream."""
+    on (as DCP's `DefaultStager` does). Create it, and stage, on the thread that trains:
+    the stream must not be the compute stream, and the copies start only once the work
+    queued on the compute stream when `stage` was called is done (DCP's stager does not
+    wait for it, so a copy could read a tensor the last update had yet to write)."""
 
     def __init__(self, *, device_copies: bool) -> None:
         self._non_blocking = device_copies
@@ -78,18 +79,25 @@ class LayoutStager:
         self._targets: list[torch.Tensor] = []  # the staged storages, one per live storage
 
     def stage(self, state: dict[str, Any]) -> Future[dict[str, Any]]:
-        return self._executor.submit(self._copy, state)
+        computed = None
+        if self._stream is not None:
+            computed = torch.Event()
+            computed.record()  # on this (the training) thread's current stream
+        return self._executor.submit(self._copy, state, computed)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         self._dcp.close()
         self._layout, self._staged, self._targets = None, [], []
 
-    def _copy(self, state: dict[str, Any]) -> dict[str, Any]:
-        with self._stream if self._stream is not None else nullcontext():
+    def _copy(self, state: dict[str, Any], computed: torch.Event | None = None) -> dict[str, Any]:
+        if self._stream is None:
+            return self._copy_bytes(state)
+        if computed is not None:
+            self._stream.wait_event(computed)
+        with self._stream:
             staged = self._copy_bytes(state)
-        if self._stream is not None:
-            self._stream.synchronize()
+        self._stream.synchronize()
         return staged
 
     def _copy_bytes(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -72,7 +72,10 @@ from bench import checkpoint_gil  # noqa: E402
 from bench.report_blocks import write_block  # noqa: E402
 from elastrain.checkpoints.dcp import ShardedCheckpointer  # noqa: E402
 from elastrain.checkpoints.dcp.own_items import OwnItemsStager  # noqa: E402
-from elastrain.checkpoints.dcp.staging import LayoutStager  # noqa: E402
+from elastrain.checkpoints.dcp.staging import (  # noqa: E402
+    AlignedStateDictStager,
+    LayoutStager,
+)
 from elastrain.workers.api import TrainContext  # noqa: E402
 from elastrain.workers.checkpointing import IN_PLACE_MAX_WRITE_STEPS  # noqa: E402
 from elastrain.workers.memory.pacing import RefreshPacer  # noqa: E402
@@ -335,7 +338,20 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
 
     # Throughput: a sync save end to end against plain file I/O of the same bytes.
     random_bytes: bytes | None = None
+    # The staging copy an async save makes, by the checkpointer's stager (bytes only once
+    # it has seen the state's layout) and by DCP's per-tensor deep copy (what it used
+    # before), each into buffers it keeps from the first copy.
+    layout_stager, dcp_stager = LayoutStager(device_copies=False), AlignedStateDictStager()
+    stagers = {"stage.layout": layout_stager._copy, "stage.dcp": dcp_stager.stage}
+    for copy_state in stagers.values():
+        copy_state(state())
     for _ in range(repeats):
+        for key, copy_state in stagers.items():
+            live = state()
+            dist.barrier()
+            started = time.thread_time()
+            copy_state(live)
+            record(key, max_over_ranks(time.thread_time() - started))
         step += 1
         ckpt = checkpointers["sync"]
         dist.barrier()
@@ -381,6 +397,8 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
         dist.barrier()
     for ckpt in (*checkpointers.values(), sha256):
         ckpt.close()
+    layout_stager.close()
+    dcp_stager.close()
     if rank != 0:
         return None
     return {"total_bytes": total_bytes, "results": results}
@@ -534,6 +552,12 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
             "save.commit",
         ),
         ("plain sequential write + fsync, as many random bytes, both ranks at once", "plain.write"),
+        (
+            "async save's staging copy, the layout seen before: bytes only (CPU of the "
+            "copying thread)",
+            "stage.layout",
+        ),
+        ("the same by DCP's per-tensor deep copy (the staging before 2026-11-28)", "stage.dcp"),
         ("load_latest, verifying XXH3-128 digests (cold cache)", "load.verify"),
         ("load_latest, verifying sha256 digests (cold cache)", "load.sha256"),
         ("load_latest, sizes only (cold cache)", "load.noverify"),

@@ -28,17 +28,22 @@ from tests.unit.test_checkpoints_dcp import (
 BIG = 1 << 20  # elements: a 4 MB storage, staged page-aligned
 
 
-@pytest.fixture
-def dcp_stages(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many times DCP's own stager copied a whole state."""
-    calls: list[int] = []
+def counting_dcp_stages(calls: list[int]) -> Any:
+    """DCP's stager's `stage`, noting in `calls` each whole state it copies."""
     original = AlignedStateDictStager.stage
 
     def counted(self: AlignedStateDictStager, state: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return original(self, state, **kwargs)
 
-    monkeypatch.setattr(AlignedStateDictStager, "stage", counted)
+    return counted
+
+
+@pytest.fixture
+def dcp_stages(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many times DCP's own stager copied a whole state."""
+    calls: list[int] = []
+    monkeypatch.setattr(AlignedStateDictStager, "stage", counting_dcp_stages(calls))
     return calls
 
 
@@ -164,13 +169,7 @@ def test_a_state_holding_other_objects_is_staged_by_dcp_every_time(
 
 def _fsdp_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
     calls: list[int] = []
-    original = AlignedStateDictStager.stage
-
-    def counted(self: AlignedStateDictStager, state: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return original(self, state, **kwargs)
-
-    AlignedStateDictStager.stage = counted  # type: ignore[method-assign]
+    AlignedStateDictStager.stage = counting_dcp_stages(calls)  # type: ignore[method-assign]
     model, optim = build("fsdp")
     ckpt = ShardedCheckpointer(
         Path(root), rank=rank, world_size=world_size, async_save=True, async_staging=True

@@ -151,6 +151,8 @@ def keep_items(
     pickled again (its bytes are shared, never written to)."""
     reuse = reuse or {}
     blob: Blob = {}
+    targets: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
     for item in items:
         if item.type == WriteItemType.BYTE_IO:
             blob[item.index] = _pickled(item, planner, pickled)
@@ -165,7 +167,9 @@ def keep_items(
                     f"{item.index.fqn}: {tuple(tensor.shape)} {tensor.dtype} does not fit the "
                     f"planned {tuple(target.shape)} {target.dtype}"
                 )
-            blob[item.index] = target.copy_(tensor)
+            targets.append(target)
+            sources.append(tensor)
+            blob[item.index] = target
             continue
         if not copy and tensor.device.type == "cpu":
             blob[item.index] = tensor
@@ -173,9 +177,35 @@ def keep_items(
         buffer = reuse.get(item.index)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-        buffer.copy_(tensor)
+        targets.append(buffer)
+        sources.append(tensor)
         blob[item.index] = buffer
+    copy_all(targets, sources)
     return blob
+
+
+def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each source into its host target, all at once: host tensors in one
+    `torch._foreach_copy_` (one call, the GIL released while it copies, where a loop
+    takes it back between tensors); device tensors with non-blocking copies queued on the
+    current stream, after the work already queued there, and one wait for the last (a
+    blocking copy per tensor waits for the device once per tensor)."""
+    on_host = [i for i, s in enumerate(sources) if s.device.type == "cpu"]
+    if len(on_host) == len(sources):
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        return
+    for i in on_host:
+        targets[i].copy_(sources[i])
+    devices = set()
+    for target, source in zip(targets, sources, strict=True):
+        if source.device.type != "cpu":
+            target.copy_(source, non_blocking=True)
+            devices.add(source.device)
+    for device in devices:
+        copied = torch.Event(device=device)
+        copied.record(torch.accelerator.current_stream(device))
+        copied.synchronize()
 
 
 def _pickled(

@@ -4,7 +4,8 @@ Torch's CPU allocator aligns to 64 bytes, and a shard file written with direct I
 (`shard_file`) takes data straight from memory only at block-aligned addresses; from
 anywhere else it copies the data through its bounce buffer first. The async save's
 staging copies (`staging`) and peer memory's arenas (`in_memory`, which a checkpoint is
-written from when peer memory made a copy at the same step) come from here.
+written from when peer memory made a copy at the same step) come from here, and both copy
+into them with `copy_all`.
 """
 
 from __future__ import annotations
@@ -46,3 +47,27 @@ def _pin(storage: torch.UntypedStorage) -> None:
     _pin_memory_utils.pin_memory(storage.data_ptr(), storage.nbytes())
     unpin = weakref.finalize(storage, _pin_memory_utils.unpin_memory, storage.data_ptr())
     unpin.atexit = False  # never after the CUDA context is gone
+
+
+def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each source into its host target, all at once: host tensors in one
+    `torch._foreach_copy_` (one call, the GIL released while it copies, where a loop
+    takes it back between tensors); device tensors with non-blocking copies queued on the
+    current stream, after the work already queued there, and one wait for the last (a
+    blocking copy per tensor waits for the device once per tensor)."""
+    on_host = [i for i, s in enumerate(sources) if s.device.type == "cpu"]
+    if len(on_host) == len(sources):
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        return
+    for i in on_host:
+        targets[i].copy_(sources[i])
+    devices = set()
+    for target, source in zip(targets, sources, strict=True):
+        if source.device.type != "cpu":
+            target.copy_(source, non_blocking=True)
+            devices.add(source.device)
+    for device in devices:
+        copied = torch.Event(device=device)
+        copied.record(torch.accelerator.current_stream(device))
+        copied.synchronize()

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from elastrain.checkpoints.dcp.host_memory import page_aligned_bytes
+from elastrain.checkpoints.dcp.host_memory import copy_all, page_aligned_bytes
 from elastrain.checkpoints.dcp.shard_file import ALIGN_RECORD_MIN_BYTES, BLOCK
 from elastrain.checkpoints.dcp.writer import without_zip_crc32
 
@@ -182,30 +182,6 @@ def keep_items(
         blob[item.index] = buffer
     copy_all(targets, sources)
     return blob
-
-
-def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Copy each source into its host target, all at once: host tensors in one
-    `torch._foreach_copy_` (one call, the GIL released while it copies, where a loop
-    takes it back between tensors); device tensors with non-blocking copies queued on the
-    current stream, after the work already queued there, and one wait for the last (a
-    blocking copy per tensor waits for the device once per tensor)."""
-    on_host = [i for i, s in enumerate(sources) if s.device.type == "cpu"]
-    if len(on_host) == len(sources):
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        return
-    for i in on_host:
-        targets[i].copy_(sources[i])
-    devices = set()
-    for target, source in zip(targets, sources, strict=True):
-        if source.device.type != "cpu":
-            target.copy_(source, non_blocking=True)
-            devices.add(source.device)
-    for device in devices:
-        copied = torch.Event(device=device)
-        copied.record(torch.accelerator.current_stream(device))
-        copied.synchronize()
 
 
 def _pickled(

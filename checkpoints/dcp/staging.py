@@ -12,8 +12,9 @@ That is ~0.1 ms of GIL per tensor, beside a training thread that needs the GIL f
 op it launches (docs/bench-checkpoint.md, "GIL wait"). `LayoutStager` lets DCP stage the
 first save of a state, and any save whose layout differs from the last (other tensors,
 shapes, strides, dtypes, devices or containers); later saves of the same layout copy
-bytes only, every storage into the one it was staged into, in one `torch._foreach_copy_`
-that holds no GIL, and hand the writer fresh containers around the same staged tensors.
+bytes only, every storage into the one it was staged into (`host_memory.copy_all`: one
+`torch._foreach_copy_` on the host, which holds no GIL while it copies), and hand the
+writer fresh containers around the same staged tensors.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.tensor import DTensor
 
-from elastrain.checkpoints.dcp.host_memory import page_aligned_storage
+from elastrain.checkpoints.dcp.host_memory import copy_all, page_aligned_storage
 
 # Storages at least this big get a page-aligned buffer; smaller ones are written from the
 # bounce buffer anyway (they end up in records below `shard_file.ALIGN_RECORD_MIN_BYTES`).
@@ -104,12 +105,7 @@ class LayoutStager:
         leaves: list[torch.Tensor] = []
         layout = layout_of(state, leaves)
         if layout is not None and layout == self._layout:
-            sources = _distinct_storages(leaves)
-            if all(s.device.type == "cpu" for s in sources):
-                torch._foreach_copy_(self._targets, sources)
-            else:
-                for target, source in zip(self._targets, sources, strict=True):
-                    target.copy_(source, non_blocking=self._non_blocking)
+            copy_all(self._targets, _distinct_storages(leaves))
             return rebuilt(state, iter(self._staged))
         staged: dict[str, Any] = self._dcp.stage(state, non_blocking=self._non_blocking)
         self._layout, self._staged, self._targets = None, [], []

@@ -10,7 +10,8 @@ and its FSDP clipping's `to_local()` two more per parameter.
 
 The extra ops the step may dispatch are a few per micro-batch (the summed loss, the
 agreement, DDP's comm hook): a bound that holds at 2 and 12 layers alike and that one op
-per parameter (30 parameters at 2 layers) breaks.
+per parameter (30 parameters at 2 layers) breaks. And it reads no value back on the host
+besides its agreement: one more read is one more wait for the GPU a step.
 """
 
 from __future__ import annotations
@@ -64,4 +65,14 @@ def test_step_dispatches_no_per_parameter_ops_beyond_the_plain_loop(strategy: st
     assert extra <= MAX_EXTRA_OPS, (
         f"{strategy}: the step dispatches {extra} ops more than the plain loop "
         f"({totals}); differing ops: {result['diff']}"
+    )
+    # A value read back on the host (`.item()`, `float(t)`, `bool(t)`) makes a GPU's host
+    # wait for every kernel queued: the plain loop reads one (its step's sync) and the
+    # step reads none besides its agreement (whose `.tolist()` of a CPU tensor is not
+    # dispatched, so it is not counted here). Both sides' AdamW read its step counts,
+    # host tensors on a GPU too.
+    host_reads = result["diff"].get("_local_scalar_dense", 0)
+    assert host_reads == -1, (
+        f"{strategy}: the step reads {host_reads + 1} values back on the host besides its "
+        f"agreement; differing ops: {result['diff']}"
     )

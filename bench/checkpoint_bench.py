@@ -594,7 +594,8 @@ def main() -> None:
     parser.add_argument(
         "--gil-modes",
         default="",
-        help="comma-separated modes of the GIL proxy (default: all; bench/checkpoint_gil.py)",
+        help="modes of the GIL proxy, separated by ';' (their names hold commas; default: "
+        "all; bench/checkpoint_gil.py's MODES)",
     )
     args = parser.parse_args()
     if args.only != "gil":
@@ -612,7 +613,7 @@ def gil_proxy(args: argparse.Namespace) -> None:
         "frozen_tensors": frozen_tensors,
         "steps": steps,
         "repeats": args.repeats or (2 if args.quick else 7),
-        "modes": [m for m in args.gil_modes.split(",") if m],
+        "modes": [m.strip() for m in args.gil_modes.split(";") if m.strip()],
         "dir": str(scratch),
         "command": " ".join([".venv/bin/python", "bench/checkpoint_bench.py", *sys.argv[1:]]),
         "load_before": os.getloadavg(),

@@ -12,7 +12,8 @@ tensors in the state, as the 12x768 GPT of docs/bench-gpu.md), plus frozen param
 that bring the checkpoint to a realistic size.
 
 Every mode runs save() at the first of K steps then finalize(), interleaved with K steps
-without a save (the baseline) in each repeat; figures are medians. Whole cost = (save() +
+without a save (the baseline) in each repeat, each repeat starting at the next mode;
+figures are medians. Whole cost = (save() +
 K steps + finalize()) - K steps without a save: blocked time, the training thread's
 slowdown while the background runs, and the wait at finalize. On a shared machine that
 wall time mixes CPU contention with GIL waits, so the training thread's time is split
@@ -48,7 +49,10 @@ VOCAB = 65
 # mode -> the checkpointer's arguments; cfg["modes"] picks some (all by default)
 MODES: dict[str, dict[str, Any]] = {
     "sync": {"async_save": False},
+    "sync, plans every save": {"async_save": False, "keep_plans": False},
     "async": {"async_save": True, "async_staging": True},
+    # before 2026-11-28's kept plans: DCP plans every save from scratch (`save_plans`)
+    "async, plans every save": {"async_save": True, "async_staging": True, "keep_plans": False},
     # round 1: DCP's collectives even in a group of one (pickled plans and results)
     "async, collectives": {"async_save": True, "async_staging": True, "collectives": True},
     "async, collectives, torch.save per tensor": {
@@ -209,7 +213,8 @@ def body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     saved = 0
     total_bytes = 0
-    for _ in range(cfg["repeats"] + 1):  # the first round warms every mode up, unrecorded
+    modes = list(enumerate(ckpts.items()))
+    for repeat in range(cfg["repeats"] + 1):  # the first round warms every mode up, unrecorded
         warm = saved == 0
         clock.reset()
         gc_clock.take()
@@ -220,7 +225,11 @@ def body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 record(f"baseline.{key}", value)
             for who, value in gc_clock.take().items():
                 record(f"baseline.gc_{who}", value)
-        for i, (mode, ckpt) in enumerate(ckpts.items()):
+        # Each repeat starts at the next mode: a mode measured right after another
+        # async save measured differently from the same mode first (by up to 0.1 s of
+        # the training thread's CPU, 2026-11-28), so every mode takes every place in turn.
+        turn = repeat % len(modes)
+        for i, (mode, ckpt) in modes[turn:] + modes[:turn]:
             saved += 1
             before = others_cpu(clock.tid)
             clock.reset()

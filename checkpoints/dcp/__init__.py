@@ -7,7 +7,8 @@
 `held_copy` writes a checkpoint from such a copy of the same step instead of a copy of its own
 (`own_items`: the copy of a replicated state's items a rank writes); `live_tensors` lets
 an in-place save's update take the tensors not yet written back as copies;
-`staging`, `host_memory` and `shard_file` get the bytes to the disk with as few copies as can be.
+`staging`, `host_memory` and `shard_file` get the bytes to the disk with as few copies as can be;
+`save_plans` keeps DCP's save plans from save to save while the state's layout holds.
 """
 
 from elastrain.checkpoints.dcp.checkpointer import CheckpointSaveError, ShardedCheckpointer

@@ -34,10 +34,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from elastrain.checkpoints._fs import atomic_write_bytes
 from elastrain.checkpoints.catalog import LoadOutcome, find_latest_good
 from elastrain.checkpoints.commit import commit, manifest_for, uncommit
-from elastrain.checkpoints.dcp.held_copy import HeldCopy, HeldCopyPlanner
+from elastrain.checkpoints.dcp.held_copy import HeldCopy
 from elastrain.checkpoints.dcp.live_tensors import LiveTensors
 from elastrain.checkpoints.dcp.own_items import OwnItemsStager
 from elastrain.checkpoints.dcp.reader import VerifyingReader
+from elastrain.checkpoints.dcp.save_plans import KeptPlanSavePlanner
 from elastrain.checkpoints.dcp.staging import LayoutStager, copy_non_tensors
 from elastrain.checkpoints.dcp.writer import SHARD_SUFFIX, DigestingWriter
 from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, algorithm_for_setting
@@ -103,6 +104,7 @@ class ShardedCheckpointer:
         digest: str = DEFAULT_ALGORITHM,
         template_records: bool = True,
         direct_io: bool | None = None,
+        keep_plans: bool = True,
     ) -> None:
         """`process_group`: the group DCP and the load broadcast use. None creates a
         dedicated gloo group, so every rank must construct the checkpointer at the same
@@ -127,6 +129,10 @@ class ShardedCheckpointer:
         (`shard_file`; off, through the page cache). None: on unless the environment sets
         `ELASTRAIN_CHECKPOINT_DIRECT_IO=0`.
 
+        `keep_plans`: DCP's save plans are kept from save to save while the state's layout
+        holds (`save_plans`; the same plans, files and metadata). Off only to compare
+        (bench/checkpoint_gil.py).
+
         Retention is not done here: the service prunes (`elastrain.checkpoints.retention`).
         """
         if async_staging and not async_save:
@@ -140,6 +146,8 @@ class ShardedCheckpointer:
         self.digest_algorithm = algorithm_for_setting(digest)
         self.template_records = template_records
         self.direct_io = direct_io
+        self.keep_plans = keep_plans
+        self._planner = KeptPlanSavePlanner()
         self.owner = owner  # the database whose job this is: commits check the fence names it
         self._distributed = dist.is_available() and dist.is_initialized()
         if self._distributed:
@@ -353,6 +361,8 @@ class ShardedCheckpointer:
             if isinstance(copy, Future):
                 copy = copy.result()
             started = time.perf_counter()  # the write alone, not the wait for its copy
+            planner = self._planner if self.keep_plans else KeptPlanSavePlanner()
+            planner.write_from(copy)
             writer = DigestingWriter(
                 path,
                 algorithm=self.digest_algorithm,
@@ -364,15 +374,17 @@ class ShardedCheckpointer:
             state_dict_saver.save(
                 state,
                 storage_writer=writer,
-                planner=HeldCopyPlanner(copy) if copy is not None else None,
+                planner=planner,
                 process_group=self._pg,
                 no_dist=self._save_alone,
             )
         except BaseException as e:
+            self._planner.forget()
             if live is not None:
                 live.write_ended(e)
             raise
         finally:
+            self._planner.write_from(None)
             if isinstance(copy, HeldCopy):
                 copy.release()  # written (or failed): its owner may write into it again
         self.last_tensor_write_s = (writer.tensors_written_at or time.perf_counter()) - started

@@ -3,8 +3,9 @@
 Peer memory copies every rank's shard to host memory after the steps it refreshes at
 (`elastrain.workers.memory.snapshots`). A checkpoint of such a step needs no copy of its
 own: `ShardedCheckpointer.save(copy=...)` plans the save on the live state as usual (the
-plan is metadata: names, shapes, which rank writes which item) and `HeldCopyPlanner`
-gives the writer each item's data from the copy. The copy's arena is page-aligned, so
+plan is metadata: names, shapes, which rank writes which item) and the save planner
+(`save_plans.KeptPlanSavePlanner.write_from`) gives the writer each item's data from the
+copy. The copy's arena is page-aligned, so
 the shard writer sends its large items to the disk without copying them again
 (`shard_file`). The live state may change as soon as `save` returns.
 
@@ -16,13 +17,8 @@ write live data that may have moved on.
 
 from __future__ import annotations
 
-import io
 import threading
 from dataclasses import dataclass, field
-
-import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from elastrain.checkpoints.dcp.in_memory import Blob
 
@@ -43,22 +39,3 @@ class HeldCopy:
     @property
     def in_use(self) -> bool:
         return not self.released.is_set()
-
-
-class HeldCopyPlanner(DefaultSavePlanner):
-    """DCP's save planner, the data of every item from a `HeldCopy`."""
-
-    def __init__(self, copy: HeldCopy) -> None:
-        super().__init__()
-        self._items = copy.items
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        data = self._items.get(write_item.index)
-        if data is None:
-            raise KeyError(
-                f"{write_item.index.fqn} (offset {list(write_item.index.offset or ())}) is in "
-                "this rank's checkpoint plan but not in the copy the save was given"
-            )
-        if write_item.type == WriteItemType.BYTE_IO:
-            return io.BytesIO(data.numpy().tobytes())
-        return data

@@ -12,6 +12,7 @@ save then writes them from the copy (`held_copy`). The copy's buffers are page-a
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,6 +32,7 @@ from elastrain.checkpoints.dcp.in_memory import (
     arena_of_items,
     keep_items,
 )
+from elastrain.checkpoints.dcp.save_plans import plan_key
 
 
 def own_items(planner: DefaultSavePlanner, rank: int, world_size: int) -> list[WriteItem]:
@@ -50,6 +52,10 @@ class OwnItemsStager:
         self.rank, self.world_size, self.pin = rank, world_size, pin
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-stage")
         self._arena: Arena | None = None
+        # The items this rank writes, kept while the state's layout holds: finding them
+        # plans the state once per rank (`own_items`), Python that holds the GIL.
+        self._items_key: Hashable | None = None
+        self._items: list[WriteItem] = []
         self._views: Blob = {}
         self._pickled: dict[MetadataIndex, tuple[Any, torch.Tensor]] = {}
 
@@ -59,7 +65,11 @@ class OwnItemsStager:
     def _copy(self, state: dict[str, Any], step: int) -> HeldCopy:
         planner = DefaultSavePlanner()
         planner.set_up_planner(state, storage_meta=None, is_coordinator=self.rank == 0)
-        items = own_items(planner, self.rank, self.world_size)
+        key = plan_key(state, is_coordinator=self.rank == 0)
+        if key is None or key != self._items_key:
+            self._items = own_items(planner, self.rank, self.world_size)
+            self._items_key = key
+        items = self._items
         arena = arena_of_items(items)
         if arena != self._arena:  # the first save, or the state changed shape
             self._arena, self._pickled = arena, {}
@@ -70,3 +80,4 @@ class OwnItemsStager:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         self._arena, self._views, self._pickled = None, {}, {}
+        self._items_key, self._items = None, []

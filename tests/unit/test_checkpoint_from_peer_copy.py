@@ -260,7 +260,7 @@ def loop_saves(rank: int, world_size: int, root: str, label: str) -> dict[str, A
     live state; then with async saves, written in place once a write is timed, and on two
     "nodes" with peer memory every step (one node, "/one-node": no peer memory; "/slow":
     every save in place on a disk so slow that each update takes tensors back)."""
-    from elastrain.checkpoints.dcp import held_copy, writer
+    from elastrain.checkpoints.dcp import save_plans, writer
     from elastrain.workers import loop
     from elastrain.workers.api import NullHooks, TrainContext
     from tests.unit.test_peer_memory import STRATEGIES, spec_for
@@ -279,7 +279,7 @@ def loop_saves(rank: int, world_size: int, root: str, label: str) -> dict[str, A
         return async_save and on_host and (slow or bool(saves))
 
     loop.writes_in_place = after_the_first_save  # type: ignore[assignment]
-    stage, init = ShardedCheckpointer._stage, held_copy.HeldCopyPlanner.__init__
+    stage, write_from = ShardedCheckpointer._stage, save_plans.KeptPlanSavePlanner.write_from
     save, wait_staged = ShardedCheckpointer.save, ShardedCheckpointer.wait_staged
     record_parts = writer.record_parts
 
@@ -303,14 +303,15 @@ def loop_saves(rank: int, world_size: int, root: str, label: str) -> dict[str, A
         staged.append(1)
         return stage(self, state)
 
-    def counting_init(self: Any, copy: HeldCopy) -> None:
-        from_copy.append(copy.step)
-        init(self, copy)
+    def counting_write_from(self: Any, copy: HeldCopy | None) -> None:
+        if copy is not None:
+            from_copy.append(copy.step)
+        write_from(self, copy)
 
     ShardedCheckpointer._stage = counting_stage  # type: ignore[method-assign]
     ShardedCheckpointer.save = recording_save  # type: ignore[method-assign]
     ShardedCheckpointer.wait_staged = noting_wait_staged  # type: ignore[method-assign]
-    held_copy.HeldCopyPlanner.__init__ = counting_init  # type: ignore[method-assign]
+    save_plans.KeptPlanSavePlanner.write_from = counting_write_from  # type: ignore[method-assign]
     base = spec_for(STRATEGIES[strategy])
     out: dict[str, Any] = {}
     for run, memory_every, async_save, nodes in (

@@ -25,6 +25,7 @@ both (`forget`).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from collections.abc import Hashable
@@ -100,13 +101,8 @@ class KeptPlanSavePlanner(DefaultSavePlanner):
         if self._local is None:
             plan = super().create_local_plan()
             self.local_plans_made += 1
-            self._local = TokenedSavePlan(
-                items=plan.items,
-                storage_data=plan.storage_data,
-                planner_data=plan.planner_data,
-                usable=plan.usable,
-                token=(self._nonce, self.local_plans_made),
-            )
+            fields = {field.name: getattr(plan, field.name) for field in dataclasses.fields(plan)}
+            self._local = TokenedSavePlan(**fields, token=(self._nonce, self.local_plans_made))
         self.plan = self._local
         return self._local
 
@@ -114,8 +110,10 @@ class KeptPlanSavePlanner(DefaultSavePlanner):
         tokens = tuple(getattr(plan, "token", None) for plan in all_plans)
         if self._global is None or None in tokens or tokens != self._global_tokens:
             self._global_tokens, self._global = None, None
-            self._global = self._create_global_plan(all_plans)  # raises on an invalid plan
-            self._global_tokens = tokens
+            # DCP's own (its plan caching is off: the plans themselves come back); raises
+            # on an invalid plan.
+            plans, metadata = super().create_global_plan(all_plans)
+            self._global, self._global_tokens = (list(plans), metadata), tokens
             self.global_plans_made += 1
         plans, metadata = self._global
         self.global_plan, self.metadata = plans, metadata

@@ -287,7 +287,8 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
     )
     step = 0
     total_bytes = 0
-    for _ in range(repeats):
+    modes = list(checkpointers.items())
+    for repeat in range(repeats):
         # Baseline and every mode interleaved, so slow drift on a shared machine hits all.
         baselines = [("baseline", False)]
         if any(peer_mode(m) for m in checkpointers):
@@ -297,7 +298,11 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
             started = time.perf_counter()
             steps(STEPS_AFTER_SAVE, refresh=refresh)
             record(key, max_over_ranks(time.perf_counter() - started))
-        for mode, ckpt in checkpointers.items():
+        # Each repeat starts at the next mode, the same on every rank: a mode measured
+        # right after another save can pay for it (the GIL proxy's modes did, by up to
+        # 0.1 s; a column here read 2-3x its neighbours' CPU in one run and not the next).
+        turn = repeat % len(modes)
+        for mode, ckpt in modes[turn:] + modes[:turn]:
             step += 1
             fields = {"strategy": cfg["strategy"], "world_size": world_size}
             # The refresh after the step being saved (the baseline's steps refresh too).
@@ -456,9 +461,8 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
         f"({os.cpu_count()} cores, torch {torch.__version__}), "
         f"{cfg['layers']} x Linear({cfg['width']}, {cfg['width']}) + AdamW: "
         f"checkpoint of {mb:.0f} MB. Medians of {cfg['repeats']} interleaved runs "
-        "(the baseline and each kind of save alternate; so do save, load and plain I/O); each "
-        "time is "
-        "the max over ranks. Load average (1, 5, 15 min) at the start "
+        "(the baseline and each kind of save alternate, each run starting at the next kind; "
+        "so do save, load and plain I/O); each time is the max over ranks. Load average (1, 5, 15 min) at the start "
         f"{fmt_load(cfg['load_before'])}, at the end {fmt_load(cfg['load_after'])}.",
         f"{STEPS_AFTER_SAVE} training steps without a save take {base:.3f} s"
         + (

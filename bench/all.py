@@ -96,7 +96,8 @@ BY_NAME = {p.name: p for p in PARTS}
 #: that measures nothing (it takes the dashboard's screenshots in docs/). A new script must
 #: be one of these or a part (tests/unit/test_bench_all.py checks), so none rots unseen.
 HELPERS = frozenset({"all.py", "report_blocks.py", "scratch_db.py", "step_log.py",
-                     "plain_torchrun.py", "torchrun_loop.py", "checkpoint_gil.py"})  # fmt: skip
+                     "plain_torchrun.py", "torchrun_loop.py", "checkpoint_gil.py",
+                     "checkpoint_plans.py"})  # fmt: skip
 NOT_BENCHES = frozenset({"screenshots.py"})
 
 

@@ -6,6 +6,8 @@ item 5).
 
 A second report (`--only gil`, run after the first by default): one rank with a spare core,
 the GPU host's regime, where an async save's cost is the GIL (bench/checkpoint_gil.py).
+A third (`--only plans`, after the second): N ranks' sync saves with kept save plans and
+without DCP's exchanges, against DCP's planning at every save (bench/checkpoint_plans.py).
 
 Two gloo ranks (spawned), a stack of nn.Linear layers + AdamW state of ~400 MB in total
 (`--quick`: ~60 MB, 3 repeats). Every figure is the median of `--repeats` runs, and every
@@ -68,7 +70,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from bench import checkpoint_gil  # noqa: E402
+from bench import checkpoint_gil, checkpoint_plans  # noqa: E402
 from bench.report_blocks import write_block  # noqa: E402
 from elastrain.checkpoints.dcp import ShardedCheckpointer  # noqa: E402
 from elastrain.checkpoints.dcp.own_items import OwnItemsStager  # noqa: E402
@@ -591,9 +593,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench-checkpoint.md")
     parser.add_argument(
         "--only",
-        choices=["two-ranks", "gil"],
+        choices=["two-ranks", "gil", "plans"],
         default=None,
-        help="one of the two reports (default: both)",
+        help="one of the three reports (default: all)",
     )
     parser.add_argument(
         "--gil-modes",
@@ -602,10 +604,12 @@ def main() -> None:
         "all; bench/checkpoint_gil.py's MODES)",
     )
     args = parser.parse_args()
-    if args.only != "gil":
+    if args.only in (None, "two-ranks"):
         two_ranks(args)
-    if args.only != "two-ranks":
+    if args.only in (None, "gil"):
         gil_proxy(args)
+    if args.only in (None, "plans"):
+        plans(args)
 
 
 def gil_proxy(args: argparse.Namespace) -> None:
@@ -631,6 +635,34 @@ def gil_proxy(args: argparse.Namespace) -> None:
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_block(args.out, "checkpoint-gil-report", table)
+
+
+def plans(args: argparse.Namespace) -> None:
+    """N ranks, sync saves: DCP's planning and exchanges against kept plans
+    (bench/checkpoint_plans.py)."""
+    worlds = (2,) if args.quick else (2, 4)
+    scratch = Path(tempfile.mkdtemp(prefix="ckpt-plans-bench-", dir=args.dir))
+    cfg: dict[str, Any] = {
+        "frozen_mb": 8,
+        "repeats": args.repeats or (3 if args.quick else 11),
+        "cores": os.cpu_count(),
+        "command": " ".join([".venv/bin/python", "bench/checkpoint_bench.py", *sys.argv[1:]]),
+        "load_before": os.getloadavg(),
+    }
+    runs = {}
+    try:
+        for world in worlds:
+            cfg["dir"] = str(scratch / str(world))
+            runs[world] = run_distributed(
+                checkpoint_plans.body, world, cfg, timeout_s=3600, pg_timeout_s=600
+            )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    cfg["load_after"] = os.getloadavg()
+    table = checkpoint_plans.render(cfg, runs)
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_block(args.out, "checkpoint-plans-report", table)
 
 
 def two_ranks(args: argparse.Namespace) -> None:

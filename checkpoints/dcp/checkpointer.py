@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from elastrain.checkpoints._fs import atomic_write_bytes
 from elastrain.checkpoints.catalog import LoadOutcome, find_latest_good
 from elastrain.checkpoints.commit import commit, manifest_for, uncommit
+from elastrain.checkpoints.dcp import kept_save
 from elastrain.checkpoints.dcp.held_copy import HeldCopy
 from elastrain.checkpoints.dcp.live_tensors import LiveTensors
 from elastrain.checkpoints.dcp.own_items import OwnItemsStager
@@ -106,7 +107,7 @@ class ShardedCheckpointer:
         direct_io: bool | None = None,
         keep_plans: bool = True,
     ) -> None:
-        """`process_group`: the group DCP and the load broadcast use. None creates a
+        """`process_group`: the group DCP and the load broadcast use (a CPU one). None creates a
         dedicated gloo group, so every rank must construct the checkpointer at the same
         point (new_group is collective). A separate gloo group is what lets async saves run
         collectives from a background thread while training uses the default group (which
@@ -130,8 +131,9 @@ class ShardedCheckpointer:
         `ELASTRAIN_CHECKPOINT_DIRECT_IO=0`.
 
         `keep_plans`: DCP's save plans are kept from save to save while the state's layout
-        holds (`save_plans`; the same plans, files and metadata). Off only to compare
-        (bench/checkpoint_gil.py).
+        holds (`save_plans`; the same plans, files and metadata), and once every rank holds
+        them a save makes none of DCP's exchanges of plans, results and metadata
+        (`kept_save`). Off only to compare (bench/checkpoint_gil.py, checkpoint_plans.py).
 
         Retention is not done here: the service prunes (`elastrain.checkpoints.retention`).
         """
@@ -356,8 +358,7 @@ class ShardedCheckpointer:
         try:
             if extra is not None:
                 atomic_write_bytes(path / rank_extra_name(self.rank), extra)
-            if isinstance(state, Future):
-                state = state.result()
+            resolved: dict[str, Any] = state.result() if isinstance(state, Future) else state
             if isinstance(copy, Future):
                 copy = copy.result()
             started = time.perf_counter()  # the write alone, not the wait for its copy
@@ -370,14 +371,18 @@ class ShardedCheckpointer:
                 direct_io=self.direct_io,
                 live=live,
             )
-            # Looked up on the module at call time (tests hold the write by patching it).
-            state_dict_saver.save(
-                state,
-                storage_writer=writer,
-                planner=planner,
-                process_group=self._pg,
-                no_dist=self._save_alone,
-            )
+            if self.keep_plans:
+                kept_save.save(
+                    resolved, writer=writer, planner=planner, group=self._pg, alone=self._save_alone
+                )
+            else:  # looked up on the module at call time (tests hold the write by patching it)
+                state_dict_saver.save(
+                    resolved,
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=self._pg,
+                    no_dist=self._save_alone,
+                )
         except BaseException as e:
             self._planner.forget()
             if live is not None:

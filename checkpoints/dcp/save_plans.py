@@ -36,6 +36,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from elastrain.checkpoints.dcp.held_copy import HeldCopy
 from elastrain.checkpoints.dcp.in_memory import Blob
@@ -50,6 +51,18 @@ def plan_key(state: dict[str, Any], is_coordinator: bool) -> Hashable | None:
     if layout is None:
         return None
     return layout, tuple(leaf.requires_grad for leaf in leaves), is_coordinator
+
+
+@dataclass(frozen=True)
+class FinishedSave:
+    """A save that went through, as a later save of the same plans can repeat it without
+    DCP's exchanges (`kept_save`): this rank's final plan (its file named), where its
+    items went, and on the coordinator where every rank's went."""
+
+    token: tuple[str, int]
+    plan: SavePlan
+    written: list[WriteResult]
+    every_rank: list[list[WriteResult]] | None
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,7 @@ class KeptPlanSavePlanner(DefaultSavePlanner):
         self._global_tokens: tuple[tuple[str, int] | None, ...] | None = None
         self._global: tuple[list[SavePlan], Metadata] | None = None
         self._copy: Blob | None = None
+        self._finished: FinishedSave | None = None
         self.local_plans_made = 0
         self.global_plans_made = 0
 
@@ -85,6 +99,29 @@ class KeptPlanSavePlanner(DefaultSavePlanner):
     def forget(self) -> None:
         """Plan the next save from scratch (after a failed one: whatever it left)."""
         self._key = self._local = self._global_tokens = self._global = None
+        self._finished = None
+
+    def saved(
+        self, written: list[WriteResult] | None, every_rank: list[list[WriteResult]] | None
+    ) -> None:
+        """The save just planned went through: `written`, where this rank's items went;
+        `every_rank` (the coordinator's), where every rank's did."""
+        if self._local is None or self._local.token is None or written is None:
+            self._finished = None
+            return
+        self._finished = FinishedSave(self._local.token, self.plan, written, every_rank)
+
+    def finished_save(self) -> FinishedSave | None:
+        """The last save's, where this save (set up since) has the same local plan."""
+        finished, local = self._finished, self._local
+        if finished is None or local is None or finished.token != local.token:
+            return None
+        return finished
+
+    @property
+    def kept_metadata(self) -> Metadata | None:
+        """The coordinator's metadata of the last global plan."""
+        return self._global[1] if self._global is not None else None
 
     def set_up_planner(
         self,

@@ -154,6 +154,10 @@ class DigestingWriter(FileSystemWriter):
         self._digesting_fs = DigestingFileSystem(algorithm, direct_io)
         self.fs = self._digesting_fs
         self.shard_digests: dict[str, FileEntry] = {}
+        self.written: list[WriteResult] | None = None
+        """This rank's results of the save (where its items went; not the digests)."""
+        self.finished: list[list[WriteResult]] | None = None
+        """On the coordinator, every rank's `written`, once the metadata is written."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         super().reset(checkpoint_id)
@@ -166,6 +170,7 @@ class DigestingWriter(FileSystemWriter):
             if shard is None and self.live is not None:
                 self.live.unmanaged()  # DCP's loop writes the live tensors: no claims
             results = shard if shard is not None else list(super().write_data(plan, planner).wait())
+        self.written = list(results)
         results.extend(_digest_result(d) for d in self._digesting_fs.take_digests())
         out: TorchFuture[list[WriteResult]] = TorchFuture()
         out.set_result(results)
@@ -248,6 +253,7 @@ class DigestingWriter(FileSystemWriter):
         digests, dcp_results = split_digest_results(results)
         self.shard_digests = digests
         super().finish(metadata, dcp_results)
+        self.finished = dcp_results
 
 
 _crc32_lock = threading.Lock()
@@ -305,6 +311,11 @@ def _digest_result(digest: StreamedDigest) -> WriteResult:
         size_in_bytes=digest.size,
         storage_data=digest,
     )
+
+
+def is_digest_result(result: WriteResult) -> bool:
+    """Whether `result` is a shard file's digest (`_digest_result`), not a DCP item's."""
+    return isinstance(result.storage_data, StreamedDigest)
 
 
 def split_digest_results(

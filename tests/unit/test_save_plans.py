@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from elastrain.checkpoints.dcp import ShardedCheckpointer, writer
@@ -41,7 +42,22 @@ def loaded(root: Path, state: dict[str, Any], rank: int = 0, world_size: int = 1
     reader.close()
 
 
+def counting_dcp_saves() -> list[int]:
+    """Count, from now on in this process, the saves made by DCP's own `save` (the
+    others exchanged no plans: `kept_save`)."""
+    calls: list[int] = []
+    original = state_dict_saver.save
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    state_dict_saver.save = counting  # the checkpointer looks it up at call time
+    return calls
+
+
 def _fsdp_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    dcp_saves = counting_dcp_saves()
     model, optim = build("fsdp")
     ckpt = ShardedCheckpointer(
         Path(root) / "kept", rank=rank, world_size=world_size, async_save=True
@@ -63,6 +79,7 @@ def _fsdp_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
         loads.append(full_state(fresh_model, fresh_optim))
     made = plans_made(ckpt)
     ckpt.close()
+    saves_by_dcp = len(dcp_saves)
     # The same last state planned from scratch, for its metadata.
     fresh = ShardedCheckpointer(
         Path(root) / "fresh", rank=rank, world_size=world_size, async_save=False,
@@ -70,7 +87,7 @@ def _fsdp_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
     )  # fmt: skip
     fresh.save(step=3, attempt=0, state=ckpt_state(model, optim), manifest_fields={})
     fresh.close()
-    return {"refs": refs, "loads": loads, "made": made}
+    return {"refs": refs, "loads": loads, "made": made, "saves_by_dcp": saves_by_dcp}
 
 
 def test_fsdp_saves_plan_once_and_each_loads_its_own_step(tmp_path: Path) -> None:
@@ -80,6 +97,9 @@ def test_fsdp_saves_plan_once_and_each_loads_its_own_step(tmp_path: Path) -> Non
             assert_same(ref, got, f"rank {rank}, save {step + 1}")
     # One local plan per rank, one global plan on the coordinator (rank 0), for 3 saves.
     assert [r["made"] for r in results] == [(1, 1), (1, 0)]
+    # Only the first save went through DCP's exchanges; the next two wrote by the plans
+    # every rank kept (`kept_save`), and loaded back all the same.
+    assert [r["saves_by_dcp"] for r in results] == [1, 1]
     # The `.metadata` of the third save, planned from the first save's plans, is what
     # DCP's own planning of that state writes (trained one step further: same layout).
     kept = step_dir(tmp_path / "kept", 3, 0)
@@ -213,3 +233,52 @@ def test_a_ddp_ranks_staging_finds_its_items_once_per_layout(
         assert copy.items and all(torch.equal(data, live[i.fqn]) for i, data in copy.items.items())
     stager.close()
     assert found == [1, 1]  # the first save's layout, then the third's
+
+
+def _write_fails_on_rank_1(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from elastrain.checkpoints.layout import MANIFEST_NAME
+
+    dcp_saves = counting_dcp_saves()
+    state: dict[str, Any] = {f"rank{rank}": torch.full((64,), float(rank)), "note": "short"}
+    ckpt = ShardedCheckpointer(Path(root), rank=rank, world_size=world_size, async_save=False)
+    ckpt.save(step=1, attempt=0, state=dict(state), manifest_fields={})
+    write_data = writer.DigestingWriter.write_data
+    if rank == 1:
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            raise OSError("disk gone")
+
+        writer.DigestingWriter.write_data = failing  # type: ignore[method-assign]
+    errors = []
+    try:
+        ckpt.save(step=2, attempt=0, state=dict(state), manifest_fields={})
+    except Exception as e:  # a sync save raises what failed, as it is
+        errors.append(repr(e))
+    writer.DigestingWriter.write_data = write_data  # type: ignore[method-assign]
+    ckpt.save(step=3, attempt=0, state=dict(state), manifest_fields={})
+    # A value beside the tensors grows: where this rank's items go changes, its plan not.
+    state["note"] = "a longer note " * 100
+    ckpt.save(step=4, attempt=0, state=dict(state), manifest_fields={})
+    ckpt.close()
+    back = {f"rank{rank}": torch.zeros(64), "note": ""}
+    loaded(Path(root), back, rank, world_size)
+    dist.barrier()
+    return {
+        "errors": errors,
+        "dcp_saves": len(dcp_saves),
+        "back": back,
+        "committed": [
+            s for s in (1, 2, 3, 4) if (step_dir(Path(root), s, 0) / MANIFEST_NAME).exists()
+        ],
+    }
+
+
+def test_a_write_failed_on_one_rank_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    zero, one = run_distributed(_write_fails_on_rank_1, 2, str(tmp_path))
+    assert "disk gone" in one["errors"][0]  # its own error
+    assert "rank 1" in zero["errors"][0] and "disk gone" in zero["errors"][0]
+    assert zero["committed"] == [1, 3, 4]  # nothing for the failed save
+    # The save after a failure is planned (through DCP) afresh; the one after it not.
+    assert zero["dcp_saves"] == one["dcp_saves"] == 2
+    assert zero["back"]["note"] == one["back"]["note"] == "a longer note " * 100
+    assert torch.equal(one["back"]["rank1"], torch.full((64,), 1.0))

@@ -632,18 +632,14 @@ def gil_proxy(args: argparse.Namespace) -> None:
         "repeats": args.repeats or (2 if args.quick else 7),
         "modes": [m.strip() for m in args.gil_modes.split(";") if m.strip()],
         "dir": str(scratch),
-        "command": " ".join([".venv/bin/python", "bench/checkpoint_bench.py", *sys.argv[1:]]),
-        "load_before": os.getloadavg(),
+        **run_facts(),
     }
     try:
         out = run_distributed(checkpoint_gil.body, 1, cfg, timeout_s=3600, pg_timeout_s=600)[0]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     cfg["load_after"] = os.getloadavg()
-    table = checkpoint_gil.render(cfg, out)
-    print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_block(args.out, "checkpoint-gil-report", table)
+    publish(args, "checkpoint-gil-report", checkpoint_gil.render(cfg, out))
 
 
 def plans(args: argparse.Namespace) -> None:
@@ -655,8 +651,7 @@ def plans(args: argparse.Namespace) -> None:
         "frozen_mb": 8,
         "repeats": args.repeats or (3 if args.quick else 11),
         "cores": os.cpu_count(),
-        "command": " ".join([".venv/bin/python", "bench/checkpoint_bench.py", *sys.argv[1:]]),
-        "load_before": os.getloadavg(),
+        **run_facts(),
     }
     runs = {}
     try:
@@ -668,10 +663,7 @@ def plans(args: argparse.Namespace) -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     cfg["load_after"] = os.getloadavg()
-    table = checkpoint_plans.render(cfg, runs)
-    print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_block(args.out, "checkpoint-plans-report", table)
+    publish(args, "checkpoint-plans-report", checkpoint_plans.render(cfg, runs))
 
 
 def two_ranks(args: argparse.Namespace) -> None:
@@ -688,20 +680,30 @@ def two_ranks(args: argparse.Namespace) -> None:
         "layers": layers,
         "repeats": repeats,
         "dir": str(scratch),
-        "command": " ".join([".venv/bin/python", "bench/checkpoint_bench.py", *sys.argv[1:]]),
-        "load_before": os.getloadavg(),
+        **run_facts(),
     }
     try:
         out = run_distributed(bench_body, 2, cfg, timeout_s=3600, pg_timeout_s=600)[0]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     cfg["load_after"] = os.getloadavg()
-    table = render(cfg, out)
+    publish(args, "checkpoint-report", render(cfg, out))
+
+
+def run_facts() -> dict[str, Any]:
+    """What every report says of its run: the command and the load when it started."""
+    return {
+        "command": " ".join([".venv/bin/python", "bench/checkpoint_bench.py", *sys.argv[1:]]),
+        "load_before": os.getloadavg(),
+    }
+
+
+def publish(args: argparse.Namespace, block: str, table: str) -> None:
+    """Print a report and write it into its own block of `--out`: the notes written
+    around it in the same file (what changed, run to run, what is not met) stay."""
     print(table)
-    # The generated report replaces its own block only: the notes written around it in
-    # the same file (what changed, run to run, what is not met) stay.
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_block(args.out, "checkpoint-report", table)
+    write_block(args.out, block, table)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.storage import WriteResult
 
-from elastrain.checkpoints.dcp.save_plans import KeptPlanSavePlanner
+from elastrain.checkpoints.dcp.save_plans import FinishedSave, KeptPlanSavePlanner
 from elastrain.checkpoints.dcp.writer import DigestingWriter, is_digest_result
 
 #: Where a rank's items went, when it is what it was at the last save.
@@ -69,19 +69,18 @@ def save(
         state_dict_saver.save(state, storage_writer=writer, planner=planner, process_group=group)
         planner.saved(writer.written, writer.finished)
         return
-    assert finished is not None
-    _save_by_kept_plans(writer, planner, group, rank, world)
+    assert finished is not None  # every rank is ready, this one too
+    _save_by_kept_plans(writer, planner, finished, group, rank, world)
 
 
 def _save_by_kept_plans(
     writer: DigestingWriter,
     planner: KeptPlanSavePlanner,
+    finished: FinishedSave,
     group: dist.ProcessGroup | None,
     rank: int,
     world: int,
 ) -> None:
-    finished = planner.finished_save()
-    assert finished is not None
     coordinator = rank == 0
     writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
     planner.plan = finished.plan

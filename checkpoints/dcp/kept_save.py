@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.storage import WriteResult
 
 from elastrain.checkpoints.dcp.save_plans import FinishedSave, KeptPlanSavePlanner
-from elastrain.checkpoints.dcp.writer import DigestingWriter, is_digest_result
+from elastrain.checkpoints.dcp.writer import DigestingWriter
 
 #: Where a rank's items went, when it is what it was at the last save.
 _SAME = "same"
@@ -45,9 +45,8 @@ def save(
 ) -> None:
     """Save `state` with `writer`, as `state_dict_saver.save` would, every rank of
     `group` at once (`alone`: a group of one, no collectives at all)."""
-    if alone:
+    if alone:  # no exchanges to skip
         state_dict_saver.save(state, storage_writer=writer, planner=planner, no_dist=True)
-        planner.saved(writer.written, writer.finished)
         return
     rank = dist.get_rank(group)
     coordinator = rank == 0
@@ -88,8 +87,8 @@ def _save_by_kept_plans(
     error: BaseException | None = None
     try:
         results = writer.write_data(finished.plan, planner).wait()
-        written = [r for r in results if not is_digest_result(r)]
-        digests = [r for r in results if is_digest_result(r)]
+        written = writer.written
+        digests = results[len(written or ()) :]  # the writer appends them after its items
         report = ("ok", (_SAME if written == finished.written else written, digests))
     except BaseException as e:  # every rank must still reach the collectives below
         error = e

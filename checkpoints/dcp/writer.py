@@ -313,11 +313,6 @@ def _digest_result(digest: StreamedDigest) -> WriteResult:
     )
 
 
-def is_digest_result(result: WriteResult) -> bool:
-    """Whether `result` is a shard file's digest (`_digest_result`), not a DCP item's."""
-    return isinstance(result.storage_data, StreamedDigest)
-
-
 def split_digest_results(
     results: Iterable[list[WriteResult]],
 ) -> tuple[dict[str, FileEntry], list[list[WriteResult]]]:

@@ -37,6 +37,15 @@ class Conflict(Exception):
     """The job is in a state where the request makes no sense (HTTP 409)."""
 
 
+class TooMany(Exception):
+    """A limit of the service is reached (HTTP 429): the message names the limit and the
+    setting that sets it; `retry_after_s` goes in the Retry-After header."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 def _field_path(loc: Sequence[Any]) -> str:
     # Drop where the value came from ("body", "query", ...).
     parts = [str(p) for p in loc[1:]]
@@ -116,6 +125,15 @@ async def _conflict(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_409_CONFLICT)
 
 
+async def _too_many(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, TooMany)
+    return JSONResponse(
+        {"detail": str(exc)},
+        status_code=status.HTTP_429_TOO_MANY_REQUESTS,
+        headers={"Retry-After": str(exc.retry_after_s)},
+    )
+
+
 async def _bad_cursor(_: Request, exc: Exception) -> JSONResponse:
     payload = validation_payload(
         [{"loc": ("query", "offset"), "msg": str(exc), "type": "value_error"}]
@@ -144,6 +162,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(JobNotFound, _not_found)
     app.add_exception_handler(IllegalTransition, _conflict)
     app.add_exception_handler(Conflict, _conflict)
+    app.add_exception_handler(TooMany, _too_many)
     app.add_exception_handler(BadCursor, _bad_cursor)
     app.add_exception_handler(OperationalError, _database_down)
     app.add_exception_handler(Exception, _unexpected)

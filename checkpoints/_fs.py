@@ -6,6 +6,8 @@ import contextlib
 import os
 from pathlib import Path
 
+from elastrain.checkpoints.confined import remove_tree_at
+
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Persist a folder's entries (a rename or unlink is durable only once its parent
@@ -39,21 +41,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """Delete a folder tree; entries that are already gone (a concurrent deleter, a crash
-    half-way through an earlier attempt) are not errors."""
+    """Delete a folder tree, never through a link (a link is removed itself, not what it
+    points to); entries that are already gone (a concurrent deleter, a crash half-way
+    through an earlier attempt) are not errors."""
     try:
-        entries = list(os.scandir(path))
+        parent = os.open(Path(path).parent, os.O_RDONLY | os.O_DIRECTORY)
     except FileNotFoundError:
         return
-    except NotADirectoryError:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return
-    for entry in entries:
-        if entry.is_dir(follow_symlinks=False):
-            remove_tree(Path(entry.path))
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
-    with contextlib.suppress(FileNotFoundError):
-        os.rmdir(path)
+    try:
+        remove_tree_at(parent, Path(path).name)
+    finally:
+        os.close(parent)

@@ -4,7 +4,8 @@ the conversion run in a child process. Pure Python (the API imports it).
 The conversion itself (`elastrain.checkpoints.dcp.export`) needs torch and `transformers`, which the
 control plane never loads: the API runs it as `python -m elastrain.checkpoints.dcp.export` in a
 child process, which also hands the memory of the model's weights back to the system
-when it ends.
+when it ends. The child reads the job's files as hostile input and holds none of the API's
+secrets (`child_env`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,20 @@ class ExportError(ValueError):
     """The checkpoint cannot be exported as asked; the message says why."""
 
 
+class ExportFailed(RuntimeError):
+    """The export child failed otherwise (crashed, ran out of time). The message is for
+    the caller and names no server path; `details` (the child's stderr) is for the log."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+#: The export child's environment: what Python, torch and transformers need to run, and
+#: nothing else of the API's (its admin token, database URL, trackers' credentials).
+_CHILD_VARIABLES = ("PATH", "LANG", "LC_ALL", "TMPDIR", "HOME", "PYTHONPATH", "VIRTUAL_ENV")
+
+
 def pick_checkpoint(root: Path, step: int | None) -> CheckpointInfo:
     """The committed checkpoint of `step` (its newest attempt), or the newest one."""
     committed = list_committed(root)
@@ -52,29 +67,44 @@ def export_in_child(
     out: Path,
     *,
     model_folder: Path | None = None,
+    trusted_root: Path | None = None,
     timeout_s: float = 3600.0,
 ) -> None:
-    """Run `elastrain.checkpoints.dcp.export` on `checkpoint` in a child process, writing `out`.
-    Raises ExportError with the child's reason when it refuses, RuntimeError when it
-    fails otherwise."""
+    """Run `elastrain.checkpoints.dcp.export` on `checkpoint` in a child process, writing
+    `out`. `trusted_root`: a folder above `checkpoint` the child may trust (the storage
+    root); below it no link is followed. Raises ExportError with the child's reason when
+    it refuses, ExportFailed when it fails otherwise."""
     args = [
         sys.executable, "-m", "elastrain.checkpoints.dcp.export", str(checkpoint), workload,
-        json.dumps(dict(params)), str(out),
+        json.dumps(dict(params)), str(out), str(model_folder or ""), str(trusted_root or ""),
     ]  # fmt: skip
-    if model_folder is not None:
-        args.append(str(model_folder))
-    # The child imports this package from wherever this process did.
-    here = str(Path(__file__).resolve().parents[1])
-    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
-    done = subprocess.run(
-        args,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env={**os.environ, "PYTHONPATH": path},
-        check=False,
-    )
+    try:
+        done = subprocess.run(
+            args,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=child_env(os.environ),
+            cwd=out.parent if out.parent.is_dir() else None,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise ExportFailed(f"the export took longer than {timeout_s:.0f} s") from None
     if done.returncode == REFUSED:
         raise ExportError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "")
     if done.returncode != 0:
-        raise RuntimeError(f"export of {checkpoint} failed: {done.stderr.strip()[-2000:]}")
+        raise ExportFailed(
+            f"the export failed (exit status {done.returncode}); the server's log has the details",
+            details=done.stderr.strip()[-2000:],
+        )
+
+
+def child_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The export child's environment: `_CHILD_VARIABLES` of `environ`, this package on
+    its path, Hugging Face offline (an export downloads nothing)."""
+    env = {name: environ[name] for name in _CHILD_VARIABLES if name in environ}
+    # The child imports this package from wherever this process did.
+    here = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONNOUSERSITE="1")
+    return env

@@ -31,8 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastrain.checkpoints._fs import atomic_write_bytes
+from elastrain.checkpoints.confined import ConfinedFileError, read_bounded
 
 FENCE_NAME = "fence.json"
+#: An attempt's start is ~30 bytes of the fence: 1 MiB is 30,000 attempts.
+MAX_FENCE_BYTES = 1024 * 1024
 
 log = logging.getLogger("elastrain.checkpoints")
 
@@ -87,9 +90,11 @@ def read_fence(job_root: Path) -> Fence:
     must never read as no fence, which would let a superseded attempt write."""
     path = fence_path(job_root)
     try:
-        data = path.read_bytes()
+        data = read_bounded(str(path), MAX_FENCE_BYTES)
     except FileNotFoundError:
         return Fence()
+    except ConfinedFileError as exc:
+        raise FenceUnreadable(path, str(exc)) from None
     except OSError as exc:
         raise FenceUnreadable(path, exc.strerror or repr(exc)) from exc
     try:

@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastrain.checkpoints.confined import is_real_dir
+
 MANIFEST_NAME = "manifest.json"
 DCP_METADATA_NAME = ".metadata"
 # Temporary files (ours and DCP's `.metadata.tmp`) never belong to a checkpoint's file list.
@@ -79,7 +81,12 @@ def is_temporary(name: str) -> bool:
 
 def iter_step_dirs(root: str | os.PathLike[str]) -> list[StepDir]:
     """All step folders under root, newest first. A missing root is simply empty; files and
-    folders with other names (junk, a user's notes) are ignored."""
+    folders with other names (junk, a user's notes) are ignored, and so are links: a job's
+    code writes this folder, and a link it planted (to another job's checkpoint, another
+    tenant's data, a folder out of the storage root) is neither loaded, exported nor
+    deleted through. A root that is itself a link, or inside one, lists nothing."""
+    if not (is_real_dir(Path(root)) and is_real_dir(Path(root).parent)):
+        return []
     try:
         entries = list(os.scandir(root))
     except (FileNotFoundError, NotADirectoryError):
@@ -90,7 +97,7 @@ def iter_step_dirs(root: str | os.PathLike[str]) -> list[StepDir]:
         if parsed is None:
             continue
         try:
-            if not entry.is_dir():
+            if not entry.is_dir(follow_symlinks=False):
                 continue
         except OSError:  # vanished between scandir and is_dir (concurrent retention)
             continue

@@ -20,12 +20,16 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from elastrain.checkpoints._fs import atomic_write_bytes
+from elastrain.checkpoints.confined import ConfinedFileError, read_bounded
 from elastrain.checkpoints.digest import SHA256, UnknownDigestAlgorithm, check_algorithm
 from elastrain.checkpoints.layout import MANIFEST_NAME
 
 # 2: per-file digest with its algorithm named (an older reader refuses it by version,
 # clearly, rather than as a file entry it cannot parse).
 FORMAT_VERSION = 2
+#: A manifest names each shard file with its size and digest (~120 bytes a file): 16 MiB
+#: is 100,000+ files. A job's code can write its manifest; past this it is not read.
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 
 
 class FileEntry(TypedDict):
@@ -140,9 +144,11 @@ def write_manifest(ckpt_dir: str | os.PathLike[str], manifest: Manifest) -> Path
 def read_manifest(ckpt_dir: str | os.PathLike[str]) -> Manifest:
     path = manifest_path(ckpt_dir)
     try:
-        raw = path.read_bytes()
+        raw = read_bounded(str(path), MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise ManifestMissing(ckpt_dir, f"no {MANIFEST_NAME} (not committed)") from None
+    except ConfinedFileError as e:
+        raise ManifestError(ckpt_dir, str(e)) from None
     except OSError as e:
         raise ManifestError(ckpt_dir, f"cannot read {MANIFEST_NAME}: {e}") from e
     try:

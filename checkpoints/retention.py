@@ -8,15 +8,23 @@ between the two (`elastrain.service.executor`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastrain.checkpoints._fs import fsync_dir, remove_tree
 from elastrain.checkpoints.catalog import CheckpointInfo, scan
+from elastrain.checkpoints.confined import (
+    ConfinedFileError,
+    open_dir,
+    plain_name,
+    remove_tree_at,
+)
 from elastrain.checkpoints.layout import MANIFEST_NAME, StepDir
 
 MIN_KEEP_LAST = 2
+
+log = logging.getLogger("elastrain.retention")
 
 
 def plan_retention(
@@ -48,12 +56,10 @@ def plan_retention(
 def delete_checkpoint(path: str | os.PathLike[str]) -> None:
     """Crash-safe deletion: the manifest goes first (and durably), so a folder whose
     deletion was interrupted is an uncommitted folder, never a committed checkpoint with
-    missing shards. Already-missing files or folders are not errors."""
+    missing shards. Already-missing files or folders are not errors. Nothing is deleted
+    through a link (`delete_checkpoints`)."""
     root = Path(path)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(root / MANIFEST_NAME)
-        fsync_dir(root)
-    remove_tree(root)
+    delete_checkpoints(root.parent, [root])
 
 
 def retention_plan(root: str | os.PathLike[str], keep_last: int) -> list[Path]:
@@ -68,7 +74,46 @@ def retention_plan(root: str | os.PathLike[str], keep_last: int) -> list[Path]:
 
 
 def delete_checkpoints(root: str | os.PathLike[str], paths: Sequence[Path]) -> None:
+    """Delete the step folders `paths`, each directly in `root` (a job's checkpoints
+    folder), never through a link: `root` and its job folder are entered without
+    following one, and below them `confined.remove_tree_at` removes a link itself, never
+    what it points to. A path elsewhere than directly in `root` is refused."""
+    if not paths:
+        return
+    root = Path(root)
     for path in paths:
-        delete_checkpoint(path)
-    if paths:
-        fsync_dir(root)
+        if Path(path).parent != root or not plain_name(Path(path).name):
+            raise ValueError(f"{Path(path).name}: not a step folder of this job")
+    try:
+        fd = open_dir(root.parent.parent, root)
+    except FileNotFoundError:
+        return
+    except ConfinedFileError as exc:
+        log.warning("retention of %s: %s; nothing deleted", root.parent.name, exc)
+        return
+    try:
+        for path in paths:
+            _delete_step(fd, Path(path).name)
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _delete_step(root_fd: int, name: str) -> None:
+    try:
+        step_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+    except FileNotFoundError:
+        return
+    except OSError:  # a link or a file under a step folder's name: only the entry goes
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=root_fd)
+        return
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(MANIFEST_NAME, dir_fd=step_fd)
+            with contextlib.suppress(OSError):
+                os.fsync(step_fd)
+    finally:
+        os.close(step_fd)
+    remove_tree_at(root_fd, name)

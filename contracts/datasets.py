@@ -60,6 +60,20 @@ def shared_area(storage_root: Path) -> Path:
     return storage_root / SHARED_DATA_DIR
 
 
+def paths_as_given(text: str, storage_root: Path, owner: str) -> str:
+    """`text` (a failure's message) with paths as the tenant gives them: its own data area
+    dropped (`mytext/train.bin`), the shared one as `shared/...`, anything else under the
+    storage root as `<storage>/...`: a reason never tells a tenant where the server keeps
+    things. Both the root as configured and as resolved are found, and the
+    root-relative form the workers get (`data/<tenant>/...`)."""
+    roots = {str(storage_root), str(storage_root.resolve())}
+    for root in sorted(roots, key=len, reverse=True):
+        text = text.replace(f"{root}/{TENANT_DATA_DIR}/{owner}/", "")
+        text = text.replace(f"{root}/{SHARED_DATA_DIR}/", f"{SHARED_DATA_DIR}/")
+        text = text.replace(root, "<storage>")
+    return text.replace(f"{TENANT_DATA_DIR}/{owner}/", "")
+
+
 def resolve_data_path(path: str, storage_root: Path, owner: str) -> Path:
     """The real absolute path of a data file of `owner`'s job: in the owner's own area, or
     in the shared one (`shared/...`); anything else is refused without saying whether it

@@ -39,6 +39,8 @@ class EventKind(str, Enum):
     PACKAGE = "package"  # the uploaded package an attempt's workers verified and import
     PLAN = "plan"  # which strategy an `auto` job runs at the world size it launches at
     TRACKING = "tracking"  # forwarding to an experiment tracker failed (or recovered)
+    FOLDER_SET_ASIDE = "folder_set_aside"  # something at the job's path predated the job
+    LIMIT = "limit"  # a job put more into shared state than a limit allows: the rest dropped
 
 
 class DriverStatus(str, Enum):

@@ -10,6 +10,7 @@ anything, and a slow Ray call or storage scan never holds a row.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import traceback
@@ -23,7 +24,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from elastrain.checkpoints.fence import advance_fence
 from elastrain.checkpoints.owner import claim_job_folder
 from elastrain.checkpoints.retention import delete_checkpoints, retention_plan
-from elastrain.contracts.datasets import DATA_WORKLOADS, DataPathError, storage_relative_data_paths
+from elastrain.contracts.datasets import (
+    DATA_WORKLOADS,
+    DataPathError,
+    paths_as_given,
+    storage_relative_data_paths,
+)
 from elastrain.contracts.messages import Control, EventKind
 from elastrain.contracts.runtime import AttemptKey, LaunchRequest, attempt_name
 from elastrain.contracts.spec import JobSpec
@@ -159,11 +165,18 @@ def apply_to_db(
                 )
             )
         elif isinstance(action, EndAttempt):
+            error = action.error
+            if error is not None:  # its paths as the tenant gave them
+                error = dataclasses.replace(
+                    error,
+                    message=paths_as_given(error.message, storage_path, job.owner),
+                    traceback=paths_as_given(error.traceback, storage_path, job.owner),
+                )
             jobs.end_attempt(
                 session,
                 job,
                 outcome=action.outcome.value,
-                error=action.error,
+                error=error,
                 step=action.step,
                 count_restart=action.count_restart,
             )
@@ -388,17 +401,28 @@ class Executor:
                 )
 
     def _claim_folder(self, request: LaunchRequest) -> None:
-        """The job's folder is this database's before its workers read a checkpoint there."""
+        """The job's folder is the job's and this database's before its workers read a
+        checkpoint there: at its first attempt, whatever was already at its path (planted
+        by another job's code, left by another database) is moved aside and recorded."""
         root = JobStorage.of(self.storage_path, request.job_id).root
         try:
-            moved = claim_job_folder(root, self.database)
+            moved = claim_job_folder(root, self.database, first_attempt=request.attempt == 1)
         except OSError as exc:
-            log.error("job %s: cannot move another database's folder aside: %s",
+            log.error("job %s: cannot move what is at its folder aside: %s",
                       request.job_id, exc)  # fmt: skip
             return
-        if moved is not None:
-            log.warning("job %s: %s belonged to another database; moved to %s",
-                        request.job_id, root, moved)  # fmt: skip
+        if moved is None:
+            return
+        log.warning("job %s: %s was there before the job (not made for it); moved to %s",
+                    request.job_id, root, moved)  # fmt: skip
+        with session_scope(self.sessions) as session:
+            job = jobs.get_job(session, request.job_id, for_update=True)
+            jobs.record_event(
+                session,
+                job,
+                kind=EventKind.FOLDER_SET_ASIDE,
+                reason=f"a folder at this job's path predates it: moved aside as {moved.name}",
+            )
 
     def _fence(self, job_id: int, attempt: int) -> None:
         """Only `attempt` (or a newer one) of the job may write to storage from now on.

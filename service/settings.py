@@ -106,6 +106,51 @@ class Settings(BaseSettings):
         "before it gives up; a dead peer is noticed at once, a partitioned one after this.",
     )
 
+    # --- bounds on what a job puts into shared state (README "Security") ------------
+    export_max_concurrent: int = Field(
+        default=2,
+        ge=1,
+        description="Exports running at once per API process, all tenants together (each "
+        "holds two copies of a model's weights); past it a 429.",
+    )
+    export_max_per_tenant: int = Field(
+        default=1, ge=1, description="Exports of one tenant running at once per API process."
+    )
+    max_queued_jobs_per_tenant: int = Field(
+        default=1000,
+        ge=1,
+        description="PENDING jobs one tenant may have; a submit past it is a 429.",
+    )
+    metric_names_per_point: int = Field(
+        default=64, ge=1, description="Metric names one step's point may carry; the rest dropped."
+    )
+    metric_point_bytes: int = Field(
+        default=4096,
+        ge=64,
+        description="Bytes of names and values one point may hold (the extra names dropped).",
+    )
+    metric_points_per_s: float = Field(
+        default=50.0,
+        gt=0,
+        description="Points a job may store per second, on average (a burst of 10 s of it); "
+        "the rest dropped.",
+    )
+    metric_points_per_job: int = Field(
+        default=500_000,
+        ge=1,
+        description="Points one job may store in all; later ones dropped (its summaries and "
+        "the step counter go on).",
+    )
+    log_files_per_job: int = Field(
+        default=256, ge=1, description="Log files of a job the API reads (the ranks' own first)."
+    )
+    log_bytes_per_response: int = Field(
+        default=1024 * 1024,
+        ge=4096,
+        description="Bytes of log lines one `GET /v1/jobs/{id}/logs` answers; the rest is the "
+        "next page (its `next_offset`).",
+    )
+
     # --- trust (README "Security") ---------------------------------------------------
     api_token: SecretStr | None = Field(
         default=None,

@@ -6,28 +6,45 @@ The server converts: it is where the shared storage is, and it checks the caller
 the job (another tenant's job is a 404, as everywhere). The conversion runs in a child
 process (`elastrain.checkpoints.export.export_in_child`: the API never loads torch), which reads the
 checkpoint's weights whole: the server's machine needs the `hf` extra, and memory for two
-copies of the model's weights (the checkpoint's and the HF model's) while it runs.
+copies of the model's weights (the checkpoint's and the HF model's) while it runs, so
+exports at once are bounded (`ExportSlots`: a 429 past them).
+
+Every byte of the checkpoint is the job's to write: the child reads it as hostile input
+(`elastrain.checkpoints.dcp.untrusted`: no pickle but DCP's metadata classes, no link
+followed, allocations bounded by the bytes on disk), with an environment holding none of
+the service's secrets. Whatever it refuses is a 409 naming the step, never a server path.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tarfile
 import tempfile
 from pathlib import Path
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
 from elastrain.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from elastrain.api.errors import Conflict, invalid
+from elastrain.api.export_slots import ExportSlots
 from elastrain.api.routes.jobs import MAX_INT32, JobId, _owned_job
-from elastrain.checkpoints.export import EXPORTABLE, ExportError, export_in_child, pick_checkpoint
+from elastrain.checkpoints.export import (
+    EXPORTABLE,
+    ExportError,
+    ExportFailed,
+    export_in_child,
+    pick_checkpoint,
+)
 from elastrain.contracts.datasets import DataPathError, resolve_data_path
 from elastrain.contracts.spec import JobSpec
 from elastrain.contracts.storage import JobStorage
+from elastrain.service.settings import Settings
+
+log = logging.getLogger("elastrain.api.export")
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -39,11 +56,16 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
     responses={
         200: {"content": {"application/x-tar": {}}, "description": "The model folder, a tar"},
         404: {"description": "No such job"},
-        409: {"description": "No committed checkpoint (of that step)"},
+        409: {
+            "description": "No committed checkpoint (of that step), or one that cannot be "
+            "exported (the reason says why)"
+        },
         422: {"description": "Not an hf_causal_lm or gpt job, or an unknown format"},
+        429: {"description": "Too many exports at once (Retry-After says when to retry)"},
     },
 )
 def export_job(
+    request: Request,
     job_id: JobId,
     session: SessionDep,
     who: CurrentPrincipal,
@@ -79,13 +101,21 @@ def export_job(
         raise Conflict(f"job {job_id}: {exc}") from exc
     work = Path(tempfile.mkdtemp(prefix="elastrain-export-"))
     try:
-        export_in_child(info.path, workload, params, work / "model", model_folder=folder)
+        with _slots(request, settings).slot(owner):
+            export_in_child(
+                info.path, workload, params, work / "model",
+                model_folder=folder, trusted_root=settings.storage_path,
+            )  # fmt: skip
         archive = work / "model.tar"
         with tarfile.open(archive, "w") as tar:
             for path in sorted((work / "model").iterdir()):
                 tar.add(path, arcname=path.name)
     except ExportError as exc:
         shutil.rmtree(work, ignore_errors=True)
+        raise Conflict(f"job {job_id}, step {info.step}: {exc}") from exc
+    except ExportFailed as exc:  # the child's own words go to the server log only
+        shutil.rmtree(work, ignore_errors=True)
+        log.error("export of job %s, step %s failed: %s", job_id, info.step, exc.details)
         raise Conflict(f"job {job_id}, step {info.step}: {exc}") from exc
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -97,3 +127,14 @@ def export_job(
         headers={"X-Elastrain-Step": str(info.step)},
         background=BackgroundTask(shutil.rmtree, work, ignore_errors=True),
     )
+
+
+def _slots(request: Request, settings: Settings) -> ExportSlots:
+    """The app's export slots, made on first use from its settings."""
+    slots: ExportSlots | None = getattr(request.app.state, "export_slots", None)
+    if slots is None:
+        slots = ExportSlots(
+            total=settings.export_max_concurrent, per_tenant=settings.export_max_per_tenant
+        )
+        request.app.state.export_slots = slots
+    return slots

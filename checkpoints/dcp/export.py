@@ -28,9 +28,20 @@ from typing import Any
 import torch
 
 from elastrain.checkpoints.catalog import CheckpointInfo
+from elastrain.checkpoints.confined import ConfinedFileError, open_dir, read_bounded
+from elastrain.checkpoints.dcp.untrusted import (
+    UntrustedCheckpoint,
+    UntrustedReader,
+    check_allocation,
+    fd_path,
+)
 from elastrain.checkpoints.export import EXPORTABLE, REFUSED, ExportError
 from elastrain.checkpoints.integrity import CorruptCheckpoint
-from elastrain.checkpoints.manifest import ManifestError, read_manifest
+from elastrain.checkpoints.layout import MANIFEST_NAME
+from elastrain.checkpoints.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError
+
+#: A model folder's config.json / generation_config.json: a few KiB in practice.
+MAX_CONFIG_BYTES = 1024 * 1024
 
 #: The hf_causal_lm wrapper's prefix (`elastrain.workers.workloads.hf_causal_lm.PREFIX`).
 _HF_PREFIX = "lm."
@@ -38,23 +49,29 @@ _HF_PREFIX = "lm."
 
 def load_model_weights(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     """The model's weights in the checkpoint as whole tensors, by parameter name (the
-    optimizer state is not read). Raises CorruptCheckpoint when a file fails its digest."""
+    optimizer state is not read). The folder is a job's: read as untrusted input
+    (`elastrain.checkpoints.dcp.untrusted`). Raises CorruptCheckpoint when a file fails its
+    digest, UntrustedCheckpoint when the folder is not a checkpoint a reader may trust."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from elastrain.checkpoints.dcp.checkpointer import corrupt_shard_reason
-    from elastrain.checkpoints.dcp.reader import VerifyingReader
 
-    reader = VerifyingReader(info.path, expected=info.manifest.files, process_group=None)
+    reader = UntrustedReader(info.path, expected=info.manifest.files, process_group=None)
     metadata = reader.read_metadata()
-    weights: dict[str, torch.Tensor] = {}
-    for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
-            weights[key.removeprefix("model.")] = torch.empty(
-                meta.size, dtype=meta.properties.dtype
-            )
-    if not weights:
+    wanted = [
+        key
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    ]
+    if not wanted:
         raise ExportError(f"checkpoint of step {info.step} holds no model weights")
+    check_allocation(metadata, wanted, Path(info.path))
+    weights: dict[str, torch.Tensor] = {}
+    for key in wanted:
+        meta = metadata.state_dict_metadata[key]
+        assert isinstance(meta, TensorStorageMetadata)
+        weights[key.removeprefix("model.")] = torch.empty(meta.size, dtype=meta.properties.dtype)
     with warnings.catch_warnings():  # one process on purpose, no process group
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
@@ -97,21 +114,69 @@ def export_checkpoint(
 
 
 def _hf_model(params: Mapping[str, Any], model_folder: Path | None) -> Any:
-    """The job's HF model, untrained (its weights come from the checkpoint)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    """The job's HF model, untrained (its weights come from the checkpoint). A model
+    folder is the tenant's: only its JSON is read (no code of its own, no weights)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     config_dict = params.get("config")
+    generation: dict[str, Any] | None = None
+    fields: dict[str, Any] | None
     if isinstance(config_dict, dict):
         fields = dict(config_dict)
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     elif model_folder is not None:
-        config = AutoConfig.from_pretrained(model_folder, local_files_only=True)
+        fields = _folder_json(model_folder, "config.json")
+        if fields is None:
+            raise ExportError(f"workload.params.model: {params.get('model')} has no config.json")
+        generation = _folder_json(model_folder, "generation_config.json")
     else:
         raise ExportError("workload.params: neither config nor a model folder")
+    config = _config_for(fields, params)
     model = AutoModelForCausalLM.from_config(config)
-    if model_folder is not None and (model_folder / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(model_folder)
+    if generation is not None:
+        try:
+            model.generation_config = GenerationConfig.from_dict(generation)
+        except (ValueError, TypeError) as exc:
+            raise ExportError(f"workload.params.model: generation_config.json: {exc}") from None
     return model.float()
+
+
+def _config_for(fields: dict[str, Any], params: Mapping[str, Any]) -> Any:
+    """A transformers config of a model type transformers ships (never `auto_map`'s code)."""
+    from transformers import AutoConfig
+
+    where = "config" if isinstance(params.get("config"), dict) else "model"
+    fields = dict(fields)
+    model_type = fields.pop("model_type", None)
+    if not isinstance(model_type, str) or not model_type:
+        custom = " (auto_map: a model with code of its own)" if "auto_map" in fields else ""
+        raise ExportError(
+            f"workload.params.{where}: the config names no model_type{custom}; an export "
+            "needs a model type transformers ships"
+        )
+    fields.pop("auto_map", None)
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ExportError(f"workload.params.{where}: model_type {model_type!r}: {exc}") from None
+
+
+def _folder_json(folder: Path, name: str) -> dict[str, Any] | None:
+    """A JSON object of the model folder, read bounded and through no link; None if absent."""
+    import json
+
+    try:
+        data = read_bounded(str(folder / name), MAX_CONFIG_BYTES)
+    except FileNotFoundError:
+        return None
+    except ConfinedFileError as exc:
+        raise ExportError(f"workload.params.model: {exc}") from None
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise ExportError(f"workload.params.model: {name} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ExportError(f"workload.params.model: {name} is not a JSON object")
+    return value
 
 
 def _load_exactly(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
@@ -183,20 +248,40 @@ def gpt_to_gpt2(weights: Mapping[str, torch.Tensor], *, n_head: int) -> dict[str
 
 
 def main(argv: list[str]) -> int:
-    """`python -m elastrain.checkpoints.dcp.export CHECKPOINT WORKLOAD PARAMS_JSON OUT [MODEL]`:
-    exit status `REFUSED` with the reason on stderr when the export cannot be made."""
+    """`python -m elastrain.checkpoints.dcp.export CHECKPOINT WORKLOAD PARAMS_JSON OUT
+    MODEL_FOLDER TRUSTED_ROOT` (the last two may be empty): exit status `REFUSED` with the
+    reason on stderr when the export cannot be made. The checkpoint folder is entered from
+    TRUSTED_ROOT (else its parent) without following a link, and read through that fd."""
     import json
+    import os
     import sys
 
-    checkpoint, workload, params, out, *folder = argv
+    checkpoint, workload, params, out, folder, root = (*argv, "", "")[:6]
+    step_dir = Path(checkpoint)
     try:
-        info = CheckpointInfo.from_manifest(Path(checkpoint), read_manifest(checkpoint))
-        export_checkpoint(
-            info, workload, json.loads(params), Path(out),
-            model_folder=Path(folder[0]) if folder else None,
-        )  # fmt: skip
-    except (ExportError, CorruptCheckpoint, ManifestError) as exc:
-        print(str(exc), file=sys.stderr)
+        fd = open_dir(Path(root) if root else step_dir.parent, step_dir)
+        try:
+            manifest = Manifest.from_dict(
+                json.loads(read_bounded(MANIFEST_NAME, MAX_MANIFEST_BYTES, dir_fd=fd))
+            )
+            info = CheckpointInfo.from_manifest(fd_path(fd), manifest)
+            export_checkpoint(
+                info, workload, json.loads(params), Path(out),
+                model_folder=Path(folder) if folder else None,
+            )  # fmt: skip
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        print(f"{step_dir.name}: not committed (no {MANIFEST_NAME})", file=sys.stderr)
+        return REFUSED
+    except (CorruptCheckpoint, ManifestError) as exc:
+        print(f"{step_dir.name}: {exc.reason}", file=sys.stderr)
+        return REFUSED
+    except (ExportError, UntrustedCheckpoint, ConfinedFileError) as exc:
+        print(f"{step_dir.name}: {exc}", file=sys.stderr)
+        return REFUSED
+    except ValueError as exc:  # the manifest's JSON or fields
+        print(f"{step_dir.name}: unreadable {MANIFEST_NAME}: {exc}", file=sys.stderr)
         return REFUSED
     return 0
 

@@ -39,6 +39,7 @@ import io
 import mmap
 import os
 import re
+import stat
 import warnings
 from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,6 +58,10 @@ from elastrain.checkpoints.dcp.records import ZipLayouts
 from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
 from elastrain.checkpoints.integrity import CHUNK_BYTES, CorruptCheckpoint, digest_mismatch
 from elastrain.checkpoints.manifest import FileEntry
+
+#: Shard files are opened without following a link: a job's code writes its checkpoint
+#: folder, and a link planted there must not make a load (or an export) read elsewhere.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW
 
 try:  # torch.load's decoder, usable on bytes already in memory (torch 2.13's layout)
     import torch._weights_only_unpickler as _weights_only_unpickler
@@ -278,7 +283,7 @@ class VerifyingReader(FileSystemReader):
         through a large file). Why not, or None."""
         for name, items in per_file.items():
             try:
-                fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
+                fd = os.open(os.path.join(self.path, name), _OPEN_FLAGS)
             except OSError as e:
                 return f"cannot read {name}: {e}"
             try:
@@ -499,9 +504,10 @@ def _touch(data: memoryview) -> None:
 
 def _size(root: str | os.PathLike[str], name: str) -> int:
     try:
-        return os.path.getsize(os.path.join(root, name))
+        st = os.lstat(os.path.join(root, name))
     except OSError:
         return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
 def _writer_rank(name: str) -> int | None:
@@ -588,8 +594,11 @@ def _mapped_files(root: str, names: list[str]) -> Iterator[dict[str, memoryview 
     try:
         for name in names:
             try:
-                with open(os.path.join(root, name), "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
+                with open(os.open(os.path.join(root, name), _OPEN_FLAGS), "rb") as f:
+                    found = os.fstat(f.fileno())
+                    if not stat.S_ISREG(found.st_mode):
+                        raise OSError(f"{name} is not a regular file")
+                    size = found.st_size
                     if size == 0:
                         views[name] = memoryview(b"")
                         continue

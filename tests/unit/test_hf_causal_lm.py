@@ -225,7 +225,9 @@ def test_the_child_process_exports_and_refuses_a_damaged_checkpoint(
     import shutil
 
     info = pick_checkpoint(runs["root"] / "tp", None)
-    export_in_child(info.path, "hf_causal_lm", {"config": LLAMA}, tmp_path / "ok")
+    export_in_child(
+        info.path, "hf_causal_lm", {"config": LLAMA}, tmp_path / "ok", trusted_root=runs["root"]
+    )
     assert (tmp_path / "ok" / "model.safetensors").is_file()
     damaged = tmp_path / "damaged" / info.path.name
     shutil.copytree(info.path, damaged)
@@ -233,5 +235,5 @@ def test_the_child_process_exports_and_refuses_a_damaged_checkpoint(
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(ExportError, match="digest"):
+    with pytest.raises(ExportError, match=rf"^{info.path.name}: .*digest"):
         export_in_child(damaged, "hf_causal_lm", {"config": LLAMA}, tmp_path / "bad")

@@ -696,3 +696,22 @@ def test_a_fresh_database_releases_what_the_runtime_held(env, tmp_path: Path) ->
     assert launcher.live_drivers() == [(new, 1)]
     assert launcher.driver(new).request.name != old_name
     engine.dispose()
+
+
+def test_a_folder_planted_under_the_next_job_id_is_set_aside_at_its_first_launch(env) -> None:
+    """Another job's code planted a committed-looking checkpoint under the id the next job
+    gets: that job starts from nothing of it, and its events say what was moved aside."""
+    factory, launcher, sched, _ = env
+    planted = sched.settings.storage_path / "jobs" / "1" / "checkpoints" / "step_000000900-a1"
+    planted.mkdir(parents=True)
+    (planted / "manifest.json").write_text("{}")
+    jid = submit(factory)
+    sched.run_pass()
+    assert job(factory, jid).state == "STARTING"
+    root = sched.settings.storage_path / "jobs" / str(jid)
+    assert not (root / "checkpoints").exists()
+    aside = [p for p in root.parent.iterdir() if p.name.startswith(f"{jid}.set-aside")]
+    assert len(aside) == 1 and (aside[0] / "checkpoints" / planted.name).is_dir()
+    with session_scope(factory) as s:
+        kinds = {(e.kind, e.reason) for e in jobs.list_events(s, jid)}
+    assert any(k == "folder_set_aside" and aside[0].name in (r or "") for k, r in kinds)

@@ -1,0 +1,129 @@
+"""File operations of the control plane on folders a job's code can write. Pure Python.
+
+A job's code can put anything in its job folder: links to another tenant's data or out of
+the storage root, FIFOs, sparse files of any size. Whatever the control plane (API,
+scheduler, export child) does there goes through these helpers:
+
+- folders are opened one component at a time from a root the caller trusts, each with
+  `O_NOFOLLOW`, and what is below is reached through the folder's fd (`dir_fd=`), so a
+  link swapped in between a check and a use is never followed (`open_dir`, `walk_dir`);
+- control files (manifests, fences) are read only when they are regular files, through
+  no link, and never past a stated size (`read_bounded`).
+
+The errors name files by their name in the job folder, never by a server path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
+
+class ConfinedFileError(ValueError):
+    """A file or folder the control plane refuses to read or enter, and why."""
+
+
+def plain_name(name: str) -> bool:
+    """A single path component that stays in its folder."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
+
+
+def open_dir(trusted_root: Path, folder: Path) -> int:
+    """An fd of `folder`, opened from `trusted_root` (the caller trusts it: the storage
+    root) one component at a time without following a link at any step below it. The
+    caller closes it."""
+    try:
+        parts = Path(folder).relative_to(trusted_root).parts
+    except ValueError:
+        raise ConfinedFileError(f"{folder.name} is outside its job's folder") from None
+    fd = os.open(trusted_root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts:
+            if not plain_name(part):
+                raise ConfinedFileError(f"{part!r} in a path")
+            try:
+                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                raise ConfinedFileError(
+                    f"{part} is a link or not a folder ({exc.strerror}): not entered"
+                ) from None
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def opened_dir(trusted_root: Path, folder: Path) -> Iterator[int]:
+    fd = open_dir(trusted_root, folder)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def read_bounded(name: str, limit: int, *, dir_fd: int | None = None) -> bytes:
+    """The bytes of regular file `name` (in folder `dir_fd`, or a path), never through a
+    link, never more than `limit` bytes. FileNotFoundError when there is none."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ConfinedFileError(
+            f"cannot read {Path(name).name}: {exc.strerror} (a link is never followed)"
+        ) from None
+    with os.fdopen(fd, "rb") as f:
+        found = os.fstat(f.fileno())
+        if not stat.S_ISREG(found.st_mode):
+            raise ConfinedFileError(f"{Path(name).name} is not a regular file")
+        if found.st_size > limit:
+            raise ConfinedFileError(
+                f"{Path(name).name} is {found.st_size} bytes, more than the {limit} it may be"
+            )
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ConfinedFileError(f"{Path(name).name} grew past {limit} bytes while read")
+    return data
+
+
+def is_real_dir(path: Path) -> bool:
+    """A folder, not a link to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def remove_tree_at(parent_fd: int, name: str) -> None:
+    """Delete `name` in the folder `parent_fd` and everything below it, never through a
+    link: a link is removed itself, its target left alone. Entries already gone are not
+    errors (a concurrent deleter, a crash half-way through an earlier attempt)."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return
+    except OSError:  # a link, a file, a FIFO: the entry itself goes
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=parent_fd)
+        return
+    try:
+        with os.scandir(fd) as entries:
+            names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        for child, is_dir in names:
+            if is_dir:
+                remove_tree_at(fd, child)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(name, dir_fd=parent_fd)

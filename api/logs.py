@@ -13,10 +13,11 @@ when `latest_attempt` says a newer one has started.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
+import re
 import stat
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,13 @@ from elastrain.contracts.storage import attempt_of_log
 MAX_CHUNK = 1 << 20
 #: Positions in a cursor beyond this are nonsense (and would overflow a seek).
 MAX_POSITION = 2**62
+#: The most log files of a job one call looks at (`Settings.log_files_per_job`), and how
+#: many folder entries it may walk to find them: a job's code can fill its logs folder
+#: with 40,000 files, and one call must stay small and quick whatever it put there.
+MAX_FILES = 256
+_ENTRIES_PER_FILE = 256
+#: The workers' own file names, listed before any other (`contracts.storage.log_file_name`).
+_RANK_LOG = re.compile(r"attempt-\d+-rank-\d+\.log")
 
 
 class BadCursor(ValueError):
@@ -70,25 +78,50 @@ def _encode_cursor(positions: dict[str, int]) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def _log_files(directory: Path) -> Iterator[str]:
-    """`*.log` regular files under `directory`, relative to it. Symbolic links are never
-    followed, to a file or a folder: a job's code writes this folder, and a link in it to
-    the API's database or another job's files must not make the API serve them."""
+def _log_files(directory: Path, max_files: int = MAX_FILES) -> tuple[list[str], bool]:
+    """`*.log` regular files under `directory`, relative to it: the workers' own files
+    first, at most `max_files`; and whether any were left out. Names are gathered in a
+    walk of at most `_ENTRIES_PER_FILE` entries a file (names cost little), and only the
+    chosen ones are looked at. Symbolic links are never followed, to a file or a folder:
+    a job's code writes this folder, and a link in it to the API's database or another
+    job's files must not make the API serve them."""
     if not directory.is_dir() or directory.resolve() != directory.absolute():
-        return  # missing, or a link somewhere on the way (the storage root is resolved)
+        return [], False  # missing, or a link somewhere on the way (the root is resolved)
+    budget = max_files * _ENTRIES_PER_FILE
+    names: list[str] = []
+    more = False
     for root, dirs, files in os.walk(directory, followlinks=False):
         base = Path(root)
         dirs[:] = [d for d in dirs if not (base / d).is_symlink()]
-        for name in files:
-            path = base / name
-            if name.endswith(".log") and stat.S_ISREG(path.lstat().st_mode):
-                yield path.relative_to(directory).as_posix()
+        budget -= len(dirs) + len(files)
+        rel = base.relative_to(directory)
+        names += [(rel / name).as_posix() for name in files if name.endswith(".log")]
+        if budget < 0:
+            more = True
+            break
+    names.sort(key=_rank_logs_first)
+    found: list[str] = []
+    for name in names:
+        if len(found) == max_files:
+            return found, True
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG((directory / name).lstat().st_mode):
+                found.append(name)
+    return found, more
+
+
+def _rank_logs_first(name: str) -> tuple[bool, str]:
+    return (_RANK_LOG.fullmatch(name) is None, name)
 
 
 def _read_from(path: Path, start: int, budget: int) -> bytes:
-    # O_NOFOLLOW: a file swapped for a link between the listing and here is refused too.
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    # O_NOFOLLOW: a file swapped for a link between the listing and here is refused too;
+    # O_NONBLOCK: one swapped for a FIFO does not hold the request until a writer comes.
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, flags)
     with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b""  # a FIFO or a device put here since the listing: nothing to read
         fh.seek(start)
         data = fh.read(budget)
     if len(data) == budget:
@@ -101,20 +134,35 @@ def _read_from(path: Path, start: int, budget: int) -> bytes:
 
 
 def read_logs(
-    directory: Path, *, offset: str = "0", attempt: int | None = None, max_bytes: int = MAX_CHUNK
+    directory: Path,
+    *,
+    offset: str = "0",
+    attempt: int | None = None,
+    max_bytes: int = MAX_CHUNK,
+    max_files: int = MAX_FILES,
 ) -> Chunk:
-    """New text of one attempt's logs since `offset` (the newest attempt by default)."""
+    """New text of one attempt's logs since `offset` (the newest attempt by default), at
+    most `max_bytes` of it, from at most `max_files` files (the first call says, in a
+    line of its own, when there were more)."""
     by_attempt: dict[int, list[str]] = {}
-    for rel in _log_files(directory):
+    listed, more = _log_files(directory, max_files)
+    for rel in listed:
         by_attempt.setdefault(attempt_of_log(rel), []).append(rel)
     latest = max(by_attempt) if by_attempt else None
     if attempt is None:
         attempt = latest
-    names = sorted(by_attempt.get(attempt, [])) if attempt is not None else []
+    names = sorted(by_attempt.get(attempt, []), key=_rank_logs_first) if attempt is not None else []
     positions = _decode_cursor(offset, names)
 
     parts: list[str] = []
     budget = max_bytes
+    if more and not positions:
+        note = (
+            f"[elastrain] this job's logs folder holds more than {max_files} log files "
+            "(ELASTRAIN_LOG_FILES_PER_JOB): only the first are read\n"
+        )
+        parts.append(note)
+        budget -= len(note)
     for name in names:
         path = directory / name
         start = positions.get(name, 0)
@@ -134,6 +182,7 @@ def read_logs(
             # Tell the ranks apart, like `ray logs` / torchrun's `[rank]:` prefixes.
             tag = Path(name).stem
             text = "".join(f"[{tag}] {line}" for line in text.splitlines(keepends=True))
+            budget -= len(text) - len(data)  # the tags count too (roughly: by characters)
         parts.append(text)
     # Keep only the files of this attempt in the cursor, in a stable order.
     cursor = {name: positions.get(name, 0) for name in names}

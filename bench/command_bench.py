@@ -72,11 +72,14 @@ def _first_wall_time(client: Any, job_id: int) -> float:
     return float(min(points, key=lambda p: p["step"])["wall_time"])
 
 
-def wait_for_warm_pool(minimum: int, timeout: float = 180) -> None:
+def wait_for_warm_pool(client: Any, minimum: int, timeout: float = 180) -> None:
+    from elastrain.service.identity import runtime_control_token
+
     runtime = ray.get_actor("elastrain-runtime", namespace="elastrain-test")
+    token = runtime_control_token(client.app.state.session_factory)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        idle = [w for w in ray.get(runtime.workers.remote()) if not w.busy]
+        idle = [w for w in ray.get(runtime.workers.remote(token)) if not w.busy]
         if len(idle) >= minimum:
             return
         time.sleep(0.5)
@@ -100,7 +103,7 @@ SCALING = {"min_workers": WORKERS, "max_workers": WORKERS, "cpus_per_worker": 1}
 def service_trial(client: Any, spec: dict[str, Any]) -> tuple[float, float]:
     """Submit -> the first step, and submit -> the group formed (a command job: rank 0's
     script started), from the attempt's timeline."""
-    wait_for_warm_pool(WORKERS)
+    wait_for_warm_pool(client, WORKERS)
     t_submit = time.time()
     job_id = submit(client, spec)
     final = wait_terminal(client, job_id, timeout=300, poll_s=0.2)

@@ -108,11 +108,14 @@ def _first_point(client: Any, job_id: int, attempt: int, timeout: float = 60) ->
     return min(points, key=lambda p: p["step"])
 
 
-def wait_for_warm_pool(minimum: int, timeout: float = 120) -> None:
+def wait_for_warm_pool(client: Any, minimum: int, timeout: float = 120) -> None:
+    from elastrain.service.identity import runtime_control_token
+
     runtime = ray.get_actor("elastrain-runtime")
+    token = runtime_control_token(client.app.state.session_factory)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        idle = [w for w in ray.get(runtime.workers.remote()) if not w.busy]
+        idle = [w for w in ray.get(runtime.workers.remote(token)) if not w.busy]
         if len(idle) >= minimum:
             return
         time.sleep(0.5)
@@ -482,13 +485,13 @@ def main() -> None:
         tempfile.TemporaryDirectory() as tmp,
         multi_node_service(Path(tmp), **SERVICE) as (client, nodes),
     ):
-        wait_for_warm_pool(WORKERS)
+        wait_for_warm_pool(client, WORKERS)
         for i in range(args.repeats):
             trial, timeline = elastrain_trial(client, nodes)
             ours.append(trial)
             timelines.append(timeline)
             print("elastrain", i, trial, timeline, flush=True)
-            wait_for_warm_pool(WORKERS)  # the node added back is up before the next submit
+            wait_for_warm_pool(client, WORKERS)  # the node added back is up before the next submit
         curves = [] if args.no_curves else loss_curves(client, nodes)
 
     theirs: list[dict[str, float]] = []

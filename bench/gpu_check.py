@@ -347,7 +347,13 @@ class Service:
         from elastrain.contracts.runtime import RUNTIME_NAME
 
         runtime = ray.get_actor(RUNTIME_NAME, namespace=self.namespace)
-        return list(ray.get(runtime.workers.remote(), timeout=30))
+        return list(ray.get(runtime.workers.remote(self.token()), timeout=30))
+
+    def token(self) -> str:
+        """The control plane's token: the runtime answers no one else."""
+        from elastrain.service.identity import runtime_control_token
+
+        return runtime_control_token(self.client.app.state.session_factory)
 
     def release(self, job_id: int, attempt: int) -> None:
         """A forced recovery that kills nothing: the runtime lets go of the attempt, the
@@ -357,7 +363,7 @@ class Service:
         from elastrain.contracts.runtime import RUNTIME_NAME, AttemptKey
 
         runtime = ray.get_actor(RUNTIME_NAME, namespace=self.namespace)
-        ray.get(runtime.release.remote(AttemptKey(job_id, attempt)), timeout=30)
+        ray.get(runtime.release.remote(self.token(), AttemptKey(job_id, attempt)), timeout=30)
 
     def cancel(self, job_id: int, deadline: Deadline) -> None:
         self.client.post(f"/v1/jobs/{job_id}/cancel")

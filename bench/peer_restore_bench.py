@@ -225,7 +225,7 @@ def node_loss_trials(
                     checkpoint={"every_steps": 50, "memory_every": 1},
                     failure={"max_restarts": 0},
                 )
-                wait_for_warm_pool(5)  # warm processes on every CPU (c's takes over there)
+                wait_for_warm_pool(client, 5)  # warm processes on every CPU (c's takes over there)
                 job_id = submit(client, spec)
                 wait_for(client, job_id, lambda j: j["state"] == "RUNNING" and j["step"] >= 12,
                          what="step 12", timeout=300)  # fmt: skip

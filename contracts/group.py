@@ -4,7 +4,7 @@ rank an `Assignment`, and every rank answers with a `RunOutcome` when its part e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elastrain.contracts.messages import WorkerError
 from elastrain.contracts.runtime import JobRef
@@ -78,6 +78,9 @@ class Assignment:
     local_gpus: tuple[int, ...] = ()
     """The node-local GPU indices of this node's ranks, by local rank (GPU jobs): a
     command job's script sees them all and picks `cuda:LOCAL_RANK`, as under torchrun."""
+    capability: str = field(default="", repr=False)
+    """The attempt's capability (`elastrain.contracts.capability`): rank 0 presents it with
+    its reports. Kept in the rank process's memory, never handed to a job's script."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

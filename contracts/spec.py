@@ -509,11 +509,14 @@ class WandbMode(str, Enum):
 
 
 class MlflowTracking(_Strict):
-    tracking_uri: Annotated[
-        str, StringConstraints(min_length=1, max_length=500, pattern=_TRACKING_URI_RE)
-    ] = Field(
-        description="MLflow tracking URI the control plane forwards to: 'file:///path' "
-        "(a file store on the control plane's machine), 'http(s)://server', 'databricks', ..."
+    tracking_uri: (
+        Annotated[str, StringConstraints(min_length=1, max_length=500, pattern=_TRACKING_URI_RE)]
+        | None
+    ) = Field(
+        default=None,
+        description="MLflow server the control plane forwards to: null for the operator's "
+        "tracker (ELASTRAIN_MLFLOW_TRACKING_URI), else an http(s) server on the operator's "
+        "list (ELASTRAIN_TRACKING_ALLOWED_URIS); file paths and databases are refused",
     )
     experiment: ShortStr = Field(
         default="elastrain", description="experiment name (created when missing)"

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -57,6 +58,7 @@ from elastrain.service.decisions import (
     give_up,
 )
 from elastrain.service.launcher import Launcher
+from elastrain.service.metric_limits import MetricBudgets
 from elastrain.service.models import Job, utcnow
 from elastrain.service.states import JobState
 
@@ -112,10 +114,16 @@ Effect = Launch | Release | Signal | PruneCheckpoints | SetTimer
 
 
 def apply_to_db(
-    session: Session, job: Job, actions: Sequence[Action], *, storage_path: Path
+    session: Session,
+    job: Job,
+    actions: Sequence[Action],
+    *,
+    storage_path: Path,
+    budgets: MetricBudgets | None = None,
 ) -> list[Effect]:
     """Write `actions` to the job's rows (through `elastrain.service.jobs`, one function per kind)
-    and return the effects to carry out once the transaction has committed."""
+    and return the effects to carry out once the transaction has committed. Reported
+    metrics are stored within `budgets` (`elastrain.service.metric_limits`)."""
     effects: list[Effect] = []
     for action in actions:
         key = AttemptKey(job.id, job.attempt)
@@ -130,7 +138,7 @@ def apply_to_db(
                 session, job, kind=action.kind, reason=action.reason, details=action.details
             )
         elif isinstance(action, PersistReport):
-            reports.persist_report(session, job, action.report)
+            reports.persist_report(session, job, action.report, budgets=budgets)
         elif isinstance(action, ApplyRetention):
             root = JobStorage.of(storage_path, job.id).checkpoints
             effects.append(PruneCheckpoints(job_id=job.id, root=root, keep_last=action.keep_last))
@@ -265,6 +273,7 @@ class Executor:
         launcher: Launcher,
         storage_path: Path,
         timers: Timers,
+        metric_budgets: MetricBudgets | None = None,
     ) -> None:
         self.sessions = sessions
         self.launcher = launcher
@@ -273,6 +282,8 @@ class Executor:
         #: Running jobs' open bucket summaries, as this executor stored them; the scheduler
         #: clears them whenever its hold on the lease may have lapsed.
         self.buckets = metric_store.OpenBuckets()
+        #: What each running job may still store of its metrics (None: no limits).
+        self.metric_budgets = metric_budgets
         self._database: str | None = None
 
     @property
@@ -297,7 +308,13 @@ class Executor:
                     log.info("job %s moved since it was observed; deciding again", view.id)
                     return False
                 samples = telemetry.samples_for(job, actions, now=utcnow())
-                effects = apply_to_db(session, job, actions, storage_path=self.storage_path)
+                effects = apply_to_db(
+                    session,
+                    job,
+                    actions,
+                    storage_path=self.storage_path,
+                    budgets=self.metric_budgets,
+                )
         except SpecRefused as exc:
             self.give_up_on(view.id, f"cannot launch: {exc}")
             return False
@@ -319,7 +336,13 @@ class Executor:
                 attempt = jobs.current_attempt(session, job)
                 live = attempt is not None and attempt.ended_at is None
                 actions = give_up(JobState(job.state), live_attempt=live, reason=reason)
-                effects = apply_to_db(session, job, actions, storage_path=self.storage_path)
+                effects = apply_to_db(
+                    session,
+                    job,
+                    actions,
+                    storage_path=self.storage_path,
+                    budgets=self.metric_budgets,
+                )
         except Exception:
             log.exception("job %s: failing it (%s) failed; retrying next pass", job_id, reason)
             return False
@@ -351,7 +374,9 @@ class Executor:
                     else:
                         todo.append((running, action.report))
                         samples += telemetry.report_samples(action.report, tenant=view.owner)
-                stored = reports.persist_steady_reports(session, todo, buckets=self.buckets)
+                stored = reports.persist_steady_reports(
+                    session, todo, buckets=self.buckets, budgets=self.metric_budgets
+                )
         except Exception:
             log.exception("storing %d jobs' reports together failed; one by one", len(batch))
             for view, action in batch:
@@ -390,15 +415,20 @@ class Executor:
             self.launcher.launch(request)
         except Exception as exc:  # the next pass sees the driver as LOST and retries
             log.error("launch of %s failed: %s", request.name, exc)
-            with session_scope(self.sessions) as session:
-                job = jobs.get_job(session, request.job_id, for_update=True)
-                jobs.record_event(
-                    session,
-                    job,
-                    kind=EventKind.LAUNCH_FAILED,
-                    reason=f"{type(exc).__name__}: {exc}",
-                    details={"traceback": traceback.format_exc()[-2000:]},
-                )
+            self._event(
+                request.job_id,
+                EventKind.LAUNCH_FAILED,
+                f"{type(exc).__name__}: {exc}",
+                details={"traceback": traceback.format_exc()[-2000:]},
+            )
+
+    def _event(
+        self, job_id: int, kind: EventKind, reason: str, details: dict[str, Any] | None = None
+    ) -> None:
+        """An event of the job, in a transaction of its own (after an effect)."""
+        with session_scope(self.sessions) as session:
+            job = jobs.get_job(session, job_id, for_update=True)
+            jobs.record_event(session, job, kind=kind, reason=reason, details=details)
 
     def _claim_folder(self, request: LaunchRequest) -> None:
         """The job's folder is the job's and this database's before its workers read a
@@ -415,14 +445,11 @@ class Executor:
             return
         log.warning("job %s: %s was there before the job (not made for it); moved to %s",
                     request.job_id, root, moved)  # fmt: skip
-        with session_scope(self.sessions) as session:
-            job = jobs.get_job(session, request.job_id, for_update=True)
-            jobs.record_event(
-                session,
-                job,
-                kind=EventKind.FOLDER_SET_ASIDE,
-                reason=f"a folder at this job's path predates it: moved aside as {moved.name}",
-            )
+        self._event(
+            request.job_id,
+            EventKind.FOLDER_SET_ASIDE,
+            f"a folder at this job's path predates it: moved aside as {moved.name}",
+        )
 
     def _fence(self, job_id: int, attempt: int) -> None:
         """Only `attempt` (or a newer one) of the job may write to storage from now on.

@@ -72,6 +72,18 @@ def job_row_values(spec: JobSpec, *, owner: str) -> dict[str, Any]:
     }
 
 
+def queued_jobs(session: Session, owner: str) -> int:
+    """How many of `owner`'s jobs wait in the queue (PENDING)."""
+    return (
+        session.scalar(
+            select(func.count())
+            .select_from(Job)
+            .where(Job.state == JobState.PENDING.value, Job.owner == owner)
+        )
+        or 0
+    )
+
+
 def insert_job(session: Session, *, spec: JobSpec, owner: str = "default") -> Row[Any]:
     """Store a submitted job: its row, its labels, its trackers' cursors and its "submitted"
     event, in the session's transaction (the caller commits); returns the job's row, every

@@ -289,7 +289,8 @@ class ApiToken(Base):
 class DatabaseIdentity(Base):
     """Made once with the schema: `database` is this database's random id
     (`elastrain.contracts.runtime.JobRef`). A backup restored keeps it (its jobs are the same jobs);
-    a fresh database gets a new one."""
+    a fresh database gets a new one. `runtime_control_key` (made on first use,
+    `elastrain.service.identity.runtime_control_key`): the key the runtime checks callers with."""
 
     __tablename__ = "database_identity"
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Row, Table, and_, bindparam, delete, insert, select
+from sqlalchemy import Row, Table, and_, bindparam, delete, func, insert, select
 from sqlalchemy.orm import Session, load_only
 
 from elastrain.contracts.messages import (
@@ -26,8 +26,10 @@ from elastrain.contracts.messages import (
     WorkerEvent,
     WorkerFailed,
 )
+from elastrain.service import telemetry
 from elastrain.service.goodput import step_seconds
 from elastrain.service.jobs import check_attempt, current_attempt, record_event
+from elastrain.service.metric_limits import MetricBudgets, describe
 from elastrain.service.metric_store import (
     POINT_COLUMNS,
     BucketKey,
@@ -36,12 +38,15 @@ from elastrain.service.metric_store import (
     update_summaries_of,
 )
 from elastrain.service.metric_summary import Summary
-from elastrain.service.models import Attempt, CheckpointRecord, Job, Metric, utcnow
+from elastrain.service.models import Attempt, CheckpointRecord, Event, Job, Metric, utcnow
 
 
-def persist_report(session: Session, job: Job, report: DriverReport) -> None:
+def persist_report(
+    session: Session, job: Job, report: DriverReport, *, budgets: MetricBudgets | None = None
+) -> None:
     """Store what the current attempt's driver reported, in order, and remember how far
-    (`report_seq`), so the next poll acknowledges exactly what was stored."""
+    (`report_seq`), so the next poll acknowledges exactly what was stored. Its metric
+    points within `budgets` (`elastrain.service.metric_limits`; None: all of them)."""
     attempt = current_attempt(session, job)
     if attempt is None:
         return
@@ -63,7 +68,7 @@ def persist_report(session: Session, job: Job, report: DriverReport) -> None:
         if isinstance(message, StepMetrics):
             batch.append(message)
             continue
-        record_metrics(session, job, attempt=attempt.number, points=batch)
+        record_metrics(session, job, attempt=attempt.number, points=batch, budgets=budgets)
         batch = []
         if isinstance(message, CheckpointCommitted):
             record_checkpoint(
@@ -77,7 +82,13 @@ def persist_report(session: Session, job: Job, report: DriverReport) -> None:
                 manifest=SavedTraining.without_points(message.manifest),
             )
         elif isinstance(message, Resumed):
-            backfill_metrics(session, job, attempt=message.saved_attempt, points=message.metrics)
+            backfill_metrics(
+                session,
+                job,
+                attempt=message.saved_attempt,
+                points=message.metrics,
+                budgets=budgets,
+            )
             record_event(
                 session,
                 job,
@@ -115,7 +126,7 @@ def persist_report(session: Session, job: Job, report: DriverReport) -> None:
                 reason=message.error.summary(),
                 details=message.error.to_dict(),
             )
-    record_metrics(session, job, attempt=attempt.number, points=batch)
+    record_metrics(session, job, attempt=attempt.number, points=batch, budgets=budgets)
     _acknowledge(attempt, report)
 
 
@@ -187,6 +198,7 @@ def persist_steady_reports(
     reports: Sequence[tuple[Running, DriverReport]],
     *,
     buckets: OpenBuckets | None = None,
+    budgets: MetricBudgets | None = None,
 ) -> SteadyStored:
     """Store many running jobs' steady reports (`is_steady` and `appends_only`) as
     `persist_report` stores each, with the same writers, but every job's steps at once
@@ -200,7 +212,7 @@ def persist_steady_reports(
         if points:
             steps.append((job, attempt.number, points))
         _acknowledge(attempt, report)
-    summaries = _store_steps(session, steps, buckets=buckets)
+    summaries = _store_steps(session, steps, buckets=buckets, budgets=budgets)
     return SteadyStored(jobs=[job for job, _, _ in steps], summaries=summaries)
 
 
@@ -220,6 +232,7 @@ def _store_steps(
     steps: Sequence[tuple[Job, int, Sequence[StepMetrics]]],
     *,
     buckets: OpenBuckets | None = None,
+    budgets: MetricBudgets | None = None,
 ) -> dict[BucketKey, Summary]:
     """Store each (job, attempt, points) as the steps that attempt computed (fenced): the
     metric rows, the bucket summaries, the job's last step and loss and its goodput sums.
@@ -236,6 +249,9 @@ def _store_steps(
         if not points:
             continue
         check_attempt(job, attempt)
+        points = _within_limits(session, job, points, budgets)
+        if not points:
+            continue
         stored = _last_of_each_step([p.finite() for p in points])
         new_steps = [p.step for p in stored]
         if min(new_steps) <= job.step:
@@ -249,6 +265,40 @@ def _store_steps(
     if rows:
         session.execute(_INSERT_METRICS, rows)
     return update_summaries_of(session, fresh, known=known)
+
+
+def _within_limits(
+    session: Session, job: Job, points: Sequence[StepMetrics], budgets: MetricBudgets | None
+) -> Sequence[StepMetrics]:
+    """The points the job may store (`budgets`; None: all), each limit that cut some said
+    once in the job's events and counted on /metrics."""
+    if budgets is None:
+        return points
+
+    def stored() -> int:
+        return session.scalar(select(func.count()).where(Metric.job_id == job.id)) or 0
+
+    def reported() -> set[str]:
+        details = session.scalars(
+            select(Event.details).where(Event.job_id == job.id, Event.kind == EventKind.LIMIT.value)
+        )
+        return {str(d.get("limit")) for d in details if d}
+
+    cut = budgets.admit(job.id, points, stored=stored, reported=reported)
+    for kind, count in cut.counts.items():
+        telemetry.METRIC_POINTS_LIMITED.labels(limit=kind).inc(count)
+    for kind in sorted(budgets.first_report(job.id, cut.kinds)):
+        # Written as a row: the steady path's jobs are loaded with only what it needs.
+        session.add(
+            Event(
+                job_id=job.id,
+                kind=EventKind.LIMIT.value,
+                reason=describe(kind, budgets.limits),
+                attempt=job.attempt,
+                details={"limit": kind},
+            )
+        )
+    return cut.points
 
 
 def _metric_rows(job: Job, attempt: int, points: Sequence[StepMetrics]) -> list[dict[str, Any]]:
@@ -289,16 +339,22 @@ def record_metrics(
     *,
     attempt: int,
     points: Sequence[StepMetrics | dict[str, Any]],
+    budgets: MetricBudgets | None = None,
 ) -> int:
     """Persist metric points (`StepMetrics`, or dicts with a 'step'); fenced by attempt.
     Returns how many steps were stored."""
     typed = [p if isinstance(p, StepMetrics) else StepMetrics.from_point(p) for p in points]
-    _store_steps(session, [(job, attempt, typed)])
+    _store_steps(session, [(job, attempt, typed)], budgets=budgets)
     return len({p.step for p in typed})
 
 
 def backfill_metrics(
-    session: Session, job: Job, *, attempt: int, points: Sequence[StepMetrics]
+    session: Session,
+    job: Job,
+    *,
+    attempt: int,
+    points: Sequence[StepMetrics],
+    budgets: MetricBudgets | None = None,
 ) -> int:
     """Store the points of steps the job has no row for, as computed by `attempt`: what a
     checkpoint carried of reports that never arrived (they were in flight when that
@@ -306,7 +362,7 @@ def backfill_metrics(
     loss. Returns how many."""
     if not points:
         return 0
-    points = [p.finite() for p in points]
+    points = [p.finite() for p in _within_limits(session, job, points, budgets)]
     steps = {p.step for p in points}
     stored = set(
         session.scalars(select(Metric.step).where(Metric.job_id == job.id, Metric.step.in_(steps)))

@@ -14,6 +14,8 @@ import ray
 from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from elastrain.contracts.capability import control_token
+from elastrain.contracts.group import WorkerInfo
 from elastrain.contracts.messages import Control, DriverReport, DriverStatus, ErrorKind, WorkerError
 from elastrain.contracts.runtime import (
     NOTICE_KV_NAMESPACE,
@@ -41,11 +43,17 @@ log = logging.getLogger("elastrain.launcher")
 #: attempt reports its last known status; the pass goes on (it holds no DB lock meanwhile).
 _RECONCILE_TIMEOUT_S = 5.0
 _CALL_TIMEOUT_S = 30.0
+#: How long a replaced runtime's name may take to come free.
+_REPLACE_TIMEOUT_S = 30.0
 
 
 class RuntimeClient:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, control_key: bytes) -> None:
+        """`control_key`: the database's (`elastrain.service.identity.runtime_control_key`);
+        the runtime is created with it and answers only calls that carry its token."""
         self.settings = settings
+        self._control_key = control_key
+        self._token = control_token(control_key)
         self.namespace = settings.ray_namespace
         self._last_status: dict[AttemptKey, DriverStatus] = {}
         self._ready_nodes: frozenset[str] | None = None  # as the last reconcile said
@@ -75,7 +83,32 @@ class RuntimeClient:
         node-affinity to a head with 0 CPUs, as we had, let Ray place it on a worker node:
         seen on real multi-host clusters, tests/chaos/test_partitions.py.) Without a head
         resource (a client attached oddly), softly to this process's node.
-        Ray restarts it if its process dies (it then adopts the worker processes)."""
+        Ray restarts it if its process dies (it then adopts the worker processes), with the
+        control key it was created with. One found by name that does not take this control
+        plane's token (made by another database's control plane, or by a version before
+        capabilities) is replaced: it would refuse every call."""
+        handle = self._create_runtime()
+        if _owned_by(handle, self._token):
+            return handle
+        log.warning(
+            "replacing the runtime actor %s: it was made with another control key (another "
+            "database's control plane, or an older version) and would refuse this one",
+            RUNTIME_NAME,
+        )
+        ray.kill(handle, no_restart=True)
+        deadline = time.monotonic() + _REPLACE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(RUNTIME_NAME, namespace=self.namespace)
+            except ValueError:
+                break  # the name is free
+            time.sleep(0.2)
+        handle = self._create_runtime()
+        if not _owned_by(handle, self._token):
+            raise RuntimeError(f"the runtime actor {RUNTIME_NAME} refuses this control plane")
+        return handle
+
+    def _create_runtime(self) -> Any:
         placement: dict[str, Any]
         if _head_node_id() is not None:
             placement = {"resources": {HEAD_RESOURCE: 0.001}}
@@ -95,6 +128,7 @@ class RuntimeClient:
                 **placement,
             )
             .remote(
+                control_key=self._control_key,
                 namespace=self.namespace,
                 warm_per_node=self.settings.warm_workers_per_node,
                 collective_timeout_s=self.settings.collective_timeout_s,
@@ -141,12 +175,14 @@ class RuntimeClient:
 
     def launch(self, request: LaunchRequest) -> None:
         request = replace(request, sent_at=time.time())
-        ray.get(self.runtime.launch.remote(request), timeout=_CALL_TIMEOUT_S)
+        ray.get(self.runtime.launch.remote(self._token, request), timeout=_CALL_TIMEOUT_S)
         log.info("launched %s at world size %d", request.name, request.world_size)
 
     def reconcile(self, want: Reconcile) -> dict[AttemptKey, DriverReport]:
         try:
-            answer = ray.get(self.runtime.reconcile.remote(want), timeout=_RECONCILE_TIMEOUT_S)
+            answer = ray.get(
+                self.runtime.reconcile.remote(self._token, want), timeout=_RECONCILE_TIMEOUT_S
+            )
         except ray.exceptions.GetTimeoutError:
             return {
                 k: DriverReport(status=self._last_status.get(k, DriverStatus.STARTING), seq=a.ack)
@@ -174,13 +210,26 @@ class RuntimeClient:
         return reports
 
     def send_control(self, key: AttemptKey, control: Control) -> None:
-        self.runtime.request.remote(key, control)
+        self.runtime.request.remote(self._token, key, control)
 
     def release(self, key: AttemptKey, *, final: bool = False) -> None:
         # Synchronous: the attempt's placement group is gone before anything is launched
         # into the resources it held.
-        ray.get(self.runtime.release.remote(key, final), timeout=_CALL_TIMEOUT_S)
+        ray.get(self.runtime.release.remote(self._token, key, final), timeout=_CALL_TIMEOUT_S)
         self._last_status.pop(key, None)
+
+    def workers(self) -> list[WorkerInfo]:
+        """The runtime's pool processes (for tests, benches and debugging)."""
+        return list(ray.get(self.runtime.workers.remote(self._token), timeout=_CALL_TIMEOUT_S))
+
+
+def _owned_by(handle: Any, token: str) -> bool:
+    """Whether the runtime behind `handle` takes `token`; False for one too old to check
+    (its handle has no `owned_by`)."""
+    try:  # an old runtime: no such method on its handle, or an error raised by its call
+        return bool(ray.get(handle.owned_by.remote(token), timeout=_CALL_TIMEOUT_S))
+    except AttributeError:  # (Ray's error from a task is an instance of the task's error)
+        return False
 
 
 def _lost(why: str) -> DriverReport:

@@ -55,7 +55,9 @@ from elastrain.service.executor import Executor, Timers
 from elastrain.service.isolation import plan_isolating, undecidable_reason
 from elastrain.service.launcher import Launcher
 from elastrain.service.logs import job_context
+from elastrain.service.metric_limits import MetricBudgets
 from elastrain.service.settings import Settings
+from elastrain.service.tracking import tracker_maker
 from elastrain.service.tracking.forwarder import Forwarder, ForwarderThread
 
 log = logging.getLogger("elastrain.scheduler")
@@ -101,6 +103,8 @@ class Scheduler:
             launcher=launcher,
             storage_path=settings.storage_path,
             timers=self.timers,
+            # What jobs report is bounded where it is stored (`service/metric_limits.py`).
+            metric_budgets=MetricBudgets(settings.metric_limits, clock),
         )
 
     def run_pass(self) -> bool:
@@ -111,6 +115,8 @@ class Scheduler:
             # Another scheduler may have held the lease meanwhile: what the executor
             # remembers of jobs' metric summaries may no longer be what is stored.
             self.executor.buckets.clear()
+            if self.executor.metric_budgets is not None:
+                self.executor.metric_budgets.clear()
             self._tenure = self.lease.tenure
         with telemetry.SCHEDULER_PASS.time():
             self._pass()
@@ -130,6 +136,8 @@ class Scheduler:
         for job_id, reason in unreadable.items():
             self._give_up(job_id, reason)
         self.executor.buckets.keep_only(job.id for job in active)
+        if self.executor.metric_budgets is not None:
+            self.executor.metric_budgets.keep_only(job.id for job in active)
         polled = self._reconcile(active, pending, observed_at)
         ledger = CapacityLedger(capacity, _held(active))
         steady: list[tuple[JobView, PersistReport]] = []
@@ -396,7 +404,7 @@ class SchedulerThread:
         # Experiment trackers are fed on a thread of their own: a slow tracker never holds
         # up a pass. It forwards only while this scheduler holds the lease.
         self.tracking = ForwarderThread(
-            Forwarder(scheduler.sessions),
+            Forwarder(scheduler.sessions, make=tracker_maker(scheduler.settings)),
             scheduler.settings.tracking_interval_s,
             leading=scheduler.lease.held_now,
         )
@@ -430,6 +438,6 @@ def start_scheduler_thread(
     if launcher is None:
         from elastrain.service.runtime_client import RuntimeClient
 
-        launcher = RuntimeClient(settings)
+        launcher = RuntimeClient(settings, identity.runtime_control_key(session_factory))
     scheduler = Scheduler(session_factory=session_factory, launcher=launcher, settings=settings)
     return SchedulerThread(scheduler, settings.scheduler_interval_s).start()

@@ -11,6 +11,7 @@ from sqlalchemy.engine import make_url
 
 from elastrain.contracts.bounds import OWN_PACKAGES, in_standard_library
 from elastrain.contracts.packages import PackageLimits
+from elastrain.service.metric_limits import MetricLimits
 
 _HOME = Path(".elastrain")
 #: Shorter tokens are guessable; the ones `elastrain token create` makes are 43 characters.
@@ -106,6 +107,20 @@ class Settings(BaseSettings):
         "before it gives up; a dead peer is noticed at once, a partitioned one after this.",
     )
 
+    # --- experiment trackers (service/tracking/destinations.py) -----------------------
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        description="The operator's MLflow tracker: jobs whose tracking.mlflow names no URI "
+        "forward there, and only there go the MLFLOW_TRACKING_TOKEN/USERNAME/PASSWORD of "
+        "the service's environment. Any scheme MLflow reads (the operator chose it).",
+    )
+    tracking_allowed_uris: Annotated[list[str], NoDecode] = Field(
+        default=[],
+        description="Other MLflow servers jobs may name (comma-separated http(s)://host[:port]); "
+        "they are called without the operator's credentials. File paths, databases and "
+        "unlisted hosts (internal addresses among them) are refused at submit.",
+    )
+
     # --- bounds on what a job puts into shared state (README "Security") ------------
     export_max_concurrent: int = Field(
         default=2,
@@ -140,6 +155,12 @@ class Settings(BaseSettings):
         ge=1,
         description="Points one job may store in all; later ones dropped (its summaries and "
         "the step counter go on).",
+    )
+    metric_bytes_per_response: int = Field(
+        default=16 * 1024 * 1024,
+        ge=64 * 1024,
+        description="Bytes one `GET /v1/jobs/{id}/metrics` answers; past it the first rows "
+        "that fit, and the next page's since_step in X-Elastrain-Truncated-Next-Since-Step.",
     )
     log_files_per_job: int = Field(
         default=256, ge=1, description="Log files of a job the API reads (the ranks' own first)."
@@ -259,12 +280,27 @@ class Settings(BaseSettings):
         self.api_token = self._token_not_empty(SecretStr(token))
         return self
 
-    @field_validator("allowed_hosts", "allowed_entrypoints", mode="before")
+    @field_validator("allowed_hosts", "allowed_entrypoints", "tracking_allowed_uris", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("tracking_allowed_uris")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        from elastrain.service.tracking.destinations import parse_allowed
+
+        parse_allowed(value)  # raises, naming the entry
+        return value
+
+    @property
+    def allowed_trackers(self) -> list[Any]:
+        """`tracking_allowed_uris` as origins (`service.tracking.destinations.Origin`)."""
+        from elastrain.service.tracking.destinations import parse_allowed
+
+        return parse_allowed(self.tracking_allowed_uris)
 
     @field_validator("allowed_entrypoints")
     @classmethod
@@ -296,6 +332,15 @@ class Settings(BaseSettings):
         if password:
             found.append(str(password))
         return found
+
+    @property
+    def metric_limits(self) -> MetricLimits:
+        return MetricLimits(
+            names_per_point=self.metric_names_per_point,
+            point_bytes=self.metric_point_bytes,
+            points_per_s=self.metric_points_per_s,
+            points_per_job=self.metric_points_per_job,
+        )
 
     @property
     def single_user(self) -> bool:

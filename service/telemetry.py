@@ -84,6 +84,12 @@ FINISHED = Counter(
     "elastrain_jobs_finished_total", "Jobs that reached a final state.", ["state", "tenant"],
     registry=REGISTRY,
 )  # fmt: skip
+METRIC_POINTS_LIMITED = Counter(
+    "elastrain_metric_points_limited_total",
+    "Metric points a job reported past a limit (ELASTRAIN_METRIC_*), dropped or trimmed; "
+    "by kind of limit only (the job is named in its events).",
+    ["limit"], registry=REGISTRY,
+)  # fmt: skip
 CHECKPOINTS = Counter(
     "elastrain_checkpoints_total", "Checkpoints committed.", ["tenant"], registry=REGISTRY
 )

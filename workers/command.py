@@ -40,6 +40,7 @@ from typing import IO
 from elastrain.contracts.group import Assignment
 from elastrain.contracts.messages import Control, Phase, StepMetrics, TimelineMark, WorkerMessage
 from elastrain.contracts.spec import PYTHON_NAMES
+from elastrain.workers.log_cap import CappedWriter
 from elastrain.workers.user_api import JOB_DIR_ENV, REPORT_FD_ENV
 
 log = logging.getLogger("elastrain.command")
@@ -63,11 +64,10 @@ def command_env(
     report_fd: int | None,
     visible_gpus: str | None = None,
 ) -> dict[str, str]:
-    """The script's environment: the worker's, and what torchrun sets for its workers
-    (names as in `torch.distributed.elastic.agent.server.local_elastic_agent`)."""
-    env = dict(base)
-    for stale in (REPORT_FD_ENV,):  # never one inherited from elsewhere
-        env.pop(stale, None)
+    """The script's environment: the worker's, less what reaches the cluster's control
+    (`script_base_env`), and what torchrun sets for its workers (names as in
+    `torch.distributed.elastic.agent.server.local_elastic_agent`)."""
+    env = script_base_env(base)
     env.update(
         {
             "RANK": str(a.rank),
@@ -101,6 +101,24 @@ def command_env(
     if visible_gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible_gpus
     return env
+
+
+#: Variables a script never gets from its worker: Ray's (the cluster's addresses, ports,
+#: session, credentials: `RAY_ADDRESS`, `RAY_RAYLET_PID`, KubeRay's `RAY_IP`/`FQ_RAY_IP`,
+#: `REDIS_PASSWORD`) and the service's own (`ELASTRAIN_*` node settings; the script's
+#: `ELASTRAIN_JOB_DIR` and report pipe are set anew). A script is the tenant's code: it
+#: talks to its peers (MASTER_ADDR) and its own files, never to the cluster's control.
+_SCRIPT_DROPPED_PREFIXES = ("RAY_", "RAYLET_", "ELASTRAIN_")
+_SCRIPT_DROPPED = frozenset({"FQ_RAY_IP", "REDIS_PASSWORD", "REDIS_ADDRESS", "GCS_ADDRESS"})
+
+
+def script_base_env(base: Mapping[str, str]) -> dict[str, str]:
+    """`base` (the worker's environment) less Ray's and the service's variables."""
+    return {
+        name: value
+        for name, value in base.items()
+        if not name.startswith(_SCRIPT_DROPPED_PREFIXES) and name not in _SCRIPT_DROPPED
+    }
 
 
 def run_id(a: Assignment) -> str:
@@ -194,7 +212,9 @@ class ScriptRun:
         self._tail_bytes = 0
         job_dir.mkdir(parents=True, exist_ok=True)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - closed in wait()
+        # Both streams go through one capped writer (`workers.log_cap`): a script that
+        # prints without end stops at the cap, with a note, and never fills the disk.
+        self._log = CappedWriter(log_path)
         read_fd = write_fd = None
         if send is not None:
             read_fd, write_fd = os.pipe()
@@ -209,7 +229,7 @@ class ScriptRun:
                 cwd=cwd,
                 env=env,
                 stdin=subprocess.DEVNULL,
-                stdout=self._log,
+                stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 pass_fds=(write_fd,) if write_fd is not None else (),
                 start_new_session=True,  # its own process group: stopped with its children
@@ -223,9 +243,10 @@ class ScriptRun:
             if write_fd is not None:
                 os.close(write_fd)  # the script holds the write end now; EOF when it exits
         self.started_at = time.time()
-        assert self.proc.stderr is not None
+        assert self.proc.stderr is not None and self.proc.stdout is not None
         self._readers = [
-            threading.Thread(target=self._copy_stderr, args=(self.proc.stderr,), daemon=True)
+            threading.Thread(target=self._copy_stderr, args=(self.proc.stderr,), daemon=True),
+            threading.Thread(target=self._copy_stdout, args=(self.proc.stdout,), daemon=True),
         ]
         if read_fd is not None:
             reports = os.fdopen(read_fd, "rb")
@@ -234,6 +255,12 @@ class ScriptRun:
             )
         for t in self._readers:
             t.start()
+
+    def _copy_stdout(self, stream: IO[bytes]) -> None:
+        with stream:
+            while chunk := stream.read1(65536):  # type: ignore[attr-defined]
+                with contextlib.suppress(ValueError):  # closed: a grandchild held the pipe
+                    self._log.write(chunk)
 
     def _copy_stderr(self, stream: IO[bytes]) -> None:
         with stream:

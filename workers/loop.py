@@ -38,6 +38,7 @@ from elastrain.workers.checkpointing import (
     writes_in_place,
 )
 from elastrain.workers.errors import configuration_errors
+from elastrain.workers.log_cap import CappedFileHandler
 from elastrain.workers.lr_schedule import lr_at
 from elastrain.workers.memory import ReplicaMemory
 from elastrain.workers.memory.snapshots import PeerRefresher
@@ -322,8 +323,8 @@ def _log_to_file(path: Path | None, rank: int) -> Iterator[None]:
     if path is None:
         yield
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
+    # Capped (`workers/log_cap.py`): a rank's file stops at RANK_LOG_BYTES, with a note.
+    handler = CappedFileHandler(path)
     handler.setFormatter(
         logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
     )

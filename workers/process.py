@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from elastrain.contracts.capability import matches_digest
 from elastrain.contracts.group import Assignment, HeldState, RunOutcome, WorkerInfo
 from elastrain.contracts.messages import (
     Control,
@@ -47,6 +48,7 @@ from elastrain.contracts.messages import (
 from elastrain.contracts.runtime import AttemptKey, JobRef
 from elastrain.contracts.storage import JobStorage
 from elastrain.workers.comm_release import GroupSockets, attempt_groups, release_group
+from elastrain.workers.runtime.guard import RefusalLog
 
 if TYPE_CHECKING:  # torch is imported when the process starts, not by the runtime
     from torch.distributed import TCPStore
@@ -84,11 +86,13 @@ class RuntimeHooks:
         key: AttemptKey,
         take_control: Callable[[], Control],
         *,
+        capability: str,
         clock: Callable[[], float] = time.monotonic,
         wait: Callable[..., tuple[list[Any], list[Any]]] = ray.wait,
     ) -> None:
         self.runtime = runtime
         self.key = key
+        self._capability = capability  # the attempt's: the runtime takes no report without it
         self.take_control = take_control
         self.clock = clock
         self._wait = wait  # Ray's, or a test's
@@ -116,7 +120,7 @@ class RuntimeHooks:
         last = max((m.step for m in batch if isinstance(m, StepMetrics)), default=-1)
         # Numbered: the runtime actor is threaded, so it may run two calls in flight out of
         # order; the driver puts them back in this order (`elastrain.workers.runtime.ordering`).
-        ref = self.runtime.push_many.remote(self.key, self._batches, batch)
+        ref = self.runtime.push_many.remote(self.key, self._capability, self._batches, batch)
         self._batches += 1
         self._in_flight.append((ref, last))
         self._forget_delivered()
@@ -192,7 +196,7 @@ def run_at_normal_priority() -> None:
 class WorkerProcess:
     """Wrapped with `ray.remote` by the runtime (kept a plain class for readability)."""
 
-    def __init__(self, name: str, gpu: int | None = None) -> None:
+    def __init__(self, name: str, gpu: int | None = None, pool_digest: bytes = b"") -> None:
         # Before torch can initialise CUDA: this process sees its own GPU (a GPU process,
         # `gpu` = the node-local index it owns for its lifetime) or none (a CPU process).
         from elastrain.workers.devices import pin_visible_gpu, warm_cuda
@@ -222,6 +226,10 @@ class WorkerProcess:
         self.gpu = gpu
         self.device = warm_cuda(gpu)  # the CUDA context too, when it owns a GPU
         self.name = name
+        # Only the digest of the pool's token (`elastrain.contracts.capability`): a job's own
+        # code runs in this process and could read the token itself from its memory.
+        self._pool_digest = pool_digest
+        self._refusals = RefusalLog(name)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.address = ray.util.get_node_ip_address()
         # Collectives listen where the cluster reaches this node, not wherever the hostname
@@ -239,6 +247,16 @@ class WorkerProcess:
         # (one can arrive before the rank it is for has started).
         self._controls: dict[AttemptKey, list[Control]] = {}
         self._hosted_store: TCPStore | None = None  # the next group's, until rank 0 takes it
+
+    def accepts(self, token: str) -> bool:
+        """Whether `token` is the pool token this process was made with (a runtime that
+        adopts it checks it can command it)."""
+        return matches_digest(self._pool_digest, token)
+
+    def _check(self, token: object, method: str, claimed: object = None) -> None:
+        """The calls below act on an attempt or a job: the runtime's alone."""
+        if not matches_digest(self._pool_digest, token):
+            raise self._refusals.refuse(method, claimed)
 
     def describe(self) -> WorkerInfo:
         with self._lock:
@@ -258,7 +276,7 @@ class WorkerProcess:
         held = self.memory.describe()
         return None if held is None else dataclasses.replace(held, database=self.database)
 
-    def host_store(self, world_size: int, timeout_s: float) -> int:
+    def host_store(self, token: str, world_size: int, timeout_s: float) -> int:
         """Open the TCPStore of the next group, whose rank 0 will run here, and return its
         port. It listens from now on, on a port the OS picked: a port merely found free now
         and bound when rank 0 starts could be taken in between (by one of the collectives'
@@ -266,6 +284,7 @@ class WorkerProcess:
         a newer call replaces one that was never used."""
         from elastrain.workers.rendezvous import host_store
 
+        self._check(token, "host_store")
         store = host_store(self.address, world_size, datetime.timedelta(seconds=timeout_s))
         with self._lock:
             self._hosted_store = store
@@ -279,9 +298,10 @@ class WorkerProcess:
             return store
         return None
 
-    def abort(self) -> None:
+    def abort(self, token: str) -> None:
         """Let go of the current attempt at the next step boundary (the others fail their
         next collective and let go too); no-op when idle."""
+        self._check(token, "abort", self._running)
         with self._lock:
             if not self._busy:
                 return
@@ -307,8 +327,9 @@ class WorkerProcess:
         log.warning("%s: still in its attempt %.1fs after an abort: %s", self.name,
                     RELEASE_AFTER_S, how)  # fmt: skip
 
-    def control(self, key: AttemptKey, controls: list[Control]) -> None:
+    def control(self, token: str, key: AttemptKey, controls: list[Control]) -> None:
         """The runtime's requests for an attempt whose rank 0 runs here (or will)."""
+        self._check(token, "control", key)
         with self._lock:
             self._controls.setdefault(AttemptKey(*key), []).extend(Control(c) for c in controls)
 
@@ -317,13 +338,14 @@ class WorkerProcess:
             queued = self._controls.get(key)
             return queued.pop(0) if queued else Control.NONE
 
-    def forget(self) -> None:
+    def forget(self, token: str) -> None:
         """Drop the held state (its job ended); no-op while training."""
+        self._check(token, "forget")
         with self._lock:
             if not self._busy:
                 self.memory.forget()
 
-    def free_gpu(self) -> None:
+    def free_gpu(self, token: str) -> None:
         """Lend this process's GPU to a process of the same attempt (a job with its own pip
         packages runs in a private process on this GPU): drop the held state and give the
         cached device memory back to the driver; no-op while training."""
@@ -331,6 +353,7 @@ class WorkerProcess:
 
         import torch
 
+        self._check(token, "free_gpu")
         with self._lock:
             if self._busy:
                 return
@@ -339,7 +362,8 @@ class WorkerProcess:
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
-    def run(self, assignment: Assignment) -> RunOutcome:
+    def run(self, token: str, assignment: Assignment) -> RunOutcome:
+        self._check(token, "run", getattr(assignment, "job_id", None))
         with self._lock:
             if self._busy:
                 return RunOutcome(
@@ -409,7 +433,7 @@ class WorkerProcess:
         hooks: RuntimeHooks | None = None
         if a.rank == 0:
             runtime = ray.get_actor(a.runtime_name, namespace=a.namespace)
-            hooks = RuntimeHooks(runtime, key, lambda: Control.NONE)
+            hooks = RuntimeHooks(runtime, key, lambda: Control.NONE, capability=a.capability)
         gpus = None
         if a.local_gpus:
             gpus = ",".join(visible_devices_for(g, self._inherited_gpus) for g in a.local_gpus)
@@ -515,7 +539,9 @@ class WorkerProcess:
             if a.rank == 0:
                 runtime = ray.get_actor(a.runtime_name, namespace=a.namespace)
                 key = AttemptKey(a.job_id, a.attempt)
-                hooks = RuntimeHooks(runtime, key, lambda: self._take_control(key))
+                hooks = RuntimeHooks(
+                    runtime, key, lambda: self._take_control(key), capability=a.capability
+                )
                 hooks.send(TimelineMark(phase=Phase.GROUP_FORMED, at=time.time()))
                 if package is not None:
                     hooks.send(package)

@@ -19,7 +19,7 @@ from sqlalchemy import Row
 from sqlalchemy.orm import Session
 
 from elastrain.api.deps import CurrentPrincipal, SessionDep, SettingsDep
-from elastrain.api.errors import Conflict, invalid
+from elastrain.api.errors import Conflict, TooMany, invalid
 from elastrain.api.logs import read_logs
 from elastrain.api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, MetricOut
 from elastrain.contracts.bounds import entrypoint_refusal, in_standard_library, private_part
@@ -38,6 +38,7 @@ from elastrain.service.jobs import (
     insert_job,
     list_events,
     list_jobs,
+    queued_jobs,
     request_checkpoint,
 )
 from elastrain.service.models import Job
@@ -46,6 +47,7 @@ from elastrain.service.reports import list_checkpoints, list_metrics
 from elastrain.service.settings import Settings
 from elastrain.service.states import ACTIVE, JobState
 from elastrain.service.tracking import missing_clients
+from elastrain.service.tracking.destinations import mlflow_uri_problem
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -201,9 +203,18 @@ def check_data_paths(spec: JobSpec, storage_root: pathlib.Path, owner: str) -> N
         )
 
 
-def check_trackers(spec: JobSpec) -> None:
-    """Each tracker the spec names has its client installed on the control plane, which
-    is what forwards to it (the workers never do)."""
+def check_trackers(spec: JobSpec, settings: Settings) -> None:
+    """Each tracker the spec names is one the operator allows (its destination: see
+    `elastrain.service.tracking.destinations`) and has its client installed on the control
+    plane, which is what forwards to it (the workers never do)."""
+    if spec.tracking.mlflow is not None:
+        problem = mlflow_uri_problem(
+            spec.tracking.mlflow.tracking_uri,
+            allowed=settings.allowed_trackers,
+            operator_uri=settings.mlflow_tracking_uri,
+        )
+        if problem is not None:
+            raise invalid(("body", "tracking", "mlflow", "tracking_uri"), problem)
     missing = missing_clients(spec)
     if missing:
         raise RequestValidationError(
@@ -216,6 +227,19 @@ def check_trackers(spec: JobSpec) -> None:
                 }
                 for name, extra in missing.items()
             ]
+        )
+
+
+def check_queue(session: Session, tenant: str, settings: Settings) -> None:
+    """A tenant's queue is bounded: every PENDING job is decided on every scheduler pass
+    (admission sorts the whole queue), so one tenant's flood would slow every job's
+    recovery. Past the limit a submit is a 429 naming it."""
+    limit = settings.max_queued_jobs_per_tenant
+    if queued_jobs(session, tenant) >= limit:
+        raise TooMany(
+            f"your tenant has {limit} jobs waiting in the queue, the most it may "
+            "(ELASTRAIN_MAX_QUEUED_JOBS_PER_TENANT); submit again when some have started",
+            retry_after_s=30,
         )
 
 
@@ -258,7 +282,10 @@ def _parse_labels(raw: list[str] | None) -> dict[str, str]:
     status_code=status.HTTP_201_CREATED,
     response_model=JobOut,
     summary="Submit a job",
-    responses={422: {"description": "The spec is invalid; `message` says which field and why"}},
+    responses={
+        422: {"description": "The spec is invalid; `message` says which field and why"},
+        429: {"description": "The tenant's queue is full (ELASTRAIN_MAX_QUEUED_JOBS_PER_TENANT)"},
+    },
 )
 def submit_job(
     spec: JobSpec, session: SessionDep, who: CurrentPrincipal, settings: SettingsDep
@@ -266,7 +293,8 @@ def submit_job(
     check_workload_code(spec, settings, session, who)
     check_data_paths(spec, settings.storage_path, who.tenant)
     check_auto_fits(spec, session, settings)
-    check_trackers(spec)
+    check_trackers(spec, settings)
+    check_queue(session, who.tenant, settings)
     job = insert_job(session, spec=spec, owner=who.tenant)
     session.commit()
     return _job(job, status.HTTP_201_CREATED, {"Location": f"/v1/jobs/{job.id}"})
@@ -381,6 +409,7 @@ def job_metrics(
     job_id: JobId,
     session: SessionDep,
     who: CurrentPrincipal,
+    settings: SettingsDep,
     since_step: Annotated[
         int, Query(ge=0, le=MAX_INT32, description="Only steps >= this one.")
     ] = 0,
@@ -420,7 +449,30 @@ def job_metrics(
          **{k: v for k, v in m.values.items() if k not in _POINT_KEYS}}
         for m in found
     ]  # fmt: skip
-    return _json(to_json(rows, inf_nan_mode="null"))
+    body = to_json(rows, inf_nan_mode="null")
+    if len(body) <= settings.metric_bytes_per_response:
+        return _json(body)
+    # Rows a job stored before the per-point bounds, or many of the most a point may hold:
+    # the first rows that fit, and where the next page starts.
+    # A single row past the whole budget (stored before the bounds) is skipped.
+    kept = _rows_within(rows, settings.metric_bytes_per_response)
+    headers = {TRUNCATED_AT: str((kept or rows)[-1 if kept else 0]["step"] + 1)}
+    return _json(to_json(kept, inf_nan_mode="null"), headers=headers)
+
+
+#: Set on a `GET .../metrics` answer cut at ELASTRAIN_METRIC_BYTES_PER_RESPONSE: the
+#: `since_step` of the next page.
+TRUNCATED_AT = "X-Elastrain-Truncated-Next-Since-Step"
+
+
+def _rows_within(rows: list[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
+    """The longest prefix of `rows` whose JSON fits in `budget` bytes."""
+    used = 2  # the brackets
+    for n, row in enumerate(rows):
+        used += len(to_json(row, inf_nan_mode="null")) + 1
+        if used > budget:
+            return rows[:n]
+    return rows
 
 
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut], responses=_NOT_FOUND)
@@ -446,7 +498,11 @@ def job_logs(
     _owned_job(session, job_id, who)
     session.close()  # reading files needs no DB connection
     chunk = read_logs(
-        JobStorage.of(settings.storage_path, job_id).logs, offset=offset, attempt=attempt
+        JobStorage.of(settings.storage_path, job_id).logs,
+        offset=offset,
+        attempt=attempt,
+        max_bytes=settings.log_bytes_per_response,
+        max_files=settings.log_files_per_job,
     )
     return LogChunk(
         text=chunk.text,

@@ -9,9 +9,12 @@ tracker's client package is an optional extra, imported only when a job uses it.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 from elastrain.contracts.spec import TRACKER_EXTRAS, JobSpec, MlflowTracking, WandbTracking
-from elastrain.service.tracking.base import Tracker
+from elastrain.service.settings import Settings
+from elastrain.service.tracking.base import Tracker, TrackerError
+from elastrain.service.tracking.destinations import is_operator_tracker, mlflow_uri_problem
 
 
 def missing_clients(spec: JobSpec) -> dict[str, str]:
@@ -26,15 +29,36 @@ def missing_clients(spec: JobSpec) -> dict[str, str]:
     return missing
 
 
-def make_tracker(name: str, spec: JobSpec) -> Tracker:
-    """A tracker for one job's run (its client imported now, not at service start)."""
+def make_tracker(name: str, spec: JobSpec, settings: Settings | None = None) -> Tracker:
+    """A tracker for one job's run (its client imported now, not at service start).
+    `settings`: the operator's trackers; the job's destination is checked against them
+    again here (a job stored before a rule changed sends nothing: TrackerError), and the
+    operator's credentials go to the operator's tracker only. Without settings (tests of
+    the forwarder's own logic) the spec's URI is taken as it is."""
     config = getattr(spec.tracking, name)
     if isinstance(config, MlflowTracking):
         from elastrain.service.tracking.mlflow_tracker import MlflowTracker
 
-        return MlflowTracker(config)
+        if settings is None:
+            return MlflowTracker(config, uri=config.tracking_uri or "", credentials=True)
+        problem = mlflow_uri_problem(
+            config.tracking_uri,
+            allowed=settings.allowed_trackers,
+            operator_uri=settings.mlflow_tracking_uri,
+        )
+        if problem is not None:
+            raise TrackerError(f"refused, nothing sent: {problem}")
+        uri = config.tracking_uri or settings.mlflow_tracking_uri or ""
+        return MlflowTracker(
+            config, uri=uri, credentials=is_operator_tracker(uri, settings.mlflow_tracking_uri)
+        )
     if isinstance(config, WandbTracking):
         from elastrain.service.tracking.wandb_tracker import WandbTracker
 
         return WandbTracker(config)
     raise ValueError(f"tracking.{name}: not set in the job's spec")
+
+
+def tracker_maker(settings: Settings) -> Callable[[str, JobSpec], Tracker]:
+    """`make_tracker` under the operator's settings, for the forwarder."""
+    return lambda name, spec: make_tracker(name, spec, settings)

@@ -4,6 +4,9 @@ other)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import TypeVar
@@ -28,6 +31,32 @@ _END_STATUS = {
 
 T = TypeVar("T")
 
+#: What MLflow's REST client reads from the environment at every request to authenticate.
+CREDENTIAL_VARIABLES = (
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_CLIENT_CERT_PATH",
+    "MLFLOW_TRACKING_SERVER_CERT_PATH",
+    "MLFLOW_TRACKING_AUTH",
+    "DATABRICKS_TOKEN",
+    "DATABRICKS_HOST",
+)
+_env_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def without_operator_credentials() -> Iterator[None]:
+    """The operator's MLflow credentials out of the environment while inside: a call to a
+    tracker other than the operator's carries none. (MLflow reads them per request from
+    `os.environ`; the forwarder is the one thread that calls MLflow.)"""
+    with _env_lock:
+        saved = {name: os.environ.pop(name) for name in CREDENTIAL_VARIABLES if name in os.environ}
+        try:
+            yield
+        finally:
+            os.environ.update(saved)
+
 
 def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
     for start in range(0, len(items), size):
@@ -41,12 +70,24 @@ def _ms(at: datetime) -> int:
 class MlflowTracker:
     name = "mlflow"
 
-    def __init__(self, config: MlflowTracking) -> None:
+    def __init__(self, config: MlflowTracking, *, uri: str, credentials: bool) -> None:
+        """`uri`: where to forward; `credentials`: whether the operator's MLflow
+        credentials (in the service's environment) may go there: only to the operator's
+        own tracker (`elastrain.service.tracking.destinations`)."""
         self.config = config
-        self.client = MlflowClient(tracking_uri=config.tracking_uri)
+        self.uri = uri
+        self.credentials = credentials
+        self.client = MlflowClient(tracking_uri=uri)
         self.run_id: str | None = None
 
     def open(self, run: RunInfo, run_id: str | None) -> str:
+        with self._auth():
+            return self._open(run, run_id)
+
+    def _auth(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if self.credentials else without_operator_credentials()
+
+    def _open(self, run: RunInfo, run_id: str | None) -> str:
         try:
             if run_id is not None:
                 self.client.get_run(run_id)  # still there: go on with it
@@ -126,6 +167,7 @@ class MlflowTracker:
 
     def _call(self, fn: Callable[[], object]) -> None:
         try:
-            fn()
+            with self._auth():
+                fn()
         except MlflowException as exc:
             raise TrackerError(f"mlflow: {exc.message}") from exc

@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 
 from elastrain.contracts.group import WorkerInfo
 from elastrain.contracts.runtime import RUNTIME_NAME, AttemptKey
+from elastrain.service.identity import runtime_control_token
 from elastrain.workers.devices import TEST_GPU_ON_CPU
 from tests.integration.cluster_service import multi_node_service
 from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_terminal
@@ -63,14 +64,19 @@ def service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[TestCli
         yield client
 
 
-def pool() -> list[WorkerInfo]:
+def pool(client: TestClient) -> list[WorkerInfo]:
     runtime = ray.get_actor(RUNTIME_NAME, namespace="elastrain-chaos")
-    return list(ray.get(runtime.workers.remote()))
+    return list(ray.get(runtime.workers.remote(runtime_token(client))))
 
 
-def gpu_processes() -> dict[int, WorkerInfo]:
+def runtime_token(client: TestClient) -> str:
+    """The control plane's token: the runtime answers no one else."""
+    return runtime_control_token(client.app.state.session_factory)
+
+
+def gpu_processes(client: TestClient) -> dict[int, WorkerInfo]:
     """The pool's GPU processes that answered, by pid."""
-    return {w.pid: w for w in pool() if w.gpu is not None}
+    return {w.pid: w for w in pool(client) if w.gpu is not None}
 
 
 def pids_of(client: TestClient, job_id: int, attempt: int) -> set[int]:
@@ -109,8 +115,8 @@ def gpus_free(client: TestClient) -> float:
 
 def test_gpu_jobs_take_warm_gpu_processes_and_keep_them(service: TestClient) -> None:
     client = service
-    wait_until(lambda: len(gpu_processes()) == NODES * GPUS, 240, "one process per GPU")
-    owners = gpu_processes()
+    wait_until(lambda: len(gpu_processes(client)) == NODES * GPUS, 240, "one process per GPU")
+    owners = gpu_processes(client)
     # One per GPU index on each node, and each says what it trains on.
     by_node: dict[str, list[int]] = {}
     for w in owners.values():
@@ -141,7 +147,7 @@ def test_gpu_jobs_take_warm_gpu_processes_and_keep_them(service: TestClient) -> 
     # A forced recovery (its attempt released under it): the same processes, the state
     # from their memory.
     runtime = ray.get_actor(RUNTIME_NAME, namespace="elastrain-chaos")
-    ray.get(runtime.release.remote(AttemptKey(elastic, 1)))
+    ray.get(runtime.release.remote(runtime_token(client), AttemptKey(elastic, 1)))
     running(client, elastic, 2, 2, step=1)
     assert pids_of(client, elastic, 2) == elastic_pids, timelines(client, elastic)
 
@@ -160,7 +166,7 @@ def test_gpu_jobs_take_warm_gpu_processes_and_keep_them(service: TestClient) -> 
     assert resumed == ["peer", "peer"], resumed
     # Not one GPU process was started after the pool's first ones: every start, recovery
     # and resize ran in them.
-    assert gpu_processes().keys() == owners.keys()
+    assert gpu_processes(client).keys() == owners.keys()
     client.post(f"/v1/jobs/{elastic}/cancel")
     assert wait_terminal(client, elastic)["state"] == "CANCELLED"
     wait_until(lambda: gpus_free(client) == NODES * GPUS, 30, "every GPU free again")
@@ -171,8 +177,8 @@ def test_a_gpu_job_with_its_own_packages_borrows_a_pooled_gpu(service: TestClien
     GPU rank of it uses the GPU of a pooled process, which stays lent to the attempt (so no
     other job's rank lands on that GPU) and comes back when the attempt ends."""
     client = service
-    wait_until(lambda: len(gpu_processes()) == NODES * GPUS, 240, "one process per GPU")
-    owners = gpu_processes()
+    wait_until(lambda: len(gpu_processes(client)) == NODES * GPUS, 240, "one process per GPU")
+    owners = gpu_processes(client)
     spec = gpu_spec("pip", min_workers=1, max_workers=1)
     spec["workload"] = {**spec["workload"], "requirements": ["pyyaml>=5"]}  # installed already
     job = submit(client, spec)
@@ -180,10 +186,12 @@ def test_a_gpu_job_with_its_own_packages_borrows_a_pooled_gpu(service: TestClien
     running(client, job, 1, 1, timeout=600)
     (pid,) = pids_of(client, job, 1)
     assert pid not in owners  # its own process, in the job's pip environment
-    private = next(w for w in pool() if w.pid == pid)
-    lent = [w for w in pool() if w.pid in owners and w.busy]
+    private = next(w for w in pool(client) if w.pid == pid)
+    lent = [w for w in pool(client) if w.pid in owners and w.busy]
     assert [(w.node_id, w.gpu) for w in lent] == [(private.node_id, private.gpu)], (private, lent)
     wait_until(lambda: gpus_free(client) == NODES * GPUS - 1, 30, "/v1/cluster: one GPU held")
     client.post(f"/v1/jobs/{job}/cancel")
     assert wait_terminal(client, job)["state"] == "CANCELLED"
-    wait_until(lambda: not any(w.busy for w in pool() if w.pid in owners), 60, "the GPU is back")
+    wait_until(
+        lambda: not any(w.busy for w in pool(client) if w.pid in owners), 60, "the GPU is back"
+    )

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from ray.cluster_utils import Cluster
 
 from elastrain.api.main import create_app
-from elastrain.contracts.runtime import RUNTIME_NAME
+from elastrain.service import identity
 from elastrain.service.db import make_engine, make_session_factory, migrate
 from elastrain.service.runtime_client import RuntimeClient
 from elastrain.service.scheduler import Scheduler
@@ -54,6 +54,13 @@ class ControlPlane:
 
     def job(self, job_id: int) -> dict[str, Any]:
         return dict(self.client.get(f"/v1/jobs/{job_id}").json())
+
+    def all_let_go(self) -> bool:
+        """No process of the runtime's pool runs or holds a job (asked with this control
+        plane's token: the runtime answers no one else)."""
+        launcher = self.scheduler.launcher
+        assert isinstance(launcher, RuntimeClient)
+        return not any(w.busy or w.held is not None for w in launcher.workers())
 
 
 @pytest.fixture
@@ -88,9 +95,10 @@ def planes(tmp_path: Path, cluster: str) -> Iterator[Callable[[str], ControlPlan
             engine = make_engine(settings.database_url)
             migrate(engine)
             stack.callback(engine.dispose)
+            sessions = make_session_factory(engine)
             scheduler = Scheduler(
-                session_factory=make_session_factory(engine),
-                launcher=RuntimeClient(settings),
+                session_factory=sessions,
+                launcher=RuntimeClient(settings, identity.runtime_control_key(sessions)),
                 settings=settings,
             )
             return ControlPlane(client, scheduler)
@@ -105,15 +113,6 @@ def reserved_groups(namespace: str) -> list[str]:
         for g in ray.util.placement_group_table().values()
         if g["name"].startswith(f"{namespace}:") and g["state"] != "REMOVED"
     ]
-
-
-def runtime_workers(namespace: str) -> list[Any]:
-    runtime = ray.get_actor(RUNTIME_NAME, namespace=namespace)
-    return list(ray.get(runtime.workers.remote(), timeout=30))
-
-
-def all_let_go(namespace: str) -> bool:
-    return not any(w.busy or w.held is not None for w in runtime_workers(namespace))
 
 
 def cpus_free() -> bool:
@@ -144,7 +143,7 @@ def test_a_release_that_fails_leaves_nothing_reserved_after_the_next_pass(
     assert reserved_groups(cluster) == []
     # What the runtime finishes on its own after that pass (processes letting go at a step
     # boundary, Ray's resource view catching up): no further passes run.
-    wait_until(lambda: all_let_go(cluster), 60, "the processes let go of the job")
+    wait_until(plane.all_let_go, 60, "the processes let go of the job")
     wait_until(cpus_free, 60, "Ray sees the CPUs free")
 
     # ... and the next job gets them.
@@ -164,7 +163,7 @@ def test_a_fresh_database_stops_the_jobs_it_does_not_know_within_two_passes(
     for _ in range(2):
         fresh.scheduler.run_pass()
     assert reserved_groups(cluster) == []
-    wait_until(lambda: all_let_go(cluster), 60, "the old job's processes let go")
+    wait_until(fresh.all_let_go, 60, "the old job's processes let go")
     wait_until(cpus_free, 60, "Ray sees the CPUs free")
 
     # Its own job 1 is a new job: a fresh start, not the old job 1's state adopted.

@@ -36,7 +36,15 @@ def tracked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClie
         env.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         env.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
         (tmp / "wandb").mkdir()
-        with ray_service(tmp, num_cpus=2, tracking_interval_s=0.3) as client:
+        with ray_service(
+            tmp,
+            num_cpus=2,
+            tracking_interval_s=0.3,
+            # The operator's tracker (a file store), and a server nobody listens on that
+            # the operator allows jobs to name.
+            mlflow_tracking_uri=f"file://{tmp / 'mlruns'}",
+            tracking_allowed_uris=["http://127.0.0.1:9"],
+        ) as client:
             yield client, tmp
 
 
@@ -62,7 +70,7 @@ def test_a_job_is_tracked_in_mlflow_and_wandb(tracked: tuple[TestClient, Path]) 
         training={"max_steps": STEPS},
         checkpoint={"every_steps": 6},
         tracking={
-            "mlflow": {"tracking_uri": uri, "experiment": "elastrain-it"},
+            "mlflow": {"experiment": "elastrain-it"},  # the operator's tracker
             "wandb": {"project": "elastrain-it", "mode": "offline"},
         },
     )

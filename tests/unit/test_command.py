@@ -64,6 +64,26 @@ def test_the_environment_is_torchruns_plus_the_job_dir() -> None:
     assert first["TORCHELASTIC_RESTART_COUNT"] == "0" and first["ELASTRAIN_REPORT_FD"] == "7"
 
 
+def test_a_script_gets_no_ray_nor_service_variables() -> None:
+    """A command is the tenant's code: the cluster's addresses, sockets and credentials in
+    its worker's environment (a local Ray's, KubeRay's, an operator's) never reach it."""
+    worker = {
+        "PATH": "/bin",
+        "HF_HOME": "/cache/hf",
+        "RAY_ADDRESS": "10.0.0.1:6379",
+        "RAY_RAYLET_PID": "123",
+        "RAY_JOB_ID": "01000000",
+        "RAYLET_SOCKET_NAME": "/tmp/ray/sockets/raylet",
+        "FQ_RAY_IP": "head.svc",
+        "REDIS_PASSWORD": "s3cret",
+        "ELASTRAIN_PACKAGE_CACHE": "/tmp/p",
+    }
+    env = command_env(assignment(["x"]), base=worker, job_dir=Path("/j"), report_fd=None)
+    assert not [k for k in env if k.startswith(("RAY", "REDIS")) or k == "FQ_RAY_IP"], env
+    assert env["PATH"] == "/bin" and env["HF_HOME"] == "/cache/hf"  # the user's own stay
+    assert [k for k in env if k.startswith("ELASTRAIN_")] == ["ELASTRAIN_JOB_DIR"]
+
+
 def test_ranks_are_numbered_node_by_node() -> None:
     layout = local_layout(["a", "a", "b", "c", "c"])
     assert [(x["local_rank"], x["local_world_size"], x["group_rank"]) for x in layout] == [

@@ -63,7 +63,9 @@ def test_links_in_a_checkpoints_folder_are_never_listed_nor_deleted_through(
     delete_checkpoints(ckpts, [ckpts / step_dir_name(0, 2)])
     assert data.read_text() == "tenant b's data"
     assert (other / "manifest.json").is_file() and (outside / "keep").is_file()
-    assert not (ckpts / step_dir_name(0, 0)).exists() and not os.path.lexists(ckpts / step_dir_name(0, 1))
+    assert not (ckpts / step_dir_name(0, 0)).exists() and not os.path.lexists(
+        ckpts / step_dir_name(0, 1)
+    )
 
 
 def test_a_checkpoints_folder_that_is_a_link_lists_nothing_and_deletes_nothing(
@@ -228,9 +230,7 @@ def test_the_export_child_gets_none_of_the_services_secrets() -> None:
         }
     )
     assert env["PATH"] == "/usr/bin" and env["HF_HUB_OFFLINE"] == "1"
-    assert not {"ELASTRAIN_API_TOKEN", "ELASTRAIN_DATABASE_URL", "MLFLOW_TRACKING_TOKEN"} & set(
-        env
-    )
+    assert not {"ELASTRAIN_API_TOKEN", "ELASTRAIN_DATABASE_URL", "MLFLOW_TRACKING_TOKEN"} & set(env)
     assert not {"PGPASSWORD", "AWS_SECRET_ACCESS_KEY"} & set(env)
 
 
@@ -252,9 +252,12 @@ def test_exports_at_once_are_bounded_in_all_and_per_tenant() -> None:
     with slots.slot("a"):
         with pytest.raises(TooMany, match="EXPORT_MAX_PER_TENANT"), slots.slot("a"):
             pass
-        with slots.slot("b"):
-            with pytest.raises(TooMany, match="EXPORT_MAX_CONCURRENT"), slots.slot("c"):
-                pass
+        with (
+            slots.slot("b"),
+            pytest.raises(TooMany, match="EXPORT_MAX_CONCURRENT"),
+            slots.slot("c"),
+        ):
+            pass
         with slots.slot("c"):  # b's ended
             pass
     with slots.slot("a"):  # a's first ended

@@ -90,7 +90,8 @@ def test_service_does_not_load_torch() -> None:
     assert _first_offender(["elastrain.service.runtime_client"], {"torch", "api"}) == {}
     loaded = _loaded_by("elastrain.service.runtime_client", "elastrain.workers")
     assert loaded == ["elastrain.workers", "elastrain.workers.runtime", "elastrain.workers.runtime.actor",
-                      "elastrain.workers.runtime.driver", "elastrain.workers.runtime.layout",
+                      "elastrain.workers.runtime.driver", "elastrain.workers.runtime.guard",
+                      "elastrain.workers.runtime.layout",
                       "elastrain.workers.runtime.liveness",
                       "elastrain.workers.runtime.notice", "elastrain.workers.runtime.ordering",
                       "elastrain.workers.runtime.pool",

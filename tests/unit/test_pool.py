@@ -253,16 +253,16 @@ def pool(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerPool, list[Any]]:
     killed: list[Any] = []
     monkeypatch.setattr(WorkerPool, "__post_init__", lambda self: None)
     monkeypatch.setattr("elastrain.workers.runtime.pool.ray.kill", killed.append)
-    return WorkerPool(namespace="ns", warm_per_node=1), killed
+    return WorkerPool(namespace="ns", warm_per_node=1, token="pool-token"), killed
 
 
 class _Handle:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.forget = self  # `handle.forget.remote()`
+        self.forget = self  # `handle.forget.remote(token)`
 
-    def remote(self) -> None:
-        return None
+    def remote(self, token: str) -> None:
+        assert token == "pool-token"  # every call into a process carries the pool's token
 
 
 def _lent(pool: WorkerPool, name: str, job: JobRef, *, own_code: bool) -> PooledWorker:

@@ -10,6 +10,7 @@ import socket
 import threading
 from typing import Any
 
+from elastrain.contracts.capability import token_digest
 from elastrain.contracts.group import Assignment
 from elastrain.contracts.messages import Control, EventKind, StepMetrics, WorkerEvent
 from elastrain.contracts.runtime import AttemptKey
@@ -19,6 +20,7 @@ from elastrain.workers.process import (
     WorkerProcess,
     run_at_normal_priority,
 )
+from elastrain.workers.runtime.guard import RefusalLog
 from tests.unit.test_workers_train import make_spec
 
 
@@ -59,7 +61,14 @@ def hooks_for(runtime: Runtime, clock: Clock) -> RuntimeHooks:
             return [], list(refs)
         return [r for r in refs if r not in runtime.late], [r for r in refs if r in runtime.late]
 
-    return RuntimeHooks(runtime, AttemptKey(7, 2), runtime.take_control, clock=clock, wait=wait)
+    return RuntimeHooks(
+        runtime,
+        AttemptKey(7, 2),
+        runtime.take_control,
+        capability="cap-7-2",
+        clock=clock,
+        wait=wait,
+    )
 
 
 def point(step: int) -> StepMetrics:
@@ -67,7 +76,7 @@ def point(step: int) -> StepMetrics:
 
 
 def sent(runtime: Runtime) -> list[Any]:
-    return [m for _, _, batch in runtime.push_many.calls for m in batch]
+    return [m for _, _, _, batch in runtime.push_many.calls for m in batch]
 
 
 def test_metrics_go_in_batches_and_other_messages_at_once_in_order() -> None:
@@ -87,9 +96,10 @@ def test_metrics_go_in_batches_and_other_messages_at_once_in_order() -> None:
     hooks.send(point(21))
     hooks.flush()  # the end: nothing left behind
     assert [getattr(m, "step", None) for m in sent(runtime)][-2:] == [20, 21]
-    assert all(key == (7, 2) for key, _, _ in runtime.push_many.calls)
+    # Every push carries the attempt's capability: the runtime takes no report without it.
+    assert all(k == (7, 2) and c == "cap-7-2" for k, c, _, _ in runtime.push_many.calls)
     # Numbered from 0, for the runtime to apply in this order (its calls may run in any).
-    assert [number for _, number, _ in runtime.push_many.calls] == [0, 1, 2, 3]
+    assert [number for _, _, number, _ in runtime.push_many.calls] == [0, 1, 2, 3]
 
 
 def test_a_control_costs_no_remote_call_and_flushes_metrics_first() -> None:
@@ -115,8 +125,9 @@ def test_a_control_costs_no_remote_call_and_flushes_metrics_first() -> None:
 def test_the_process_keeps_pushed_controls_by_attempt_until_its_rank_0_takes_them() -> None:
     process = WorkerProcess.__new__(WorkerProcess)  # no Ray, no torch: only the mailbox
     process._lock, process._controls = threading.Lock(), {}
-    process.control(AttemptKey(7, 2), [Control.CHECKPOINT])  # before rank 0 of attempt 2 started
-    process.control([7, 1], ["stop"])  # keys and values as plain data: still one key shape
+    process._pool_digest, process._refusals = token_digest("pool"), RefusalLog("p")
+    process.control("pool", AttemptKey(7, 2), [Control.CHECKPOINT])  # before its rank 0 started
+    process.control("pool", [7, 1], ["stop"])  # keys and values as plain data: one key shape
     assert list(process._controls) == [AttemptKey(7, 2), AttemptKey(7, 1)]
     assert all(type(k) is AttemptKey for k in process._controls)
     assert process._take_control(AttemptKey(7, 1)) == Control.STOP
@@ -222,7 +233,8 @@ def test_the_next_groups_store_listens_from_the_moment_its_port_is_handed_out() 
     takes that very store, any other assignment does not, and a newer call replaces it."""
     process = WorkerProcess.__new__(WorkerProcess)  # no Ray: only the store's bookkeeping
     process._lock, process._hosted_store, process.address = threading.Lock(), None, "127.0.0.1"
-    port = process.host_store(2, 30.0)
+    process._pool_digest, process._refusals = token_digest("pool"), RefusalLog("p")
+    port = process.host_store("pool", 2, 30.0)
     with socket.create_connection(("127.0.0.1", port), timeout=5):
         pass  # listening already, before any rank runs
 
@@ -241,6 +253,6 @@ def test_the_next_groups_store_listens_from_the_moment_its_port_is_handed_out() 
     assert process._take_hosted_store(assignment(0, port)) is hosted
     assert process._take_hosted_store(assignment(0, port)) is None  # taken once
 
-    first = process.host_store(2, 30.0)
-    second = process.host_store(2, 30.0)
+    first = process.host_store("pool", 2, 30.0)
+    second = process.host_store("pool", 2, 30.0)
     assert first != second and process._hosted_store.port == second

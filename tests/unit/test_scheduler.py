@@ -701,7 +701,7 @@ def test_a_fresh_database_releases_what_the_runtime_held(env, tmp_path: Path) ->
 def test_a_folder_planted_under_the_next_job_id_is_set_aside_at_its_first_launch(env) -> None:
     """Another job's code planted a committed-looking checkpoint under the id the next job
     gets: that job starts from nothing of it, and its events say what was moved aside."""
-    factory, launcher, sched, _ = env
+    factory, _, sched, _ = env
     planted = sched.settings.storage_path / "jobs" / "1" / "checkpoints" / "step_000000900-a1"
     planted.mkdir(parents=True)
     (planted / "manifest.json").write_text("{}")

@@ -26,7 +26,11 @@ WANDB = {"project": "elastrain-runs", "mode": "offline"}
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     root: Path = tmp_path_factory.mktemp("tracking")
-    settings = Settings(database_url=f"sqlite:///{root / 'db.sqlite'}", storage_path=root / "st")
+    settings = Settings(
+        database_url=f"sqlite:///{root / 'db.sqlite'}",
+        storage_path=root / "st",
+        mlflow_tracking_uri=MLFLOW["tracking_uri"],  # the operator's own: a file store
+    )
     with TestClient(create_app(settings)) as client:
         yield client
 
@@ -41,7 +45,7 @@ def rejected(api: TestClient, tracking: Any) -> str:
 @pytest.mark.parametrize(
     ("tracking", "field"),
     [
-        ({"mlflow": {"experiment": "x"}}, "tracking.mlflow.tracking_uri"),
+        ({"mlflow": {"tracking_uri": "file:///elsewhere"}}, "tracking.mlflow.tracking_uri"),
         ({"mlflow": {"tracking_uri": "ftp://host/x"}}, "tracking.mlflow.tracking_uri"),
         ({"mlflow": {"tracking_uri": "file:///a b"}}, "tracking.mlflow.tracking_uri"),
         ({"mlflow": {**MLFLOW, "experiment": ""}}, "tracking.mlflow.experiment"),

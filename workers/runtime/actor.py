@@ -12,6 +12,11 @@ resources, hands ranks to processes that are already up, and forms a new process
 If the runtime itself dies, Ray restarts it: the new one adopts the worker processes
 (they keep what they hold), and the control plane sees every attempt as lost and
 relaunches them, from the survivors' memory where they hold the state.
+
+It answers only its own (`elastrain.contracts.capability`): the control plane's calls carry
+its control token, rank 0's reports its attempt's capability; anything else is refused and
+logged (`elastrain.workers.runtime.guard`). Ray restarts it with the control key it was
+created with.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import ray
 from ray import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+from elastrain.contracts.capability import Keyring
 from elastrain.contracts.group import WorkerInfo
 from elastrain.contracts.messages import Control, WorkerMessage
 from elastrain.contracts.runtime import (
@@ -35,6 +41,7 @@ from elastrain.contracts.runtime import (
     Reconciled,
 )
 from elastrain.workers.runtime.driver import AttemptDriver, group_prefix
+from elastrain.workers.runtime.guard import RefusalLog
 from elastrain.workers.runtime.notice import NoticeWatchers
 from elastrain.workers.runtime.pool import WorkerPool
 from elastrain.workers.runtime.reconcile import (
@@ -59,16 +66,21 @@ class Runtime:
     def __init__(
         self,
         *,
+        control_key: bytes,
         namespace: str,
         warm_per_node: int,
         collective_timeout_s: float,
         upkeep_interval_s: float = 0.5,
         preemption_notice: str | None = None,
     ) -> None:
+        self.keys = Keyring(control_key)
+        self.refusals = RefusalLog("runtime")
         self.namespace = namespace
         self.collective_timeout_s = collective_timeout_s
         self.upkeep_interval_s = upkeep_interval_s
-        self.pool = WorkerPool(namespace=namespace, warm_per_node=warm_per_node)
+        self.pool = WorkerPool(
+            namespace=namespace, warm_per_node=warm_per_node, token=self.keys.pool
+        )
         self.notices = NoticeWatchers(preemption_notice, namespace)
         self.drivers: dict[AttemptKey, AttemptDriver] = {}
         self._lock = threading.Lock()
@@ -76,7 +88,17 @@ class Runtime:
         threading.Thread(target=self._upkeep, name="pool-upkeep", daemon=True).start()
 
     # -- the control plane's calls ---------------------------------------------------------
-    def launch(self, request: LaunchRequest) -> None:
+    def owned_by(self, token: str) -> bool:
+        """Whether `token` is this runtime's control token: a control plane whose key is
+        not the one this runtime was created with (another database's) replaces it."""
+        return self.keys.is_control(token)
+
+    def _control(self, token: object, method: str, claimed: object = None) -> None:
+        if not self.keys.is_control(token):
+            raise self.refusals.refuse(method, claimed)
+
+    def launch(self, token: str, request: LaunchRequest) -> None:
+        self._control(token, "launch", getattr(request, "key", None))
         with self._lock:
             held = self.drivers.get(request.key)
             if held is not None and held.request.name == request.name:
@@ -89,13 +111,15 @@ class Runtime:
                 runtime_name=RUNTIME_NAME,
                 namespace=self.namespace,
                 collective_timeout_s=self.collective_timeout_s,
+                capability=self.keys.capability(request.job_id, request.attempt),
             )
         if held is not None:
             held.release()
 
-    def reconcile(self, want: Reconcile) -> Reconciled:
+    def reconcile(self, token: str, want: Reconcile) -> Reconciled:
         """Every live attempt's report; everything the control plane no longer wants is let
         go of (see `elastrain.workers.runtime.reconcile` for the rules)."""
+        self._control(token, "reconcile")
         with self._lock:
             held = [
                 HeldAttempt(key=k, name=d.request.name, sent_at=d.request.sent_at)
@@ -125,14 +149,16 @@ class Runtime:
             ready_nodes=self.pool.ready_nodes(),
         )
 
-    def request(self, key: AttemptKey, control: Control) -> None:
+    def request(self, token: str, key: AttemptKey, control: Control) -> None:
+        self._control(token, "request", key)
         driver = self._driver(key)
         if driver is not None:
             driver.request_control(control)
 
-    def release(self, key: AttemptKey, final: bool = False) -> None:
+    def release(self, token: str, key: AttemptKey, final: bool = False) -> None:
         """The fast path: let go of an attempt now (its resources are about to be handed
         to another). The next reconcile does the same if this call never arrives."""
+        self._control(token, "release", key)
         with self._lock:
             driver = self.drivers.pop(key, None)
         if driver is not None:
@@ -140,9 +166,10 @@ class Runtime:
         if final and driver is not None:
             self.pool.forget_job(driver.request.job)
 
-    def workers(self) -> list[WorkerInfo]:
+    def workers(self, token: str) -> list[WorkerInfo]:
         """The pool's processes that answered, busy as the pool lends them (their last
         answer may predate it; for tests, benches and debugging)."""
+        self._control(token, "workers")
         with self.pool.lock:
             return [
                 replace(w.info, busy=w.busy)
@@ -151,9 +178,18 @@ class Runtime:
             ]
 
     # -- rank 0's calls ----------------------------------------------------------------------
-    def push_many(self, key: AttemptKey, number: int, messages: list[WorkerMessage]) -> None:
-        """Rank 0's `number`th batch of messages (what `RuntimeHooks` batches, in order)."""
-        driver = self._driver(key)
+    def push_many(
+        self, key: AttemptKey, capability: str, number: int, messages: list[WorkerMessage]
+    ) -> None:
+        """Rank 0's `number`th batch of messages (what `RuntimeHooks` batches, in order),
+        with its attempt's capability (an HMAC compare: microseconds, once per batch)."""
+        try:
+            job_id, attempt = int(key[0]), int(key[1])
+        except (TypeError, ValueError, IndexError):
+            raise self.refusals.refuse("push_many", key) from None
+        if not self.keys.is_attempt(job_id, attempt, capability):
+            raise self.refusals.refuse("push_many", key)
+        driver = self._driver(AttemptKey(job_id, attempt))
         if driver is not None:  # else a released attempt: fenced off
             driver.push_batch(number, messages)
 

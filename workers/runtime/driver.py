@@ -84,8 +84,10 @@ class AttemptDriver:
         runtime_name: str,
         namespace: str,
         collective_timeout_s: float,
+        capability: str,
     ) -> None:
         self.request = request
+        self.capability = capability  # the attempt's: handed to its ranks (`Assignment`)
         self.key = request.key
         self.group_name = f"{group_prefix(namespace)}{request.name}"
         self.pool = pool
@@ -185,7 +187,7 @@ class AttemptDriver:
             # A command job's scripts cannot agree on a step to stop at: each rank's
             # process stops its own script (`elastrain.workers.command.ScriptRun.wait`).
             for handle in self._ranks if self._command else [self._rank0]:
-                handle.control.remote(self.key, self._control)
+                handle.control.remote(self.pool.token, self.key, self._control)
             self._control = []
 
     def drain(self, ack: int) -> DriverReport:
@@ -209,7 +211,7 @@ class AttemptDriver:
         self._released.set()
         for w in self.workers:
             if w.busy:
-                w.handle.abort.remote()
+                w.handle.abort.remote(self.pool.token)
         self._remove_placement_group()
 
     # -- the group -----------------------------------------------------------------------------
@@ -248,13 +250,16 @@ class AttemptDriver:
         self._mark(Phase.PROCESSES_UP)
         rank0 = self.workers[0]
         port = ray.get(
-            rank0.handle.host_store.remote(request.world_size, self.collective_timeout_s),
+            rank0.handle.host_store.remote(
+                self.pool.token, request.world_size, self.collective_timeout_s
+            ),
             timeout=30,
         )
         assert rank0.info is not None
         layout = local_layout([w.node_id for w in self.workers])
         refs = [
             w.handle.run.remote(
+                self.pool.token,
                 Assignment(
                     job_id=request.job_id,
                     attempt=request.attempt,
@@ -269,8 +274,9 @@ class AttemptDriver:
                     namespace=self.namespace,
                     collective_timeout_s=self.collective_timeout_s,
                     local_gpus=self._local_gpus(rank),
+                    capability=self.capability,
                     **layout[rank],
-                )
+                ),
             )
             for rank, w in enumerate(self.workers)
         ]
@@ -347,7 +353,7 @@ class AttemptDriver:
                         if holder is not None:  # its GPU is lent to the private process
                             self.pool.take(holder, self.key, job)
                             self.holders.append(holder)
-                            holder.handle.free_gpu.remote()
+                            holder.handle.free_gpu.remote(self.pool.token)
                         worker = self.pool.start(
                             node,
                             private=True,
@@ -476,7 +482,7 @@ class AttemptDriver:
                 deadline = time.monotonic() + OUTCOME_GRACE_S
         for ref in pending:  # stuck: told to let go; the pool takes them back when they do
             rank = by_ref[ref]
-            self.workers[rank].handle.abort.remote()
+            self.workers[rank].handle.abort.remote(self.pool.token)
             threading.Thread(target=self._late_return, args=(ref, rank), daemon=True).start()
         return [outcomes.get(r, _stuck(r)) for r in range(len(refs))]
 

@@ -28,6 +28,7 @@ imported when the pool is made, so importing the runtime loads no torch.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -41,6 +42,7 @@ from typing import Any, cast
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from elastrain.contracts.capability import token_digest
 from elastrain.contracts.group import HeldState, WorkerInfo
 from elastrain.contracts.runtime import AttemptKey, JobRef
 
@@ -148,6 +150,9 @@ def warm_target(*, node_cpus: float, busy: int, per_node: int) -> int:
 class WorkerPool:
     namespace: str
     warm_per_node: int
+    token: str
+    """The pool token (`elastrain.contracts.capability.pool_token`): the processes act only on
+    calls that carry it (they keep its digest)."""
     workers: dict[str, PooledWorker] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
     node_gpus: dict[str, float] = field(default_factory=dict)
@@ -173,10 +178,16 @@ class WorkerPool:
             try:
                 handle = ray.get_actor(name, namespace=self.namespace)
                 info = cast(WorkerInfo, ray.get(handle.describe.remote(), timeout=_PING_TIMEOUT_S))
-            except Exception:
+                ours = _accepts(handle, self.token)
+            except Exception:  # gone meanwhile
+                continue
+            if not ours:  # another control key's (or an older runtime's): it would refuse us
+                log.info("stopping %s: made by a runtime of another control key", name)
+                with contextlib.suppress(Exception):
+                    ray.kill(handle)
                 continue
             if info.busy:  # its attempt's driver died with the old runtime
-                handle.abort.remote()
+                handle.abort.remote(self.token)
             self.workers[name] = PooledWorker(
                 name=name, handle=handle, node_id=info.node_id, info=info, busy=info.busy,
                 gpu=info.gpu, dedicated_to=info.own_code_of,
@@ -200,7 +211,7 @@ class WorkerPool:
             max_restarts=0,
             max_concurrency=8,
             **{"num_cpus": 0, "num_gpus": 0, **options},
-        ).remote(name, gpu)
+        ).remote(name, gpu, token_digest(self.token))
         worker = PooledWorker(name=name, handle=handle, node_id=node_id, private=private, gpu=gpu)
         worker.ready_ref = handle.describe.remote()
         with self.lock:
@@ -280,7 +291,7 @@ class WorkerPool:
             worker.busy = False
             worker.returned_at = time.time()
             if held is not None and worker.forget_job == held.job:
-                worker.handle.forget.remote()
+                worker.handle.forget.remote(self.token)
                 held = None
             if worker.info is not None:
                 worker.info = replace(worker.info, busy=False, held=held)
@@ -297,7 +308,7 @@ class WorkerPool:
                 elif w.lent_job == job:
                     w.forget_job = job
                 elif w.held is not None and w.held.job == job:
-                    w.handle.forget.remote()
+                    w.handle.forget.remote(self.token)
                     w.info = replace(w.info, held=None) if w.info is not None else None
 
     def _retire(self, worker: PooledWorker, why: str) -> None:
@@ -329,7 +340,7 @@ class WorkerPool:
             self.live = set(live)
             strays = [w for w in self.workers.values() if w.busy and w.lent_to not in live]
         for w in strays:
-            w.handle.abort.remote()
+            w.handle.abort.remote(self.token)
 
     def ready_nodes(self) -> frozenset[str]:
         """The alive nodes (as of the last upkeep pass) where a rank need not wait for a
@@ -435,6 +446,15 @@ def _gpus_of(nodes: Sequence[dict[str, Any]]) -> dict[str, float]:
     return {
         n["NodeID"]: float(n.get("Resources", {}).get("GPU", 0.0)) for n in nodes if n.get("Alive")
     }
+
+
+def _accepts(handle: Any, token: str) -> bool:
+    """Whether a process takes this pool's token; False for one made by a runtime too old
+    to give it a digest (its handle has no `accepts`)."""
+    try:  # an old process: no such method on its handle, or an error raised by its call
+        return bool(ray.get(handle.accepts.remote(token), timeout=_PING_TIMEOUT_S))
+    except AttributeError:  # (Ray's error from a task is an instance of the task's error)
+        return False
 
 
 def _adopted_busy(w: PooledWorker) -> bool:

@@ -31,7 +31,13 @@ from elastrain.contracts.datasets import (
     paths_as_given,
     storage_relative_data_paths,
 )
-from elastrain.contracts.messages import Control, EventKind
+from elastrain.contracts.messages import (
+    Control,
+    DriverReport,
+    EventKind,
+    WorkerError,
+    WorkerFailed,
+)
 from elastrain.contracts.runtime import AttemptKey, LaunchRequest, attempt_name
 from elastrain.contracts.spec import JobSpec
 from elastrain.contracts.storage import JobStorage
@@ -138,7 +144,8 @@ def apply_to_db(
                 session, job, kind=action.kind, reason=action.reason, details=action.details
             )
         elif isinstance(action, PersistReport):
-            reports.persist_report(session, job, action.report, budgets=budgets)
+            report = _failures_as_given(action.report, storage_path, job.owner)
+            reports.persist_report(session, job, report, budgets=budgets)
         elif isinstance(action, ApplyRetention):
             root = JobStorage.of(storage_path, job.id).checkpoints
             effects.append(PruneCheckpoints(job_id=job.id, root=root, keep_last=action.keep_last))
@@ -174,12 +181,8 @@ def apply_to_db(
             )
         elif isinstance(action, EndAttempt):
             error = action.error
-            if error is not None:  # its paths as the tenant gave them
-                error = dataclasses.replace(
-                    error,
-                    message=paths_as_given(error.message, storage_path, job.owner),
-                    traceback=paths_as_given(error.traceback, storage_path, job.owner),
-                )
+            if error is not None:
+                error = _error_as_given(error, storage_path, job.owner)
             jobs.end_attempt(
                 session,
                 job,
@@ -209,6 +212,28 @@ def apply_to_db(
     if JobState(job.state).is_terminal:
         effects = [Release(e.key, final=True) if isinstance(e, Release) else e for e in effects]
     return effects
+
+
+def _error_as_given(error: WorkerError, storage_path: Path, owner: str) -> WorkerError:
+    """A failure with its paths as the tenant gave them (`mymodel/`, not the server's)."""
+    return dataclasses.replace(
+        error,
+        message=paths_as_given(error.message, storage_path, owner),
+        traceback=paths_as_given(error.traceback, storage_path, owner),
+    )
+
+
+def _failures_as_given(report: DriverReport, storage_path: Path, owner: str) -> DriverReport:
+    """`report` with every rank's failure (an event the tenant reads) as `_error_as_given`."""
+    if not any(isinstance(m, WorkerFailed) for m in report.messages):
+        return report
+    messages = tuple(
+        WorkerFailed(error=_error_as_given(m.error, storage_path, owner))
+        if isinstance(m, WorkerFailed)
+        else m
+        for m in report.messages
+    )
+    return dataclasses.replace(report, messages=messages)
 
 
 class SpecRefused(Exception):

@@ -715,3 +715,20 @@ def test_a_folder_planted_under_the_next_job_id_is_set_aside_at_its_first_launch
     with session_scope(factory) as s:
         kinds = {(e.kind, e.reason) for e in jobs.list_events(s, jid)}
     assert any(k == "folder_set_aside" and aside[0].name in (r or "") for k, r in kinds)
+
+
+def test_a_failure_names_paths_as_the_tenant_gave_them(env) -> None:
+    """A worker's error carries the server's path of the tenant's data: the job's reason
+    names it as the tenant wrote it in its spec."""
+    factory, launcher, sched, _ = env
+    jid = submit(factory, failure={"max_restarts": 0})
+    sched.run_pass()
+    storage = sched.settings.storage_path
+    d = launcher.driver(jid)
+    d.status = DriverStatus.FAILED
+    d.error = f"workload.params.model: cannot load {storage}/data/default/mymodel (no config)"
+    sched.run_pass()
+    j = job(factory, jid)
+    assert j.state == JobState.FAILED
+    assert "cannot load mymodel (no config)" in (j.last_error or ""), j.last_error
+    assert str(storage) not in (j.last_error or "")

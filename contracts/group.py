@@ -78,6 +78,8 @@ class Assignment:
     local_gpus: tuple[int, ...] = ()
     """The node-local GPU indices of this node's ranks, by local rank (GPU jobs): a
     command job's script sees them all and picks `cuda:LOCAL_RANK`, as under torchrun."""
+    run_as: str = ""
+    """`LaunchRequest.run_as`: the OS identity a command script runs as ("" the worker's)."""
     capability: str = field(default="", repr=False)
     """The attempt's capability (`elastrain.contracts.capability`): rank 0 presents it with
     its reports. Kept in the rank process's memory, never handed to a job's script."""

@@ -66,6 +66,11 @@ class LaunchRequest:
     """When the control plane decided it (wall clock; 0: now): where its timeline starts."""
     avoid_nodes: tuple[str, ...] = ()
     """Ray node ids of draining nodes: no rank of this attempt is placed on them."""
+    tenant: str = ""
+    """The job's owner."""
+    run_as: str = ""
+    """`uid:gid` a `workload.command` script runs as (`contracts.os_identity`, the
+    operator's map of tenants); "" runs it as the worker's own user."""
     sent_at: float = 0.0
     """When the control plane sent it, after the attempt was committed (its wall clock, as
     `Reconcile.observed_at`)."""

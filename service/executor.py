@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,6 +38,7 @@ from elastrain.contracts.messages import (
     WorkerError,
     WorkerFailed,
 )
+from elastrain.contracts.os_identity import RunAs
 from elastrain.contracts.runtime import AttemptKey, LaunchRequest, attempt_name
 from elastrain.contracts.spec import JobSpec
 from elastrain.contracts.storage import JobStorage
@@ -176,6 +177,7 @@ def apply_to_db(
                         cause=cause,
                         detected_at=detected_at,
                         avoid_nodes=action.avoid_nodes,
+                        tenant=job.owner,
                     )
                 )
             )
@@ -299,6 +301,7 @@ class Executor:
         storage_path: Path,
         timers: Timers,
         metric_budgets: MetricBudgets | None = None,
+        tenant_users: Mapping[str, RunAs] | None = None,
     ) -> None:
         self.sessions = sessions
         self.launcher = launcher
@@ -310,6 +313,8 @@ class Executor:
         #: What each running job may still store of its metrics (None: no limits).
         self.metric_budgets = metric_budgets
         self._database: str | None = None
+        #: The OS identity each tenant's command scripts run as (`ELASTRAIN_TENANT_USERS`).
+        self.tenant_users = dict(tenant_users or {})
 
     @property
     def database(self) -> str:
@@ -436,6 +441,9 @@ class Executor:
         # attempt ended.
         self._claim_folder(request)
         self._fence(request.job_id, request.attempt)
+        run_as = self.tenant_users.get(request.tenant)
+        if run_as is not None and request.spec.workload.command:
+            request = dataclasses.replace(request, run_as=str(run_as))
         try:
             self.launcher.launch(request)
         except Exception as exc:  # the next pass sees the driver as LOST and retries

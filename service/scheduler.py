@@ -105,6 +105,7 @@ class Scheduler:
             timers=self.timers,
             # What jobs report is bounded where it is stored (`service/metric_limits.py`).
             metric_budgets=MetricBudgets(settings.metric_limits, clock),
+            tenant_users=settings.tenant_identities,
         )
 
     def run_pass(self) -> bool:

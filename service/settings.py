@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sqlalchemy.engine import make_url
 
 from elastrain.contracts.bounds import OWN_PACKAGES, in_standard_library
+from elastrain.contracts.os_identity import RunAs, parse_tenant_users
 from elastrain.contracts.packages import PackageLimits
 from elastrain.service.metric_limits import MetricLimits
 
@@ -119,6 +120,14 @@ class Settings(BaseSettings):
         description="Other MLflow servers jobs may name (comma-separated http(s)://host[:port]); "
         "they are called without the operator's credentials. File paths, databases and "
         "unlisted hosts (internal addresses among them) are refused at submit.",
+    )
+
+    tenant_users: Annotated[list[str], NoDecode] = Field(
+        default=[],
+        description="The OS identity each tenant's workload.command scripts run as, "
+        "comma-separated tenant=uid[:gid] (numeric): the workers must be able to change user "
+        "(root or CAP_SETUID), else such an attempt fails saying so. A tenant not listed "
+        "may submit no command job while the map is set. Unset: scripts run as the workers.",
     )
 
     # --- bounds on what a job puts into shared state (README "Security") ------------
@@ -280,12 +289,28 @@ class Settings(BaseSettings):
         self.api_token = self._token_not_empty(SecretStr(token))
         return self
 
-    @field_validator("allowed_hosts", "allowed_entrypoints", "tracking_allowed_uris", mode="before")
+    @field_validator(
+        "allowed_hosts",
+        "allowed_entrypoints",
+        "tracking_allowed_uris",
+        "tenant_users",
+        mode="before",
+    )
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("tenant_users")
+    @classmethod
+    def _identities(cls, value: list[str]) -> list[str]:
+        parse_tenant_users(value)  # raises, naming the entry
+        return value
+
+    @property
+    def tenant_identities(self) -> dict[str, RunAs]:
+        return parse_tenant_users(self.tenant_users)
 
     @field_validator("tracking_allowed_uris")
     @classmethod

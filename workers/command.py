@@ -39,9 +39,11 @@ from typing import IO
 
 from elastrain.contracts.group import Assignment
 from elastrain.contracts.messages import Control, Phase, StepMetrics, TimelineMark, WorkerMessage
+from elastrain.contracts.os_identity import RunAs
 from elastrain.contracts.spec import PYTHON_NAMES
 from elastrain.workers.log_cap import CappedWriter
 from elastrain.workers.user_api import JOB_DIR_ENV, REPORT_FD_ENV
+from elastrain.workers.workloads import WorkloadError
 
 log = logging.getLogger("elastrain.command")
 
@@ -110,6 +112,43 @@ def command_env(
 #: talks to its peers (MASTER_ADDR) and its own files, never to the cluster's control.
 _SCRIPT_DROPPED_PREFIXES = ("RAY_", "RAYLET_", "ELASTRAIN_")
 _SCRIPT_DROPPED = frozenset({"FQ_RAY_IP", "REDIS_PASSWORD", "REDIS_ADDRESS", "GCS_ADDRESS"})
+
+
+def script_identity(a: Assignment) -> RunAs | None:
+    """The OS identity `a`'s script runs as (None: the worker's own). Raises WorkloadError
+    when there is one and this process cannot change user: a script never runs as the
+    workers' user when the operator mapped its tenant to another."""
+    if not a.run_as:
+        return None
+    run_as = RunAs.parse(a.run_as)
+    if os.geteuid() != 0 and not _can_setuid():
+        raise WorkloadError(
+            f"workload.command: this job's tenant runs as {run_as} (ELASTRAIN_TENANT_USERS), "
+            f"and the worker (uid {os.geteuid()}) cannot change user: run the workers as root "
+            "or with CAP_SETUID"
+        )
+    return run_as
+
+
+def _give(folder: Path, run_as: RunAs) -> None:
+    """`folder` (the job's own files) to `run_as` alone (0700), entered through no link."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchown(fd, run_as.uid, run_as.gid)
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def _can_setuid() -> bool:
+    """CAP_SETUID and CAP_SETGID in this process's effective set (Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration):
+        return False
+    bits = int(caps.split()[1], 16)
+    return bool(bits & (1 << 7)) and bool(bits & (1 << 6))  # CAP_SETUID, CAP_SETGID
 
 
 def script_base_env(base: Mapping[str, str]) -> dict[str, str]:
@@ -210,6 +249,7 @@ class ScriptRun:
         self.last_step: int | None = None
         self._tail: deque[bytes] = deque()
         self._tail_bytes = 0
+        run_as = script_identity(a)  # before anything is made: a refusal leaves nothing
         job_dir.mkdir(parents=True, exist_ok=True)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # Both streams go through one capped writer (`workers.log_cap`): a script that
@@ -221,8 +261,12 @@ class ScriptRun:
         env = command_env(
             a, base=os.environ, job_dir=job_dir, report_fd=write_fd, visible_gpus=visible_gpus
         )
-        argv = [sys.executable, "-S", str(_SHIM), str(os.getpid()), *command_argv(
-            list(a.spec.workload.command or []))]  # fmt: skip
+        if run_as is not None:  # the tenant's own user, its files its own, home in them
+            _give(job_dir, run_as)
+            env["HOME"] = str(job_dir)
+        # The shim drops to `run_as` (if any) and becomes the program (`command_shim`).
+        argv = [sys.executable, "-S", str(_SHIM), str(os.getpid()), str(run_as or "-"),
+                *command_argv(list(a.spec.workload.command or []))]  # fmt: skip
         try:
             self.proc = subprocess.Popen(
                 argv,

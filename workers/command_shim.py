@@ -1,6 +1,8 @@
 """Started by a worker process in place of a command job's program, run as
-`python -S command_shim.py <parent pid> <program> <args...>`: it asks the kernel to kill it
-when its parent goes, then becomes the program (exec keeps that request).
+`python -S command_shim.py <parent pid> <uid:gid | -> <program> <args...>`: it becomes the
+tenant's OS identity when one is given (no supplementary groups, then the group, then the
+user: `ELASTRAIN_TENANT_USERS`), asks the kernel to kill it when its parent goes (after
+the change of user, which clears that request), then becomes the program (exec keeps it).
 
 Why a separate step: a worker process that dies (its node lost, Ray killing it) cannot
 stop its script, and an orphaned rank would train on, and write checkpoints into the
@@ -13,13 +15,24 @@ import ctypes
 import os
 import signal
 import sys
+import warnings  # noqa: F401 - os.execvp imports it; after a change of user it may not
 
 PR_SET_PDEATHSIG = 1
 
 
 def main() -> None:
     parent = int(sys.argv[1])
-    argv = sys.argv[2:]
+    run_as = sys.argv[2]
+    argv = sys.argv[3:]
+    if run_as != "-":
+        uid, gid = (int(part) for part in run_as.split(":"))
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+        except OSError as exc:
+            sys.stderr.write(f"elastrain: cannot run as {run_as}: {exc.strerror}\n")
+            sys.exit(126)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         sys.stderr.write("elastrain: could not tie the script to its worker process\n")

@@ -230,6 +230,18 @@ def check_trackers(spec: JobSpec, settings: Settings) -> None:
         )
 
 
+def check_identity(spec: JobSpec, tenant: str, settings: Settings) -> None:
+    """While the operator maps tenants to OS identities, a tenant without one runs no
+    script (it would run as the workers' user, beside every other tenant's files)."""
+    unmapped = tenant not in settings.tenant_identities
+    if spec.workload.command and settings.tenant_users and unmapped:
+        raise invalid(
+            ("body", "workload", "command"),
+            f"workload.command: tenant {tenant!r} has no OS identity to run scripts as "
+            "(the operator's ELASTRAIN_TENANT_USERS); use a built-in workload",
+        )
+
+
 def check_queue(session: Session, tenant: str, settings: Settings) -> None:
     """A tenant's queue is bounded: every PENDING job is decided on every scheduler pass
     (admission sorts the whole queue), so one tenant's flood would slow every job's
@@ -295,6 +307,7 @@ def submit_job(
     check_auto_fits(spec, session, settings)
     check_trackers(spec, settings)
     check_queue(session, who.tenant, settings)
+    check_identity(spec, who.tenant, settings)
     job = insert_job(session, spec=spec, owner=who.tenant)
     session.commit()
     return _job(job, status.HTTP_201_CREATED, {"Location": f"/v1/jobs/{job.id}"})

@@ -275,6 +275,7 @@ class AttemptDriver:
                     collective_timeout_s=self.collective_timeout_s,
                     local_gpus=self._local_gpus(rank),
                     capability=self.capability,
+                    run_as=request.run_as,
                     **layout[rank],
                 ),
             )

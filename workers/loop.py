@@ -140,7 +140,7 @@ def _train(
     # processes live on): stop before doing or writing anything more (checkpoints/fence.py).
     fence = FenceWatcher(ctx.checkpoint_root.parent, ctx.attempt, owner=ctx.database)
     profiler = StepProfiler.from_env(ctx.checkpoint_root.parent, ctx.attempt, ctx.rank)
-    with stops_when_superseded(ctx), settles_staging(checkpointer):
+    with stops_when_superseded(ctx, fence), settles_staging(checkpointer):
         for step in range(start_step, max_steps):
             if ctx.abort is not None and ctx.abort.is_set():
                 raise AttemptAborted(f"attempt {ctx.attempt} released at step {step}")
@@ -295,10 +295,13 @@ class Collator:
 
 
 @contextlib.contextmanager
-def stops_when_superseded(ctx: TrainContext) -> Iterator[None]:
+def stops_when_superseded(ctx: TrainContext, fence: FenceWatcher) -> Iterator[None]:
     """A newer attempt of the job has started (the fence moved; found by the loop or by the
     checkpoint committer, which then refused to commit): stop as an aborted attempt, not a
-    failed one, and say so in the job's log."""
+    failed one, and say so in the job's log.
+
+    A rank whose collective broke because a peer stopped at the fence first (the peer read
+    it a step earlier) reads the fence once more: it too was superseded, not failed."""
     try:
         yield
     except AttemptAborted:
@@ -308,9 +311,21 @@ def stops_when_superseded(ctx: TrainContext) -> Iterator[None]:
         while cause is not None and not isinstance(cause, Superseded):
             cause = cause.__cause__
         if cause is None:
+            cause = _superseded_now(fence)
+        if cause is None:
             raise
         log.warning("%s: stopping at step %d, writing nothing more", cause, ctx.step)
         raise AttemptAborted(str(cause)) from exc
+
+
+def _superseded_now(fence: FenceWatcher) -> Superseded | None:
+    try:
+        fence.check()
+    except Superseded as exc:
+        return exc
+    except Exception:  # an unreadable fence says nothing about the error at hand
+        return None
+    return None
 
 
 # ---------------------------------------------------------------------------------------

@@ -224,3 +224,27 @@ def test_a_superseded_attempt_stops_at_its_next_step_and_says_why(tmp_path: Path
     assert out["steps"] == [1, 2, 3]  # not one step more
     assert "superseded by attempt 2: stopping at step 3" in (tmp_path / "rank0.log").read_text()
     assert [c.step for c in list_committed(tmp_path / "checkpoints")] == [2]
+
+
+def test_a_rank_whose_collective_broke_behind_the_fence_was_superseded_not_failed(
+    tmp_path: Path,
+) -> None:
+    """Its peer read the fence a step earlier and stopped, so its own collective broke:
+    what it reports is the newer attempt, not the broken collective. Without a newer
+    attempt the error is the error."""
+    from types import SimpleNamespace
+
+    from elastrain.checkpoints.fence import FenceWatcher
+    from elastrain.workers.api import AttemptAborted
+    from elastrain.workers.loop import stops_when_superseded
+
+    ctx: Any = SimpleNamespace(step=7)
+    advance_fence(tmp_path, 1, 1.0)
+    fence = FenceWatcher(tmp_path, 1)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        with stops_when_superseded(ctx, fence):
+            raise RuntimeError("Connection closed by peer")
+    advance_fence(tmp_path, 2, 2.0)
+    with pytest.raises(AttemptAborted, match="attempt 1 was superseded by attempt 2"):
+        with stops_when_superseded(ctx, fence):
+            raise RuntimeError("Connection closed by peer")

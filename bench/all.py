@@ -54,7 +54,7 @@ class Part:
 PARTS = (
     Part("step-overhead", "1. Step time vs plain torchrun", "step_overhead_bench.py",
          ("--repeats", "5", "--steps", "300"), ("--repeats", "1", "--steps", "20", "--warmup", "5", "--strategies", "ddp")),
-    Part("checkpoint", "2. Checkpoint stall and throughput", "checkpoint_bench.py",
+    Part("checkpoint", "2. Checkpoint stall, steps while writing, thread vs process, load", "checkpoint_bench.py",
          ("--repeats", "9"), ("--quick",)),
     Part("scheduler", "3. Scheduler pass, 1,000 PENDING + 100 RUNNING", "scheduler_bench.py",
          ("--passes", "20"), ("--pending", "100", "--running", "10", "--passes", "3")),
@@ -96,8 +96,7 @@ BY_NAME = {p.name: p for p in PARTS}
 #: that measures nothing (it takes the dashboard's screenshots in docs/). A new script must
 #: be one of these or a part (tests/unit/test_bench_all.py checks), so none rots unseen.
 HELPERS = frozenset({"all.py", "report_blocks.py", "scratch_db.py", "step_log.py",
-                     "plain_torchrun.py", "torchrun_loop.py", "checkpoint_gil.py",
-                     "checkpoint_plans.py"})  # fmt: skip
+                     "plain_torchrun.py", "torchrun_loop.py"})  # fmt: skip
 NOT_BENCHES = frozenset({"screenshots.py"})
 
 

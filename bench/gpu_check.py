@@ -226,9 +226,10 @@ class Shape:
     def flops_per_step(self) -> float:
         key = json.dumps(self.params, sort_keys=True)
         if key not in _FLOPS_PER_SAMPLE:  # builds the model: once
+            from elastrain.contracts.workload_params import GptParams
             from elastrain.workers.workloads.gpt import build
 
-            per_sample = build(**self.params).flops_per_sample
+            per_sample = build(GptParams.model_validate(self.params)).flops_per_sample
             assert per_sample is not None
             _FLOPS_PER_SAMPLE[key] = per_sample
         return _FLOPS_PER_SAMPLE[key] * self.global_batch

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.nn.parallel import DistributedDataParallel
 
+from elastrain.contracts.workload_params import GptParams
 from elastrain.workers.workloads.gpt import build
 
 
@@ -72,7 +73,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     low = torch.bfloat16 if args.precision == "bf16" else None
     torch.manual_seed(0)
-    workload = build(**json.loads(args.params))
+    workload = build(GptParams.model_validate(json.loads(args.params)))
     model, data = workload.model, workload.dataset
     loss_fn = workload.loss_fn
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
@@ -58,15 +57,6 @@ def open_dir(trusted_root: Path, folder: Path) -> int:
         os.close(fd)
         raise
     return fd
-
-
-@contextlib.contextmanager
-def opened_dir(trusted_root: Path, folder: Path) -> Iterator[int]:
-    fd = open_dir(trusted_root, folder)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
 
 
 def read_bounded(name: str, limit: int, *, dir_fd: int | None = None) -> bytes:

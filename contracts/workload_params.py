@@ -3,8 +3,8 @@
 Torch-free, so the API validates `workload.params` of a `gpt` or `synthetic` job the moment
 it is submitted: an unknown key, a wrong type or an impossible value is a 422 that names
 `workload.params.<key>` and what is allowed, instead of an attempt that fails on a worker
-and burns restarts. The workers build the workloads with these same fields
-(`workers/workloads/`); a test checks that the two agree.
+and burns restarts. The workers' factories (`workers/workloads/`) take these models as they
+are, so the fields and their defaults are written here only.
 """
 
 from __future__ import annotations

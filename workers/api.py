@@ -9,25 +9,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from elastrain.contracts.messages import (
-    CheckpointCommitted,
-    Control,
-    Resumed,
-    StepMetrics,
-    WorkerEvent,
-    WorkerMessage,
-)
+from elastrain.contracts.messages import Control, StepMetrics, WorkerMessage
 
 __all__ = [
     "Control",
-    "NullHooks",
     "TrainContext",
     "TrainHooks",
     "TrainResult",
@@ -142,39 +134,6 @@ class TrainHooks(Protocol):
         first. The loop saves them with each checkpoint, so an attempt that resumes from
         it can hand back what never arrived (a partitioned node's zombie)."""
         ...
-
-
-@dataclass
-class NullHooks:
-    """Hooks that record what the loop sends (tests, standalone runs)."""
-
-    messages: list[WorkerMessage] = field(default_factory=list)
-    controls: list[Control] = field(default_factory=list)
-
-    def send(self, message: WorkerMessage) -> None:
-        self.messages.append(message)
-
-    def poll_control(self) -> Control:
-        return self.controls.pop(0) if self.controls else Control.NONE
-
-    def undelivered(self) -> Sequence[StepMetrics]:
-        return ()  # handed over at once, in-process
-
-    @property
-    def metrics(self) -> list[StepMetrics]:
-        return [m for m in self.messages if isinstance(m, StepMetrics)]
-
-    @property
-    def commits(self) -> list[CheckpointCommitted]:
-        return [m for m in self.messages if isinstance(m, CheckpointCommitted)]
-
-    @property
-    def events(self) -> list[WorkerEvent]:
-        return [m for m in self.messages if isinstance(m, WorkerEvent)]
-
-    @property
-    def resumed(self) -> Resumed | None:
-        return next((m for m in self.messages if isinstance(m, Resumed)), None)
 
 
 @dataclass(kw_only=True)

@@ -35,7 +35,6 @@ from elastrain.workers.checkpointing import (
     make_checkpointer,
     save_checkpoint,
     settles_staging,
-    writes_in_place,
 )
 from elastrain.workers.errors import configuration_errors
 from elastrain.workers.log_cap import CappedFileHandler
@@ -192,23 +191,14 @@ def _train(
             )
             # A STOP or LEAVE (resize, drain) hands the state on as it is now: refresh at
             # this step (LEAVE saves no checkpoint: the state goes on in memory alone).
-            # Refreshed first: a checkpoint of a step peer memory copies is written from
-            # that copy, and makes no staging copy of its own.
-            snapshot = None
             if done < max_steps:
-                snapshot = peers.after_step(memory.copies, strategy, done, step_time,
-                                            final=control in _STOPS)  # fmt: skip
+                peers.after_step(memory.copies, strategy, done, step_time,
+                                 final=control in _STOPS)  # fmt: skip
             if saving:
                 reason = control.value if control != Control.NONE else "scheduled"
-                in_place = writes_in_place(async_save=spec.checkpoint.async_save,
-                                           on_host=ctx.device.type == "cpu",
-                                           tensor_write_s=checkpointer.last_tensor_write_s,
-                                           step_s=step_time)  # fmt: skip
                 stalled = save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
                                           metrics=reports.kept_with_checkpoint(),
-                                          copy=snapshot.lend(ctx.rank) if snapshot else None,
-                                          last=done == max_steps or control in _STOPS,
-                                          in_place=in_place)  # fmt: skip
+                                          last=done == max_steps or control in _STOPS)  # fmt: skip
             # Every rank polls: a failed background save then raises on every rank alike.
             reports.commits(checkpointer.poll_commits())
             profiler.after(done)

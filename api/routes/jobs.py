@@ -2,12 +2,13 @@
 
 Routes only read and request: run state changes by `elastrain.service.decisions.decide`. A cancel of
 a job that no driver holds (queued, or waiting between attempts) is decided and applied at
-once, in the request's transaction, by the same decision the scheduler would take.
+once, in the request's transaction, by the same decision the scheduler would take. What a
+submitted spec must pass is `elastrain.service.submission`'s policy; the route maps its
+refusals to 422 and 429.
 """
 
 from __future__ import annotations
 
-import pathlib
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, status
@@ -22,32 +23,21 @@ from elastrain.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from elastrain.api.errors import Conflict, TooMany, invalid
 from elastrain.api.logs import read_logs
 from elastrain.api.schemas import CheckpointOut, EventOut, JobList, JobOut, LogChunk, MetricOut
-from elastrain.contracts.bounds import entrypoint_refusal, in_standard_library, private_part
-from elastrain.contracts.datasets import data_path_problems
-from elastrain.contracts.packages import OWN_PACKAGES, Manifest, modules_of
-from elastrain.contracts.plan import AUTO_CHOICES, plan, shape_of
-from elastrain.contracts.spec import JobSpec, StrategyKind
+from elastrain.contracts.spec import JobSpec
 from elastrain.contracts.storage import JobStorage
-from elastrain.contracts.workload_params import GptParams, HfCausalLmParams
-from elastrain.service import cluster, executor, metric_store, package_access
+from elastrain.service import executor, metric_store, submission
 from elastrain.service.auth import Principal
 from elastrain.service.jobs import (
     JobNotFound,
     get_job,
     get_job_row,
-    insert_job,
     list_events,
     list_jobs,
-    queued_jobs,
     request_checkpoint,
 )
 from elastrain.service.models import Job
-from elastrain.service.packages import load_manifest, touch
 from elastrain.service.reports import list_checkpoints, list_metrics
-from elastrain.service.settings import Settings
 from elastrain.service.states import ACTIVE, JobState
-from elastrain.service.tracking import missing_clients
-from elastrain.service.tracking.destinations import mlflow_uri_problem
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -104,177 +94,6 @@ def _owned_job(session: Session, job_id: int, who: Principal, *, for_update: boo
     return job
 
 
-def check_entrypoint(spec: JobSpec, allowed_prefixes: list[str]) -> None:
-    entrypoint = spec.workload.entrypoint
-    if entrypoint is not None and (why := entrypoint_refusal(entrypoint, allowed_prefixes)):
-        raise invalid(("body", "workload", "entrypoint"), f"workload.entrypoint: {why}")
-
-
-def check_workload_code(
-    spec: JobSpec, settings: Settings, session: Session, who: Principal
-) -> None:
-    """The code the job will run exists and may run: an installed module the operator
-    allows, or a module inside the job's uploaded package (which the operator's list does
-    not restrict: it is the tenant's own code, shipped with the job). Another tenant's
-    package is refused with the words used for a digest nobody uploaded."""
-    workload = spec.workload
-    if workload.command is not None:
-        check_command_package(spec, settings, session, who)
-        return
-    if workload.package is None or workload.entrypoint is None:
-        check_entrypoint(spec, settings.allowed_entrypoints)
-        return
-    if (private := private_part(workload.entrypoint)) is not None:
-        raise invalid(
-            ("body", "workload", "entrypoint"),
-            f"workload.entrypoint: {private!r} is private (it starts with '_'); only public "
-            "factories can run",
-        )
-    manifest = _visible_package(workload.package, settings, session, who)
-    module = workload.entrypoint.partition(":")[0]
-    where = ("body", "workload", "entrypoint")
-    if in_standard_library(module) or module.split(".")[0] in OWN_PACKAGES:
-        raise invalid(
-            where,
-            f"workload.entrypoint: module {module!r} has the name of a standard-library or "
-            "elastrain module; rename it in your package",
-        )
-    if not manifest.has_module(module):
-        have = ", ".join(modules_of(f.path for f in manifest.files)[:20]) or "none"
-        raise invalid(
-            where,
-            f"workload.entrypoint: module {module!r} is not in package {workload.package} "
-            f"(its modules: {have})",
-        )
-    touch(settings.storage_path, workload.package)  # in use: retention counts from now
-
-
-def _visible_package(digest: str, settings: Settings, session: Session, who: Principal) -> Manifest:
-    """The package's manifest, when it exists and is the caller's to use; else the one 422
-    for both (another tenant's package reads as a missing one)."""
-    manifest = load_manifest(settings.storage_path, digest)
-    if manifest is None or not package_access.visible(session, digest, who):
-        raise invalid(
-            ("body", "workload", "package"),
-            f"workload.package: no package {digest} on this service; upload the "
-            "directory first (POST /v1/packages, or `elastrain submit --working-dir DIR`)",
-        )
-    return manifest
-
-
-def check_command_package(
-    spec: JobSpec, settings: Settings, session: Session, who: Principal
-) -> None:
-    """A command job's package exists, is the caller's to use, and holds the file the
-    command runs (a typo is a 422 now, not a failed job later)."""
-    workload = spec.workload
-    if workload.package is None:
-        return  # runs a module or a program the workers have: nothing uploaded to check
-    manifest = _visible_package(workload.package, settings, session, who)
-    script = workload.script_file
-    paths = {f.path for f in manifest.files}
-    if script is not None and script.removeprefix("./") not in paths:
-        have = ", ".join(sorted(paths)[:20]) or "none"
-        raise invalid(
-            ("body", "workload", "command"),
-            f"workload.command: {script!r} is not in package {workload.package} (its "
-            f"files: {have})",
-        )
-    touch(settings.storage_path, workload.package)
-
-
-def check_data_paths(spec: JobSpec, storage_root: pathlib.Path, owner: str) -> None:
-    """A built-in gpt's (or hf_causal_lm's) data files exist in the owner's data area (or
-    the shared one) and can make windows; an hf_causal_lm's model folder has a config."""
-    params: GptParams | HfCausalLmParams
-    if spec.workload.name == "gpt":
-        params = GptParams.model_validate(spec.workload.params)
-    elif spec.workload.name == "hf_causal_lm":
-        params = HfCausalLmParams.model_validate(spec.workload.params)
-    else:
-        return
-    problems = data_path_problems(params, storage_root, owner)
-    if problems:  # each starts "workload.params.<key>:"
-        raise RequestValidationError(
-            [
-                {"loc": ("body", *p.partition(":")[0].split(".")), "msg": p, "type": "value_error"}
-                for p in problems
-            ]
-        )
-
-
-def check_trackers(spec: JobSpec, settings: Settings) -> None:
-    """Each tracker the spec names is one the operator allows (its destination: see
-    `elastrain.service.tracking.destinations`) and has its client installed on the control
-    plane, which is what forwards to it (the workers never do)."""
-    if spec.tracking.mlflow is not None:
-        problem = mlflow_uri_problem(
-            spec.tracking.mlflow.tracking_uri,
-            allowed=settings.allowed_trackers,
-            operator_uri=settings.mlflow_tracking_uri,
-        )
-        if problem is not None:
-            raise invalid(("body", "tracking", "mlflow", "tracking_uri"), problem)
-    missing = missing_clients(spec)
-    if missing:
-        raise RequestValidationError(
-            [
-                {
-                    "loc": ("body", "tracking", name),
-                    "msg": f"tracking.{name}: install {extra} on the control plane (the "
-                    f"service forwards to {name}; its client package is missing)",
-                    "type": "value_error",
-                }
-                for name, extra in missing.items()
-            ]
-        )
-
-
-def check_identity(spec: JobSpec, tenant: str, settings: Settings) -> None:
-    """While the operator maps tenants to OS identities, a tenant without one runs no
-    script (it would run as the workers' user, beside every other tenant's files)."""
-    unmapped = tenant not in settings.tenant_identities
-    if spec.workload.command and settings.tenant_users and unmapped:
-        raise invalid(
-            ("body", "workload", "command"),
-            f"workload.command: tenant {tenant!r} has no OS identity to run scripts as "
-            "(the operator's ELASTRAIN_TENANT_USERS); use a built-in workload",
-        )
-
-
-def check_queue(session: Session, tenant: str, settings: Settings) -> None:
-    """A tenant's queue is bounded: every PENDING job is decided on every scheduler pass
-    (admission sorts the whole queue), so one tenant's flood would slow every job's
-    recovery. Past the limit a submit is a 429 naming it."""
-    limit = settings.max_queued_jobs_per_tenant
-    if queued_jobs(session, tenant) >= limit:
-        raise TooMany(
-            f"your tenant has {limit} jobs waiting in the queue, the most it may "
-            "(ELASTRAIN_MAX_QUEUED_JOBS_PER_TENANT); submit again when some have started",
-            retry_after_s=30,
-        )
-
-
-def check_auto_fits(spec: JobSpec, session: Session, settings: Settings) -> None:
-    """An `auto` job must fit at some world size in min..max (tensor-parallel degrees need
-    sizes they divide), when the workers' memory is known. The 422 carries the plan's
-    numbers at max_workers."""
-    if spec.strategy.kind != StrategyKind.auto:
-        return
-    memory = settings.worker_memory_bytes
-    if memory is None and not spec.scaling.use_gpu:
-        snapshot = cluster.current(session)
-        memory = cluster.worker_memory_bytes(snapshot, spec.scaling.cpus_per_worker)
-    shape = shape_of(spec)
-    if memory is None or shape is None:
-        return  # planned at launch, against what the cluster then says
-    for size in reversed(spec.world_sizes):
-        if plan(shape, spec, size, memory, eligible=AUTO_CHOICES).chosen is not None:
-            return
-    made = plan(shape, spec, spec.scaling.max_workers, memory, eligible=AUTO_CHOICES)
-    raise invalid(("body", "strategy", "kind"), f"strategy.kind: auto: {made.why}")
-
-
 def _parse_labels(raw: list[str] | None) -> dict[str, str]:
     labels: dict[str, str] = {}
     if raw and len(raw) > MAX_LABEL_FILTERS:
@@ -302,13 +121,15 @@ def _parse_labels(raw: list[str] | None) -> dict[str, str]:
 def submit_job(
     spec: JobSpec, session: SessionDep, who: CurrentPrincipal, settings: SettingsDep
 ) -> Response:
-    check_workload_code(spec, settings, session, who)
-    check_data_paths(spec, settings.storage_path, who.tenant)
-    check_auto_fits(spec, session, settings)
-    check_trackers(spec, settings)
-    check_queue(session, who.tenant, settings)
-    check_identity(spec, who.tenant, settings)
-    job = insert_job(session, spec=spec, owner=who.tenant)
+    try:
+        job = submission.submit(session, spec, who, settings)
+    except submission.SpecRefused as refused:
+        raise RequestValidationError(
+            [{"loc": ("body", *p.field), "msg": p.message, "type": "value_error"}
+             for p in refused.problems]
+        ) from None  # fmt: skip
+    except submission.QueueFull as full:
+        raise TooMany(str(full), retry_after_s=full.retry_after_s) from None
     session.commit()
     return _job(job, status.HTTP_201_CREATED, {"Location": f"/v1/jobs/{job.id}"})
 

@@ -40,10 +40,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from elastrain.checkpoints.dcp.host_memory import copy_all, page_aligned_bytes
-from elastrain.checkpoints.dcp.shard_file import ALIGN_RECORD_MIN_BYTES, BLOCK
-from elastrain.checkpoints.dcp.writer import without_zip_crc32
-
 #: One rank's items: tensors as host tensors shaped like their chunk, pickled items as
 #: 1-D uint8 tensors.
 Blob = dict[MetadataIndex, torch.Tensor]
@@ -196,10 +192,7 @@ def _pickled(
         before, raw = cache[item.index]
         if _same(before, value):
             return raw
-    # The bytes a shard file holds for it (`DigestingWriter` writes without the zip
-    # crc32): a checkpoint may be written from this copy (`held_copy`).
-    with without_zip_crc32():
-        data = planner.resolve_data(item)
+    data = planner.resolve_data(item)
     assert isinstance(data, io.BytesIO)
     raw = torch.frombuffer(bytearray(data.getvalue()), dtype=torch.uint8)
     if cache is not None and lookup is not None:
@@ -253,12 +246,8 @@ def tensor_layout(
     raise KeyError(f"no chunk of {index.fqn} at offset {list(offset)} in the metadata")
 
 
-#: Tensor items start at multiples of this in an arena (any dtype's view is aligned)...
+#: Tensor items start at multiples of this in an arena (any dtype's view is aligned).
 ARENA_ALIGN = 64
-#: ...and items of `ALIGN_RECORD_MIN_BYTES` or more at a block boundary: in a page-aligned
-#: buffer (`arena_buffer`) they lie where a shard file written with direct I/O takes
-#: data straight from (a checkpoint written from peer memory's copy, `shard_file`).
-ARENA_BLOCK_ALIGN = BLOCK
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -317,18 +306,40 @@ def _arena(
             continue
         dtype, shape = layout
         size = shape.numel() * _element_size(dtype)
-        align = ARENA_BLOCK_ALIGN if size >= ALIGN_RECORD_MIN_BYTES else ARENA_ALIGN
-        offset = -(-offset // align) * align
+        offset = -(-offset // ARENA_ALIGN) * ARENA_ALIGN
         tensors.append((index, offset, dtype, shape))
         offset += size
     return Arena(tuple(tensors), tuple(pickled), -(-offset // ARENA_ALIGN) * ARENA_ALIGN)
 
 
 def arena_buffer(nbytes: int, *, pin: bool = False) -> torch.Tensor:
-    """A buffer for an arena of `nbytes`: page-aligned (`host_memory`), so its large
-    items are block-aligned too; `pin` for device copies into it."""
-    return page_aligned_bytes(nbytes, pin=pin)
+    """A buffer for an arena of `nbytes`; `pin` for device copies into it."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each source into its host target, all at once: host tensors in one
+    `torch._foreach_copy_` (one call, the GIL released while it copies, where a loop
+    takes it back between tensors); device tensors with non-blocking copies queued on the
+    current stream, after the work already queued there, and one wait for the last (a
+    blocking copy per tensor waits for the device once per tensor)."""
+    on_host = [i for i, s in enumerate(sources) if s.device.type == "cpu"]
+    if len(on_host) == len(sources):
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        return
+    for i in on_host:
+        targets[i].copy_(sources[i])
+    devices = set()
+    for target, source in zip(targets, sources, strict=True):
+        if source.device.type != "cpu":
+            target.copy_(source, non_blocking=True)
+            devices.add(source.device)
+    for device in devices:
+        copied = torch.Event(device=device)
+        copied.record(torch.accelerator.current_stream(device))
+        copied.synchronize()

@@ -1,24 +1,23 @@
 """The storage side of a DCP save: shard files digested while they are written.
 
 The manifest needs the digest of every file of a checkpoint (`elastrain.checkpoints.digest`: XXH3-128
-unless the job asks for sha256). Reading every shard back after
-DCP wrote it costs a second pass over all the bytes, on one rank. Instead each rank hashes
-the bytes of its own shard files as they go to the file (`shard_file.DigestingStream`,
-which also writes them with direct I/O where it can), and returns
-the digests beside its DCP write results. DCP gathers every rank's write results to the
-coordinator before it writes `.metadata`, so the coordinator ends the save holding the
-digest of every shard file without reading any of them (`DigestingWriter.shard_digests`).
+unless the job asks for sha256). Reading every shard back after DCP wrote it costs a
+second pass over all the bytes, on one rank. Instead each rank hashes the bytes of its own
+shard files as they go to the file (`DigestingStream`), and returns the digests beside its
+DCP write results. DCP gathers every rank's write results to the coordinator before it
+writes `.metadata`, so the coordinator ends the save holding the digest of every shard
+file without reading any of them (`DigestingWriter.shard_digests`).
 
 What is hashed is exactly the sequence of bytes handed to the file, in order. DCP's shard
-writer only appends (torch.save's zip writer refuses to write out of order), so that
-sequence is the file's content. Anything that seeks or truncates makes a stream give up its
-digest, and the committer hashes such a file from disk instead (`describe_files`), as it
-does for every file without a streamed digest or whose size on disk differs from the count
-of bytes hashed.
+writer only appends (torch.save's zip writer writes in order), so that sequence is the
+file's content. Anything that seeks or truncates makes a stream give up its digest, and
+the committer hashes such a file from disk instead (`describe_files`), as it does for every
+file without a streamed digest or whose size on disk differs from the count of bytes hashed.
 
-It extends DCP's `FileSystemWriter` and `FileSystem` (`create_stream`, `write_data`,
-`finish`), internals that older torch releases shape differently: hence the torch floor in
-pyproject.toml.
+Everything else is DCP's own `FileSystemWriter`: its file layout (one file per rank), its
+write loop and its fsync. It extends `FileSystemWriter` and `FileSystem` (`create_stream`,
+`write_data`, `finish`), internals that older torch releases shape differently: hence the
+torch floor in pyproject.toml and `tests/unit/test_dcp_api_guard.py`.
 """
 
 from __future__ import annotations
@@ -27,30 +26,19 @@ import dataclasses
 import io
 import os
 import threading
-import time
-from collections.abc import Generator, Iterable
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Generator, Iterable
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, cast
+from typing import Any, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import (
-    DEFAULT_SUFFIX,
-    FileSystem,
-    FileSystemWriter,
-    SerializationFormat,
-    _item_size,
-    _StorageInfo,
-)
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
-from elastrain.checkpoints.dcp.live_tensors import LiveTensors
-from elastrain.checkpoints.dcp.shard_file import DigestingStream, aligned_record_start
-from elastrain.checkpoints.dcp.tensor_records import record_parts, serialization_settings
-from elastrain.checkpoints.digest import DEFAULT_ALGORITHM
+from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
 from elastrain.checkpoints.manifest import FileEntry
 
 # DCP's shard files; `.metadata` and our own files are small and hashed from disk.
@@ -71,13 +59,67 @@ class StreamedDigest:
     algorithm: str
 
 
+class DigestingStream(io.RawIOBase):
+    """A file opened for writing whose bytes are hashed on their way in. `record(size,
+    digest)` is called at close when every byte was appended in order; a seek or a
+    truncate gives the digest up (the committer then hashes the file from disk)."""
+
+    def __init__(self, path: Path, record: Callable[[int, str], None], algorithm: str) -> None:
+        super().__init__()
+        self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._hasher: Any = new_hasher(algorithm)
+        self._record = record
+        self._size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if self._hasher is not None:
+            self._hasher.update(view)
+        self._file.write(view)
+        self._size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if (offset, whence) not in ((self._size, os.SEEK_SET), (0, os.SEEK_END)):
+            self._hasher = None
+        return self._file.seek(offset, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        self._hasher = None
+        return self._file.truncate(size)
+
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+
+    def fileno(self) -> int:
+        # DCP fsyncs `stream.fileno()`: what is still in the buffer must be in the file.
+        self._file.flush()
+        return self._file.fileno()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self._file.close()
+        finally:
+            super().close()
+        if self._hasher is not None:
+            self._record(self._size, self._hasher.hexdigest())
+
+
 class DigestingFileSystem(FileSystem):
     """DCP's local file system, with shard files opened for writing through a digest."""
 
-    def __init__(self, algorithm: str = DEFAULT_ALGORITHM, direct_io: bool | None = None) -> None:
+    def __init__(self, algorithm: str = DEFAULT_ALGORITHM) -> None:
         super().__init__()
         self.algorithm = algorithm
-        self.direct_io = direct_io
         self._lock = threading.Lock()  # DCP may write several files from several threads
         self._digests: dict[str, StreamedDigest] = {}
 
@@ -90,22 +132,20 @@ class DigestingFileSystem(FileSystem):
             with super().create_stream(path, mode) as plain:
                 yield plain
             return
-        name = path.name
+        name, algorithm = path.name, self.algorithm
 
         def record(size: int, digest: str) -> None:
             streamed = StreamedDigest(name=name, size=size, digest=digest, algorithm=algorithm)
             with self._lock:
                 self._digests[name] = streamed
 
-        algorithm = self.algorithm
         with self._lock:
             self._digests.pop(name, None)  # a rewrite must never keep an old digest
-        digesting = DigestingStream(path, record, algorithm, direct=self.direct_io)
+        stream = DigestingStream(path, record, algorithm)
         try:
-            # Duck-typed: DCP's writer only uses the methods DigestingStream offers.
-            yield cast(io.IOBase, digesting)
+            yield cast(io.IOBase, stream)
         finally:
-            digesting.close()
+            stream.close()
 
     def take_digests(self) -> list[StreamedDigest]:
         with self._lock:
@@ -115,49 +155,18 @@ class DigestingFileSystem(FileSystem):
 
 
 class DigestingWriter(FileSystemWriter):
-    """FileSystemWriter (one file per rank, fsync per file) whose shard files are hashed
-    as they are written. After a save, on the coordinator, `shard_digests` maps every
-    shard file name (relative to the checkpoint folder) to its size and digest (by
-    `algorithm`, a `elastrain.checkpoints.digest` name).
+    """DCP's FileSystemWriter (one file per rank, fsync per file) whose shard files are
+    hashed as they are written. After a save, on the coordinator, `shard_digests` maps
+    every shard file name (relative to the checkpoint folder) to its size and digest (by
+    `algorithm`, a `elastrain.checkpoints.digest` name)."""
 
-    `template_records` (default): the shard is written by `_write_shard`, which writes
-    each plain CPU tensor's torch.save record from a per-layout template
-    (`tensor_records`) instead of running torch.save for it: the same bytes, a fraction
-    of the Python. Off: DCP's own writer loop (kept for comparison, bench/checkpoint_gil.py).
-
-    `direct_io`: shard files written with direct I/O where the file system takes it
-    (`shard_file`); None: unless `ELASTRAIN_CHECKPOINT_DIRECT_IO=0`.
-
-    `live`: the state's tensors are the live ones (an in-place save): each is claimed
-    from it while written, so that the caller may take the rest back as copies
-    (`live_tensors`).
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        algorithm: str = DEFAULT_ALGORITHM,
-        template_records: bool = True,
-        direct_io: bool | None = None,
-        live: LiveTensors | None = None,
-    ) -> None:
-        # The staging copy is made by the checkpointer's own stager (checkpointer.py), so
-        # no staging options here; sync_files: a file is durable before the manifest
-        # names it.
+    def __init__(self, path: str | os.PathLike[str], *, algorithm: str = DEFAULT_ALGORITHM) -> None:
+        # Staging is the async save's stager's (checkpointer.py), so no staging options
+        # here; sync_files: a file is durable before the manifest names it.
         super().__init__(path, single_file_per_rank=True, sync_files=True)
-        self.template_records = template_records
-        self.live = live
-        self.tensors_written_at: float | None = None
-        """`time.perf_counter()` when the last tensor record was handed to the file (before
-        the fsync); None when DCP's own loop wrote them."""
-        self._digesting_fs = DigestingFileSystem(algorithm, direct_io)
+        self._digesting_fs = DigestingFileSystem(algorithm)
         self.fs = self._digesting_fs
         self.shard_digests: dict[str, FileEntry] = {}
-        self.written: list[WriteResult] | None = None
-        """This rank's results of the save (where its items went; not the digests)."""
-        self.finished: list[list[WriteResult]] | None = None
-        """On the coordinator, every rank's `written`, once the metadata is written."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         super().reset(checkpoint_id)
@@ -166,94 +175,16 @@ class DigestingWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         with without_zip_crc32():
-            shard = self._write_shard(plan, planner) if self._one_plain_shard() else None
-            if shard is None and self.live is not None:
-                self.live.unmanaged()  # DCP's loop writes the live tensors: no claims
-            results = shard if shard is not None else list(super().write_data(plan, planner).wait())
-        self.written = list(results)
+            results = list(super().write_data(plan, planner).wait())
         results.extend(_digest_result(d) for d in self._digesting_fs.take_digests())
         out: TorchFuture[list[WriteResult]] = TorchFuture()
         out.set_result(results)
         return out
 
-    def _one_plain_shard(self) -> bool:
-        """Whether DCP's writer would write this rank's items into one file by one thread,
-        untransformed, with torch.save: the case `_write_shard` reproduces."""
-        return (
-            self.template_records
-            and self.single_file_per_rank
-            and self.thread_count == 1
-            and not self.transforms.extensions
-            and self.serialization_format == SerializationFormat.TORCH_SAVE
-        )
-
-    def _write_shard(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult] | None:
-        """What `FileSystemWriter.write_data` does for one file written by one thread
-        (`_write_files_from_queue`): the same file name, the same order of items (byte
-        items first, then tensors, ordered by size where DCP's loader would copy them
-        from an accelerator), the same records and fsync; tensor records from templates
-        where `record_parts` has one. One difference in place: a record with large data
-        starts after a few zero bytes, so that its data starts at a block boundary and
-        goes to the disk straight from the staged copy (`shard_file`); DCP reads each
-        record by the offset and length this returns, so no reader sees those bytes.
-        None (nothing written) when a tensor is not in host memory (a synchronous save
-        of device tensors): DCP's loader overlaps those copies, so its writer does that
-        save."""
-        file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        path = self.fs.concat_path(self.path, file_name)
-        byte_items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
-        tensor_items = [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
-        if _dcp_overlapping_loader(self.per_thread_copy_ahead):
-            tensor_items.sort(key=_item_size)  # stable, as the loader's sort
-        tensors = []
-        for item in tensor_items:
-            tensor = planner.resolve_data(item)
-            assert isinstance(tensor, torch.Tensor)
-            if not tensor.is_cpu:
-                return None
-            tensors.append(tensor.detach())
-        if self.live is not None:
-            self.live.register(tensors)
-        settings = serialization_settings()
-        results: list[WriteResult] = []
-        with self.fs.create_stream(path, "wb") as stream:
-            for item in byte_items:
-                data = planner.resolve_data(item)
-                assert isinstance(data, io.BytesIO)
-                offset = stream.tell()
-                stream.write(data.getbuffer())
-                results.append(_result(item, file_name, offset, stream.tell() - offset))
-            for item, listed in zip(tensor_items, tensors, strict=True):
-                with self._reading(listed) as tensor:
-                    if tensor.untyped_storage().size() != tensor.numel() * tensor.itemsize:
-                        tensor = tensor.clone()  # as DCP's loaders: minimal storage
-                    parts = record_parts(tensor, settings)
-                    if parts is None:
-                        offset = stream.tell()
-                        torch.save(tensor, cast(IO[bytes], stream))
-                    else:
-                        prefix, body, _suffix = parts
-                        end = stream.tell()
-                        offset = aligned_record_start(end, len(prefix), len(body))
-                        stream.write(bytes(offset - end))  # so large data is block-aligned
-                        for part in parts:
-                            stream.write(part)
-                results.append(_result(item, file_name, offset, stream.tell() - offset))
-            self.tensors_written_at = time.perf_counter()
-            stream.flush()
-            if self.sync_files:
-                os.fsync(stream.fileno())
-        return results
-
-    def _reading(self, tensor: torch.Tensor) -> AbstractContextManager[torch.Tensor]:
-        """`tensor`, or in an in-place save the claimed live tensor or its copy."""
-        return self.live.claim() if self.live is not None else nullcontext(tensor)
-
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         digests, dcp_results = split_digest_results(results)
         self.shard_digests = digests
         super().finish(metadata, dcp_results)
-        self.finished = dcp_results
 
 
 _crc32_lock = threading.Lock()
@@ -286,23 +217,6 @@ def without_zip_crc32() -> Generator[None, None, None]:
             _crc32_off_depth -= 1
             if _crc32_off_depth == 0:
                 torch.serialization.set_crc32_options(_crc32_saved)
-
-
-def _dcp_overlapping_loader(copy_ahead: int) -> bool:
-    """Whether DCP's one-thread writer loads tensors with its overlapping (accelerator)
-    loader, which writes them smallest first, rather than in plan order."""
-    backend = getattr(torch, torch._C._get_privateuse1_backend_name(), None)
-    return copy_ahead > 0 and (
-        torch.cuda.is_available() or bool(backend and backend.is_available())
-    )
-
-
-def _result(item: WriteItem, file_name: str, offset: int, length: int) -> WriteResult:
-    return WriteResult(
-        index=item.index,
-        size_in_bytes=length,
-        storage_data=_StorageInfo(file_name, offset, length, transform_descriptors=None),
-    )
 
 
 def _digest_result(digest: StreamedDigest) -> WriteResult:

@@ -21,6 +21,7 @@ from elastrain.api.cli.connection import Api
 from elastrain.checkpoints.dcp.export import load_model_weights
 from elastrain.checkpoints.export import pick_checkpoint
 from elastrain.contracts.storage import JobStorage
+from elastrain.contracts.workload_params import HfCausalLmParams
 from elastrain.workers.workloads.hf_causal_lm import build
 from tests.integration.ray_service import (
     losses,
@@ -104,7 +105,7 @@ def test_llama_trains_under_each_strategy_and_exports(
             loaded, report = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
             assert not report["missing_keys"] and not report["unexpected_keys"], report
             info = pick_checkpoint(JobStorage.of(storage, job_id).checkpoints, STEPS)
-            reference = build(config=LLAMA, seq_len=32).model
+            reference = build(HfCausalLmParams(config=LLAMA, seq_len=32)).model
             reference.load_state_dict(load_model_weights(info), strict=True)
             x = torch.randint(0, 65, (2, 32))
             with torch.no_grad():

@@ -281,8 +281,9 @@ def _fsdp_save(rank: int, world_size: int, root_sync: str, root_async: str) -> d
             Path(root_async), rank=rank, world_size=world_size, async_save=True
         )
         ckpt.save(step=3, attempt=0, state=ckpt_state(model, optim), manifest_fields=FIELDS)
-        in_flight = not ckpt._inflight.done() if ckpt._inflight else False
+        in_flight = not ckpt._inflight.done.done() if ckpt._inflight else False
         assert ckpt.poll_commits() == []  # not committed while the write is held
+        ckpt.wait_staged()  # the caller's due before it changes the state in place
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)

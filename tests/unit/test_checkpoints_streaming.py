@@ -4,8 +4,8 @@
   the coordinator does not read any shard back to get it (not even another rank's);
 - a shard corrupted after the commit is still refused on load;
 - a save at step s holds the step-s values even when the tensors change in place right
-  after save() returns (staging before return) or right after `wait_staged()` (staging
-  overlapped with the next step, as the training loop runs it).
+  after `wait_staged()` (staging overlapped with the next step, as the training loop
+  runs it).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from torch.distributed.checkpoint import state_dict_saver
 import elastrain.checkpoints.integrity as integrity
 from elastrain.checkpoints import find_latest_good, list_committed, read_manifest
 from elastrain.checkpoints.dcp import ShardedCheckpointer
-from elastrain.checkpoints.dcp.shard_file import DigestingStream
-from elastrain.checkpoints.dcp.writer import DigestingFileSystem
+from elastrain.checkpoints.dcp.writer import DigestingFileSystem, DigestingStream
 from elastrain.checkpoints.digest import DEFAULT_ALGORITHM
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (
@@ -222,11 +221,6 @@ def test_streamed_digest_of_a_wrong_size_is_not_trusted(tmp_path: Path) -> None:
     assert files["__0_0.distcp"]["digest"] == integrity.digest_file(tmp_path / "__0_0.distcp")
 
 
-def test_async_staging_needs_async_save(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="async_staging"):
-        ShardedCheckpointer(tmp_path, rank=0, world_size=1, async_save=False, async_staging=True)
-
-
 # -- two FSDP ranks -----------------------------------------------------------------------
 
 
@@ -252,6 +246,9 @@ def _hold_writes() -> tuple[threading.Event, Any]:
     return gate, original
 
 
+MODES = ("overlapped",)
+
+
 def _fsdp_streaming(rank: int, world_size: int, base: str) -> dict[str, Any]:
     model, optim = build("fsdp")
     train(model, optim, 2, seed=1)
@@ -268,19 +265,17 @@ def _fsdp_streaming(rank: int, world_size: int, base: str) -> dict[str, Any]:
         spy.remove()
     out["hashed_from_disk"] = spy.names
 
-    # Async: "staged" mutates right after save() returns, "overlapped" right after
-    # wait_staged(); in both, DCP's write starts only after the mutation.
-    for mode, overlap in (("staged", False), ("overlapped", True)):
-        step = 3 if mode == "staged" else 4
+    # Async: the state changes right after wait_staged(), before DCP's write starts.
+    for mode in MODES:
+        step = 4
         train(model, optim, 1, seed=step)
         out["refs"][mode] = full_state(model, optim)
         ckpt = ShardedCheckpointer(Path(base, mode), rank=rank, world_size=world_size,
-                                   async_save=True, async_staging=overlap)  # fmt: skip
+                                   async_save=True)  # fmt: skip
         gate, original = _hold_writes()
         try:
             ckpt.save(step=step, attempt=0, state=ckpt_state(model, optim), manifest_fields=FIELDS)
-            if overlap:
-                ckpt.wait_staged()  # what the training loop does before the optimizer step
+            ckpt.wait_staged()  # what the training loop does before the optimizer step
             assert ckpt.poll_commits() == []  # the write is still held
             _mutate(model, optim)
             gate.set()
@@ -314,16 +309,13 @@ def _load_modes(rank: int, world_size: int, base: str) -> dict[str, Any]:
     return {m: load_into_fresh("fsdp", str(Path(base, m)), world_size) for m in MODES}
 
 
-MODES = ("staged", "overlapped")
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_async_save_holds_the_values_of_its_step(
     fsdp_streamed: tuple[Path, dict[str, Any]], mode: str
 ) -> None:
     base, saved = fsdp_streamed
     got = run_distributed(_load_modes, 1, str(base), timeout_s=120)[0][mode]
-    assert got["step"] == (3 if mode == "staged" else 4)
+    assert got["step"] == 4
     assert_same(got["full"], saved["refs"][mode])
 
 
@@ -340,7 +332,8 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
 
     import elastrain.workers.loop as loop
     from elastrain.contracts.spec import JobSpec
-    from elastrain.workers.api import NullHooks, TrainContext
+    from elastrain.workers.api import TrainContext
+    from tests.unit.hooks import RecordingHooks
 
     max_steps = 6
     made: list[ShardedCheckpointer] = []
@@ -365,7 +358,8 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
         # Every optimizer's step, but torch's own at lr 0 (`get_state_dict` initialising
         # the optimizer state: zero gradients, no weight changed).
         if optimizer.param_groups[0]["lr"] != 0:
-            pending_at_update.append(made[0]._staging is not None)
+            inflight = made[0]._inflight
+            pending_at_update.append(inflight is not None and inflight.staged is not None)
 
     def held_save(*args: Any, **kwargs: Any) -> Any:
         # Counted when the loop asked for this save (one in flight at a time: first in,
@@ -380,9 +374,6 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
         return original_save(*args, **kwargs)
 
     loop.make_checkpointer = make_checkpointer
-    # The staging path (a state on a device, or a slow disk): an in-place save's update
-    # waits for the write instead (tests/unit/test_checkpoint_in_place.py).
-    loop.writes_in_place = lambda **_: False
     register_optimizer_step_pre_hook(before_update)
     state_dict_saver.save = held_save
     spec = JobSpec.model_validate(
@@ -395,12 +386,12 @@ def _loop_with_async_saves(rank: int, world_size: int, root: str) -> dict[str, A
         rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
         job_id=1, attempt=0, checkpoint_root=job / "checkpoints", log_path=job / "rank0.log",
     )  # fmt: skip
-    loop.train(ctx, spec, NullHooks())
-    return {"pending": pending_at_update, "async_staging": made[0].async_staging}
+    loop.train(ctx, spec, RecordingHooks())
+    return {"pending": pending_at_update, "async_save": made[0].async_save}
 
 
 def test_the_loop_never_updates_while_a_staging_copy_is_pending(tmp_path: Path) -> None:
     [out] = run_distributed(_loop_with_async_saves, 1, str(tmp_path), timeout_s=120)
-    assert out["async_staging"] is True
+    assert out["async_save"] is True
     assert len(out["pending"]) == 6 and not any(out["pending"])
     assert [i.step for i in list_committed(tmp_path / "checkpoints")] == [6, 4, 2]

@@ -219,27 +219,26 @@ def test_a_workload_error_passes_through_unchanged() -> None:
 
 
 def _saving_rank(rank: int, port: int, root: str, kinds: Any) -> None:
-    """Both ranks make a checkpointer; rank 1 exits; rank 0's in-place async save then
-    plans without it, and its next update (wait_staged) reports the kind of what it got."""
+    """Both ranks make a checkpointer; rank 1 exits; rank 0's async save then plans
+    without it, and the loop's next look at it (the update's wait for the staging copy,
+    then the poll for commits) reports the kind of what it got."""
     _join_group(rank, port)
-    checkpointer = ShardedCheckpointer(
-        Path(root), rank=rank, world_size=2, async_save=True, async_staging=True
-    )
+    checkpointer = ShardedCheckpointer(Path(root), rank=rank, world_size=2, async_save=True)
     dist.barrier()
     if rank == 1:
         os._exit(0)
     state = {"w": torch.ones(1000)}
-    checkpointer.save(step=1, attempt=0, state=state, manifest_fields={}, in_place=True)
+    checkpointer.save(step=1, attempt=0, state=state, manifest_fields={})
     try:
         checkpointer.wait_staged()
+        checkpointer.finalize()
     except Exception as exc:
         _report(kinds, f"{error_kind(exc).value} {type(exc).__name__}")
     _report(kinds, "no error")
 
 
 def test_a_save_that_lost_its_peer_fails_the_update_as_peer_lost(tmp_path: Path) -> None:
-    """The survivor's update waits for its in-place save, whose planning collective lost
-    the peer: the error it raises is the peer's loss (not the job's fault, no restart
+    """The survivor's async save's planning collective lost the peer: the error it raises is the peer's loss (not the job's fault, no restart
     counted, its state handed on), not a failure of its own."""
     reported = _reported_by_two_ranks(_saving_rank, str(tmp_path))
     assert reported == f"{ErrorKind.PEER_LOST.value} CheckpointSaveError"

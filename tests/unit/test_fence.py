@@ -187,13 +187,14 @@ def superseded_mid_run(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import torch
 
     from elastrain.contracts.spec import JobSpec
-    from elastrain.workers.api import AttemptAborted, NullHooks, TrainContext
+    from elastrain.workers.api import AttemptAborted, TrainContext
     from elastrain.workers.loop import train
+    from tests.unit.hooks import RecordingHooks
 
     job = Path(root)
     advance_fence(job, 1, time.time())
 
-    class Hooks(NullHooks):
+    class Hooks(RecordingHooks):
         def send(self, message: Any) -> None:
             super().send(message)
             if getattr(message, "step", None) == 3 and len(self.metrics) == 3:
@@ -241,10 +242,14 @@ def test_a_rank_whose_collective_broke_behind_the_fence_was_superseded_not_faile
     ctx: Any = SimpleNamespace(step=7)
     advance_fence(tmp_path, 1, 1.0)
     fence = FenceWatcher(tmp_path, 1)
-    with pytest.raises(RuntimeError, match="Connection closed by peer"):
-        with stops_when_superseded(ctx, fence):
-            raise RuntimeError("Connection closed by peer")
+    with (
+        pytest.raises(RuntimeError, match="Connection closed by peer"),
+        stops_when_superseded(ctx, fence),
+    ):
+        raise RuntimeError("Connection closed by peer")
     advance_fence(tmp_path, 2, 2.0)
-    with pytest.raises(AttemptAborted, match="attempt 1 was superseded by attempt 2"):
-        with stops_when_superseded(ctx, fence):
-            raise RuntimeError("Connection closed by peer")
+    with (
+        pytest.raises(AttemptAborted, match="attempt 1 was superseded by attempt 2"),
+        stops_when_superseded(ctx, fence),
+    ):
+        raise RuntimeError("Connection closed by peer")

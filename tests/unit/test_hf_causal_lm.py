@@ -19,7 +19,7 @@ from elastrain.checkpoints.catalog import list_committed
 from elastrain.checkpoints.dcp.export import export_checkpoint, load_model_weights
 from elastrain.checkpoints.export import ExportError, export_in_child, pick_checkpoint
 from elastrain.contracts.spec import JobSpec
-from elastrain.contracts.workload_params import params_problems
+from elastrain.contracts.workload_params import GptParams, HfCausalLmParams, params_problems
 from elastrain.workers.workloads import WorkloadError
 from elastrain.workers.workloads.hf_causal_lm import HfCausalLM, build, tp_style
 from tests.unit.dist_utils import run_distributed
@@ -86,7 +86,7 @@ def test_trains_like_the_single_process_run(runs: dict[str, Any], label: str) ->
 
 
 def test_tp_plan_is_the_models_own_on_torch_styles() -> None:
-    model = build(config=LLAMA, seq_len=16).model
+    model = build(HfCausalLmParams(config=LLAMA, seq_len=16)).model
     assert isinstance(model, HfCausalLM)
     plan = model.tensor_parallel_plan()
     for i in (0, 1):
@@ -114,7 +114,7 @@ def test_tp_styles_map_hf_names_and_refuse_the_rest() -> None:
 
 
 def test_tied_embeddings_refuse_tensor_parallelism() -> None:
-    model = build(config={**LLAMA, "tie_word_embeddings": True}, seq_len=16).model
+    model = build(HfCausalLmParams(config={**LLAMA, "tie_word_embeddings": True}, seq_len=16)).model
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         model.tensor_parallel_plan()
 
@@ -125,7 +125,8 @@ def test_vocab_must_fit_the_model(tmp_path: Path) -> None:
     assert problems and problems[0].startswith("workload.params.config.vocab_size (50)")
     # ... and on the worker, where a text's characters are counted.
     with pytest.raises(WorkloadError, match=r"workload.params.config.vocab_size: .* 50 token"):
-        build(config={**LLAMA, "vocab_size": 50}, seq_len=16, data_path=_text(tmp_path, 60))
+        params = {"config": {**LLAMA, "vocab_size": 50}, "data_path": _text(tmp_path, 60)}
+        build(HfCausalLmParams.model_validate(params | {"seq_len": 16}))
 
 
 def test_params_need_exactly_one_model_source() -> None:
@@ -152,13 +153,13 @@ def test_auto_is_refused_its_size_is_unknown_at_submit() -> None:
 
 
 def test_builds_from_a_local_folder(tmp_path: Path) -> None:
-    first = build(config=LLAMA, seq_len=16).model
+    first = build(HfCausalLmParams(config=LLAMA, seq_len=16)).model
     first.lm.save_pretrained(tmp_path / "m")
-    again = build(model=str(tmp_path / "m"), seq_len=16).model
+    again = build(HfCausalLmParams(model=str(tmp_path / "m"), seq_len=16)).model
     x = torch.randint(0, 65, (1, 16))
     torch.testing.assert_close(again(x), first(x), rtol=0, atol=0)
     with pytest.raises(WorkloadError, match=r"workload\.params\.model: cannot load"):
-        build(model=str(tmp_path / "absent"), seq_len=16)
+        build(HfCausalLmParams(model=str(tmp_path / "absent"), seq_len=16))
 
 
 def _text(folder: Path, chars: int) -> str:
@@ -184,7 +185,7 @@ def test_export_loads_in_transformers_with_the_checkpoints_logits(
     loaded, report = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not report["missing_keys"] and not report["unexpected_keys"]
     # The checkpoint's model: the workload's, with the checkpoint's weights.
-    reference = build(config=LLAMA, seq_len=16).model
+    reference = build(HfCausalLmParams(config=LLAMA, seq_len=16)).model
     reference.load_state_dict(load_model_weights(info), strict=True)
     x = torch.randint(0, 65, (2, 16))
     with torch.no_grad():
@@ -201,7 +202,7 @@ def test_gpt_exports_as_gpt2(runs: dict[str, Any], tmp_path: Path) -> None:
     loaded, report = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert isinstance(loaded, GPT2LMHeadModel)
     assert not report["missing_keys"] and not report["unexpected_keys"]
-    reference = build_gpt(**GPT).model
+    reference = build_gpt(GptParams.model_validate(GPT)).model
     reference.load_state_dict(load_model_weights(info), strict=True)
     x = torch.randint(0, 65, (2, 16))
     with torch.no_grad():

@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 from elastrain.contracts.messages import Phase, RestoreSource, TimelineMark
 from elastrain.contracts.spec import JobSpec
-from elastrain.workers.api import NullHooks, TrainContext
+from elastrain.workers.api import TrainContext
 from elastrain.workers.rendezvous import host_store
 from tests.unit.dist_utils import run_distributed
+from tests.unit.hooks import RecordingHooks
 
 STEPS = 7
 LOST_AT = 5  # the lost ranks let go before step 6: five steps done
@@ -92,7 +93,7 @@ def lose_ranks(rank: int, world_size: int, root: str, label: str, lost: list[int
                             checkpoint_root=Path(root) / f"job{job}")  # fmt: skip
 
     spec = spec_for(STRATEGIES[label.split("/")[0]])
-    steady = NullHooks()
+    steady = RecordingHooks()
     train(ctx(2, 1, rank, world_size), spec, steady)  # the reference: uninterrupted
 
     survivors = [r for r in range(world_size) if r not in lost]
@@ -102,7 +103,7 @@ def lose_ranks(rank: int, world_size: int, root: str, label: str, lost: list[int
     dist.broadcast_object_list(port, src=0)
 
     memory = ReplicaMemory()
-    first = NullHooks()
+    first = RecordingHooks()
     c = ctx(1, 1, rank, world_size)
     if rank in lost:
         c.abort = LetGoAt(c, LOST_AT)  # type: ignore[assignment]
@@ -115,7 +116,7 @@ def lose_ranks(rank: int, world_size: int, root: str, label: str, lost: list[int
         os._exit(0)  # the node is gone: its connections reset
     new_rank = survivors.index(rank)
     _regroup(new_rank, len(survivors), int(port[0]), store)
-    after = NullHooks()
+    after = RecordingHooks()
     train(ctx(1, 2, new_rank, len(survivors)), spec, after, memory)
     return {"steady": steady, "first": first, "after": after, "error": error}
 
@@ -135,7 +136,7 @@ def stop_and_regroup(rank: int, world_size: int, root: str) -> Any:
     port: list[Any] = [store.port if store is not None else None]
     dist.broadcast_object_list(port, src=0)
     memory = ReplicaMemory()
-    first = NullHooks(controls=[Control.NONE, Control.NONE, Control.STOP])
+    first = RecordingHooks(controls=[Control.NONE, Control.NONE, Control.STOP])
     c = TrainContext(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
                      job_id=1, attempt=1, node="one", checkpoint_root=Path(root) / "job1")  # fmt: skip
     train(c, spec, first, memory)  # stops after step 3, refreshing memory at it
@@ -143,7 +144,7 @@ def stop_and_regroup(rank: int, world_size: int, root: str) -> Any:
     if rank == 0:
         shutil.rmtree(Path(root) / "job1")
     _regroup(rank, world_size, int(port[0]), store)
-    after = NullHooks()
+    after = RecordingHooks()
     c2 = TrainContext(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
                       job_id=1, attempt=2, node="one", checkpoint_root=Path(root) / "job1")  # fmt: skip
     train(c2, spec, after, memory)
@@ -175,7 +176,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
-def _restored(hooks: NullHooks) -> TimelineMark:
+def _restored(hooks: RecordingHooks) -> TimelineMark:
     (mark,) = [
         m for m in hooks.messages if isinstance(m, TimelineMark) and m.phase == Phase.STATE_RESTORED
     ]

@@ -33,14 +33,14 @@ GIB = 2**30
     ],
 )
 def test_the_gpt_shape_counts_the_real_parameters(params: dict[str, Any]) -> None:
-    model = build_gpt(**params).model
+    model = build_gpt(GptParams.model_validate(params)).model
     shape = gpt_shape(GptParams.model_validate(params))
     assert shape.params == sum(p.numel() for p in model.parameters())
     assert shape.unit_params == sum(p.numel() for p in model.blocks["0"].parameters())
 
 
 def test_the_synthetic_shape_counts_the_real_parameters() -> None:
-    model = build_synthetic(hidden=48, n_layer=3).model
+    model = build_synthetic(SyntheticParams(hidden=48, n_layer=3)).model
     shape = synthetic_shape(SyntheticParams(hidden=48, n_layer=3))
     assert shape.params == sum(p.numel() for p in model.parameters())
 
@@ -57,7 +57,7 @@ def test_the_activation_estimate_is_within_a_fifth_of_the_measured(
     params: dict[str, Any], mode: ActivationCheckpointing
 ) -> None:
     torch.manual_seed(0)
-    workload = build_gpt(**params)
+    workload = build_gpt(GptParams.model_validate(params))
     meter = ActivationMeter()
     apply_activation_checkpointing(workload.model, mode, meter)
     x = torch.stack([workload.dataset[i][0] for i in range(4)])

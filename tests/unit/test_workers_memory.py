@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from elastrain.contracts.messages import Phase, RestoreSource, TimelineMark
-from elastrain.workers.api import Control, NullHooks, TrainContext
+from elastrain.workers.api import Control, TrainContext
 from elastrain.workers.rendezvous import host_store
 from tests.unit.dist_utils import run_distributed
+from tests.unit.hooks import RecordingHooks
 from tests.unit.test_workers_train import STEPS, make_spec
 
 _STORE_TIMEOUT = timedelta(seconds=60)
@@ -54,11 +55,11 @@ def survive(rank: int, world_size: int, root: str) -> Any:
                             job_id=job_id, attempt=attempt,
                             checkpoint_root=Path(root) / f"job{job_id}")  # fmt: skip
 
-    steady = NullHooks()
+    steady = RecordingHooks()
     train(ctx(2, 1, world_size), spec, steady)  # the reference: never interrupted
 
     memory = ReplicaMemory()
-    first = NullHooks(controls=[Control.NONE, Control.NONE, Control.STOP])
+    first = RecordingHooks(controls=[Control.NONE, Control.NONE, Control.STOP])
     train(ctx(1, 1, world_size), spec, first, memory)  # stops after step 3
     dist.barrier()
     if rank == 0:
@@ -68,7 +69,7 @@ def survive(rank: int, world_size: int, root: str) -> Any:
     after = None
     if rank < 2:  # rank 2's node is "lost"; 0 and 1 go on in a new group, same processes
         _regroup(rank, 2, ports[0], stores[0])
-        after = NullHooks()
+        after = RecordingHooks()
         train(ctx(1, 2, 2), spec, after, memory)
     # dist_utils ends with a barrier of all three
     _regroup(rank, world_size, ports[1], stores[1])
@@ -102,7 +103,7 @@ def test_the_new_group_resumes_from_memory_without_a_checkpoint(run: dict[str, A
     assert _restored_from(run["rank0"]["first"]) is None  # a fresh start
 
 
-def _restored_from(hooks: NullHooks) -> RestoreSource | None:
+def _restored_from(hooks: RecordingHooks) -> RestoreSource | None:
     (mark,) = [
         m for m in hooks.messages if isinstance(m, TimelineMark) and m.phase == Phase.STATE_RESTORED
     ]

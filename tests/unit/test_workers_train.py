@@ -15,9 +15,10 @@ import torch
 
 from elastrain.contracts.messages import EventKind
 from elastrain.contracts.spec import JobSpec
-from elastrain.workers.api import Control, NullHooks, TrainContext
+from elastrain.workers.api import Control, TrainContext
 from elastrain.workers.lr_schedule import lr_at
 from tests.unit.dist_utils import run_distributed
+from tests.unit.hooks import RecordingHooks
 
 STEPS = 8
 
@@ -49,7 +50,7 @@ def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str, JobSpec, lis
 
     out = {}
     for label, root, spec, controls in jobs:
-        hooks = NullHooks(controls=[Control(c) for c in controls])
+        hooks = RecordingHooks(controls=[Control(c) for c in controls])
         ctx = TrainContext(
             rank=rank,
             world_size=world_size,
@@ -222,4 +223,4 @@ def test_train_needs_a_process_group(tmp_path: Path) -> None:
         checkpoint_root=tmp_path,
     )  # fmt: skip
     with pytest.raises(RuntimeError, match="process group"):
-        train(ctx, make_spec("ddp"), NullHooks())
+        train(ctx, make_spec("ddp"), RecordingHooks())

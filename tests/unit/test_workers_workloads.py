@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -109,9 +110,10 @@ def test_load_workload_errors_name_the_field(spec: dict, message: str) -> None:
 
 def synthetic_factory(num_samples: int = 8) -> Workload:
     """A user's factory (the synthetic workload under another name)."""
+    from elastrain.contracts.workload_params import SyntheticParams
     from elastrain.workers.workloads.synthetic import build
 
-    return build(num_samples=num_samples)
+    return build(SyntheticParams(num_samples=num_samples))
 
 
 def two_args(a: int, b: int) -> Workload:
@@ -157,18 +159,40 @@ def test_custom_entrypoint() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_WORKLOADS))
-def test_the_typed_params_are_the_factorys_arguments(name: str) -> None:
-    """elastrain.contracts.workload_params describes exactly what the worker's factory takes, with
-    the same defaults: what passes at submit builds on the worker."""
+def test_a_builtin_factory_takes_its_typed_params(name: str) -> None:
+    """A built-in's factory takes the very model elastrain.contracts.workload_params checks
+    at submit (its fields and defaults, written once): what passes there builds here."""
     import inspect
+    import typing
 
     from elastrain.contracts.workload_params import BUILTIN_PARAMS
     from elastrain.workers.workloads import resolve_entrypoint
 
     factory = resolve_entrypoint(BUILTIN_WORKLOADS[name])
-    signature = {p.name: p.default for p in inspect.signature(factory).parameters.values()}
-    model = BUILTIN_PARAMS[name]
-    assert signature == {k: f.default for k, f in model.model_fields.items()}
+    assert list(inspect.signature(factory).parameters) == ["params"]
+    assert typing.get_type_hints(factory)["params"] is BUILTIN_PARAMS[name]
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        (
+            "gpt",
+            {"n_layer": 0},
+            "workload.params.n_layer: Input should be greater than or equal to 1",
+        ),
+        ("synthetic", {"bogus": 1}, "workload.params.bogus: unknown parameter of 'synthetic'"),
+        ("gpt", {"n_embd": 130}, r"workload.params.n_embd \(130\) must be divisible by"),
+    ],
+)
+def test_a_stored_builtins_params_are_checked_again_on_the_worker(
+    name: str, params: dict[str, Any], message: str
+) -> None:
+    """A spec stored before its params were checked at submit (model_construct skips the
+    checks, as a row read back from an older service would have)."""
+    spec = WorkloadSpec.model_construct(name=name, entrypoint=None, params=params)
+    with pytest.raises(WorkloadError, match=message):
+        load_workload(spec)
 
 
 @pytest.mark.parametrize(
@@ -193,8 +217,9 @@ def test_gpt_params_are_checked_at_submit(params: dict, message: str) -> None:
 
 def test_gpt_model_flops_count_attention() -> None:
     """6·N per token plus 12·L·d·T per token (nanoGPT's and torchtitan's count)."""
+    from elastrain.contracts.workload_params import GptParams
     from elastrain.workers.workloads.gpt import build
 
-    w = build(n_layer=2, n_embd=32, n_head=2, seq_len=16)
+    w = build(GptParams(n_layer=2, n_embd=32, n_head=2, seq_len=16))
     n = sum(p.numel() for p in w.model.parameters())
     assert w.flops_per_sample == 16 * (6 * n + 12 * 2 * 32 * 16)

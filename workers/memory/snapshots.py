@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
-from elastrain.checkpoints.dcp.held_copy import HeldCopy
 from elastrain.checkpoints.dcp.in_memory import (
     Arena,
     Blob,
@@ -70,22 +69,6 @@ class Snapshot:
     """Per rank held, the flat buffer its tensor items are views of (`Arena`)."""
     whole: bool = True
     """Every ward's copy came in (False: a torn refresh; never kept over a whole one)."""
-    lent: list[HeldCopy] = field(default_factory=list)
-    """This rank's own copy as lent to checkpoint saves (`lend`)."""
-
-    def lend(self, rank: int) -> HeldCopy:
-        """This rank's own items, for a checkpoint of this step written from them
-        (`ShardedCheckpointer.save(copy=...)`); the buffers are not written into again
-        until the save releases them (`in_use`)."""
-        copy = HeldCopy(items=self.blobs[rank], step=self.generation.step)
-        self.lent = [c for c in self.lent if c.in_use]
-        self.lent.append(copy)
-        return copy
-
-    @property
-    def in_use(self) -> bool:
-        """A save still reads this snapshot's buffers."""
-        return any(c.in_use for c in self.lent)
 
     @property
     def nbytes(self) -> int:
@@ -144,9 +127,6 @@ class PeerRefresher:
     """This rank's pickled items as last made, with their values (`keep_items`)."""
     _views: dict[tuple[int, int], Blob] = field(default_factory=dict)
     """Arena views by (rank, buffer address): buffers are recycled, so are their views."""
-    _parked: list[Snapshot] = field(default_factory=list)
-    """Generations dropped while a checkpoint save still read them: their buffers are
-    recycled once it is done, rather than new ones paged in."""
 
     @classmethod
     def join(cls, ctx: TrainContext, spec: JobSpec) -> PeerRefresher:
@@ -183,7 +163,7 @@ class PeerRefresher:
     ) -> Snapshot | None:
         """Refresh `copies` (the process's list) when due after optimizer step `step`;
         `final`: the group stops now, hand the state on as it is. The snapshot made, if
-        any (a checkpoint of this step is written from it: `Snapshot.lend`)."""
+        any."""
         if strategy.full_replica:
             return None  # every survivor holds the whole live state: nothing to copy
         if not (self.periodic or final):
@@ -213,10 +193,6 @@ class PeerRefresher:
         # Keep the newest whole generation; write into the buffers of another one.
         kept = next((c for c in reversed(copies) if c.whole), None)
         old = next((c for c in reversed(copies) if c is not kept), None)
-        if old is not None and old.in_use:
-            self._park(old)  # a checkpoint is still being written from it
-            old = None
-        old = old or self._unparked()
         copies[:] = [kept] if kept is not None else []
         state = strategy.state_dict_for_checkpoint()
         if self._items is None:
@@ -266,19 +242,6 @@ class PeerRefresher:
             # Pinned where a device copies into it, as an async save's staging buffers.
             buffer = arena_buffer(nbytes, pin=self.ctx.device.type != "cpu")
         return buffer
-
-    def _park(self, snapshot: Snapshot) -> None:
-        """Keep `snapshot`'s buffers for reuse once no save reads them; one such spare at
-        most (what an async save's staging buffers cost without peer memory)."""
-        idle = [p for p in self._parked if not p.in_use][:1]
-        self._parked = [p for p in self._parked if p.in_use] + idle + [snapshot]
-
-    def _unparked(self) -> Snapshot | None:
-        """A parked generation no save reads any more (dropped from the list), if any."""
-        for i, parked in enumerate(self._parked):
-            if not parked.in_use:
-                return self._parked.pop(i)
-        return None
 
     def _exchange(self, own: Blob, arenas: dict[int, torch.Tensor], held: dict[int, Blob]) -> None:
         """Send `own` to the buddy and receive each ward's items into `held` (those that

@@ -1,18 +1,26 @@
-"""Workloads: what to train. Built-ins (`gpt`, `synthetic`) or a user's `module:function`.
+"""Workloads: what to train. Built-ins (`gpt`, `hf_causal_lm`, `synthetic`) or a user's
+`module:function`.
 
-A workload factory takes the spec's `workload.params` as keyword arguments and returns a
-`elastrain.workers.api.Workload` (model on CPU, indexable dataset, mean-reduced loss function).
+A factory returns a `elastrain.workers.api.Workload` (model on CPU, indexable dataset,
+mean-reduced loss function). A built-in's takes its typed params, the model of
+`elastrain.contracts.workload_params` (which holds their defaults); a user's takes the
+spec's `workload.params` as keyword arguments.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
 
 from elastrain.contracts.bounds import OWN_PACKAGES, in_standard_library, private_part
 from elastrain.contracts.datasets import DATA_WORKLOADS, PATH_PARAMS, DataPathError, resolve_under
 from elastrain.contracts.spec import BUILTIN_WORKLOADS, WorkloadSpec
+from elastrain.contracts.workload_params import BUILTIN_PARAMS, params_problems
 from elastrain.workers.api import Workload, WorkloadFactory
 
 
@@ -22,10 +30,11 @@ class WorkloadError(ValueError):
 
 def load_workload(spec: WorkloadSpec, *, storage_root: Path | None = None) -> Workload:
     """Build the workload the spec's `workload` section describes: a built-in by name
-    (`elastrain.contracts.spec.BUILTIN_WORKLOADS`) or a user's `module:function`, called with
-    `params` as keyword arguments. The gpt's data paths are resolved under `storage_root`:
-    the control plane hands them over relative to it, already confined to the job owner's
-    data area (`elastrain.contracts.datasets.storage_relative_data_paths`)."""
+    (`elastrain.contracts.spec.BUILTIN_WORKLOADS`), called with its typed params, or a user's
+    `module:function`, called with `params` as keyword arguments. The gpt's data paths are
+    resolved under `storage_root`: the control plane hands them over relative to it, already
+    confined to the job owner's data area
+    (`elastrain.contracts.datasets.storage_relative_data_paths`)."""
     entrypoint = BUILTIN_WORKLOADS[spec.name] if spec.name is not None else spec.entrypoint
     if entrypoint is None:  # WorkloadSpec validates exactly one; a model_construct may not
         raise WorkloadError("workload: give exactly one of 'name' or 'entrypoint'")
@@ -41,14 +50,18 @@ def load_workload(spec: WorkloadSpec, *, storage_root: Path | None = None) -> Wo
                 except DataPathError as exc:
                     raise WorkloadError(f"workload.params.{key}: {exc}") from exc
     factory = resolve_entrypoint(entrypoint)
+    args: tuple[BaseModel, ...] = ()
+    if spec.name is not None:
+        args, params = (builtin_params(spec.name, params),), {}
+    else:
+        try:
+            inspect.signature(factory).bind(**params)
+        except TypeError as exc:
+            raise WorkloadError(f"workload.params do not fit {entrypoint}: {exc}") from exc
+        except ValueError:
+            pass  # no introspectable signature (a C callable): let the call itself complain
     try:
-        inspect.signature(factory).bind(**params)
-    except TypeError as exc:
-        raise WorkloadError(f"workload.params do not fit {entrypoint}: {exc}") from exc
-    except ValueError:
-        pass  # no introspectable signature (a C callable): let the call itself complain
-    try:
-        workload = factory(**params)
+        workload = factory(*args, **params)
     except WorkloadError:
         raise
     except Exception as exc:
@@ -63,6 +76,15 @@ def load_workload(spec: WorkloadSpec, *, storage_root: Path | None = None) -> Wo
             "expected elastrain.workers.api.Workload"
         )
     return workload
+
+
+def builtin_params(name: str, params: Mapping[str, Any]) -> BaseModel:
+    """The built-in workload `name`'s params, typed: checked at submit already, and again
+    here for a spec stored before they were, in the words the submit would have used."""
+    try:
+        return BUILTIN_PARAMS[name].model_validate(params)
+    except ValidationError as exc:
+        raise WorkloadError("; ".join(params_problems(name, dict(params)))) from exc
 
 
 def custom_entrypoint_refusal(entrypoint: str) -> str | None:

@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from pydantic import ValidationError
 from torch import nn
 
 from elastrain.contracts.datasets import split_sizes
 from elastrain.contracts.workload_params import GptParams, HfCausalLmParams
 from elastrain.workers.api import Workload
-from elastrain.workers.workloads import WorkloadError, stage_block_range
+from elastrain.workers.workloads import stage_block_range
 from elastrain.workers.workloads.token_data import (
     TokenData,
     TokenWindows,
@@ -260,50 +259,28 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 
 
-def build(
-    *,
-    n_layer: int = 4,
-    n_embd: int = 128,
-    n_head: int = 4,
-    seq_len: int = 64,
-    dropout: float = 0.0,
-    stride: int | None = None,
-    data_path: str | None = None,
-    token_dtype: str | None = None,
-    vocab_size: int | None = None,
-    eval_path: str | None = None,
-    eval_fraction: float | None = None,
-) -> Workload:
-    """The built-in `gpt` workload. Defaults are ~0.8M parameters: trains on CPU.
+def build(params: GptParams) -> Workload:
+    """The built-in `gpt` workload. The default params are ~0.8M parameters: trains on CPU.
 
     Without `data_path` it trains on the bundled corpus; with it, on the user's data
     (`elastrain.workers.workloads.token_data`; the service resolves the path under the storage root,
     `elastrain.contracts.datasets`), holding out `eval_path` or the end of the file.
     """
-    try:
-        params = GptParams.model_validate({
-            "n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "seq_len": seq_len,
-            "dropout": dropout, "stride": stride, "data_path": data_path,
-            "token_dtype": token_dtype, "vocab_size": vocab_size, "eval_path": eval_path,
-            "eval_fraction": eval_fraction,
-        })  # fmt: skip
-    except ValidationError as exc:  # a spec stored before params were checked at submit
-        raise WorkloadError(f"workload.params: {exc}") from exc
     data = token_windows(params)
-    dataset, held_out, n_vocab = data.train, data.held_out, data.vocab_size
     model = GPT(
-        vocab_size=n_vocab,
-        seq_len=seq_len,
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        dropout=dropout,
+        vocab_size=data.vocab_size,
+        seq_len=params.seq_len,
+        n_layer=params.n_layer,
+        n_embd=params.n_embd,
+        n_head=params.n_head,
+        dropout=params.dropout,
     )
     n_params = sum(p.numel() for p in model.parameters())
+    seq_len, n_layer, n_embd = params.seq_len, params.n_layer, params.n_embd
     return Workload(
         model=model,
-        dataset=dataset,
-        eval_dataset=held_out,
+        dataset=data.train,
+        eval_dataset=data.held_out,
         loss_fn=lm_loss,
         tokens_per_sample=seq_len,
         # nanoGPT's and torchtitan's count: 6 FLOPs per parameter per token (2 forward,

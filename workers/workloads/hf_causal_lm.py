@@ -17,10 +17,9 @@ the export (`elastrain.checkpoints.export`) strips the prefix back off.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from pydantic import ValidationError
 from torch import nn
 
 from elastrain.contracts.workload_params import HfCausalLmParams
@@ -184,28 +183,8 @@ def model_vocab_size(model: PreTrainedModel) -> int:
     return int(weight.shape[0])
 
 
-def build(
-    *,
-    model: str | None = None,
-    config: dict[str, Any] | None = None,
-    seq_len: int = 64,
-    stride: int | None = None,
-    data_path: str | None = None,
-    token_dtype: str | None = None,
-    vocab_size: int | None = None,
-    eval_path: str | None = None,
-    eval_fraction: float | None = None,
-) -> Workload:
-    """The built-in `hf_causal_lm` workload (params: `elastrain.contracts.workload_params.
-    HfCausalLmParams`): the gpt's data, a Hugging Face model."""
-    try:
-        params = HfCausalLmParams.model_validate({
-            "model": model, "config": config, "seq_len": seq_len, "stride": stride,
-            "data_path": data_path, "token_dtype": token_dtype, "vocab_size": vocab_size,
-            "eval_path": eval_path, "eval_fraction": eval_fraction,
-        })  # fmt: skip
-    except ValidationError as exc:  # a spec stored before params were checked at submit
-        raise WorkloadError(f"workload.params: {exc}") from exc
+def build(params: HfCausalLmParams) -> Workload:
+    """The built-in `hf_causal_lm` workload: the gpt's data, a Hugging Face model."""
     data = token_windows(params)
     lm = build_model(params)
     vocab = model_vocab_size(lm)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elastrain.contracts.workload_params import SyntheticParams
 from elastrain.workers.api import Workload
 from elastrain.workers.workloads import stage_block_range
 
@@ -82,26 +83,23 @@ class MLPModel(nn.Module):
         return stage
 
 
-def build(
-    *,
-    num_samples: int = 4096,
-    in_dim: int = 16,
-    hidden: int = 64,
-    out_dim: int = 4,
-    n_layer: int = 4,
-    data_seed: int = 1234,
-) -> Workload:
+def build(params: SyntheticParams) -> Workload:
     """The built-in `synthetic` workload (MSE regression, ~17k parameters by default).
 
     `data_seed` fixes the data set independently of the job seed, which seeds the model
     initialisation and the sample order.
     """
-    model = MLPModel(in_dim=in_dim, hidden=hidden, out_dim=out_dim, n_layer=n_layer)
+    model = MLPModel(
+        in_dim=params.in_dim, hidden=params.hidden, out_dim=params.out_dim, n_layer=params.n_layer
+    )
     n_params = sum(p.numel() for p in model.parameters())
     return Workload(
         model=model,
         dataset=SyntheticRegression(
-            num_samples=num_samples, in_dim=in_dim, out_dim=out_dim, data_seed=data_seed
+            num_samples=params.num_samples,
+            in_dim=params.in_dim,
+            out_dim=params.out_dim,
+            data_seed=params.data_seed,
         ),
         loss_fn=F.mse_loss,
         flops_per_sample=6.0 * n_params,

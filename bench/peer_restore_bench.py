@@ -3,7 +3,7 @@ buys when a node is lost.
 
 1. Hand-over throughput: the state a new group takes from a survivor's memory, streamed
    by `elastrain.workers.memory` (DCP's load planner over an in-memory checkpoint, raw bytes in
-   32 MB buckets, `elastrain.checkpoints.dcp.in_memory.PeerReader`) vs a plain `torch.distributed`
+   32 MB buckets, `elastrain.workers.memory.in_memory.PeerReader`) vs a plain `torch.distributed`
    broadcast of the same bytes as one flat tensor, and vs the pickled
    `broadcast_object_list` the hand-over used before. Two gloo processes on this host;
    the state: a gpt-shaped set of fp32 tensors (parameters and AdamW's two moments).
@@ -79,9 +79,9 @@ def handover_body(rank: int, world_size: int, total_bytes: int, repeats: int) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict_saver
 
-    from elastrain.checkpoints.dcp.in_memory import MemoryWriter
-    from elastrain.checkpoints.dcp.peer_reader import PeerReader
     from elastrain.workers.memory.handover import GroupTransport
+    from elastrain.workers.memory.in_memory import MemoryWriter
+    from elastrain.workers.memory.peer_reader import PeerReader
 
     group = dist.new_group(backend="gloo")
     source = gpt_like_state(total_bytes)

@@ -1,4 +1,4 @@
-"""An in-memory DCP checkpoint (`elastrain.checkpoints.dcp.in_memory`) in one process: saved with
+"""An in-memory DCP checkpoint (`elastrain.workers.memory.in_memory`) in one process: saved with
 DCP's planner into memory, loaded back through DCP's load planner, bit for bit, into
 targets of any layout (a non-contiguous view included), pickled items too; and the
 arena that lays one rank's tensor items side by side."""
@@ -13,8 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_saver
 
-from elastrain.checkpoints.dcp.in_memory import ARENA_ALIGN, MemoryWriter, arena_of, held_items
-from elastrain.checkpoints.dcp.peer_reader import PeerReader
+from elastrain.workers.memory.in_memory import ARENA_ALIGN, MemoryWriter, arena_of, held_items
+from elastrain.workers.memory.peer_reader import PeerReader
 
 
 class Alone:
@@ -85,7 +85,7 @@ def test_the_arena_lays_tensor_items_side_by_side_aligned() -> None:
 def test_unchanged_pickled_items_are_not_pickled_again() -> None:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from elastrain.checkpoints.dcp.in_memory import keep_items
+    from elastrain.workers.memory.in_memory import keep_items
 
     source = state()
     writer = MemoryWriter(copy=False)

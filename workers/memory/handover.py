@@ -1,5 +1,5 @@
 """The restore from peers' memory: DCP's load, reading an in-memory checkpoint that the
-survivors hold (`elastrain.checkpoints.dcp.in_memory.PeerReader`), so the new group re-shards it to
+survivors hold (`elastrain.workers.memory.in_memory.PeerReader`), so the new group re-shards it to
 its own size and layout by the same rules as a checkpoint on disk.
 
 Either a generation of snapshots (`sources.Source.SNAPSHOT`: each survivor serves the
@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_saver
 
-from elastrain.checkpoints.dcp.in_memory import Blob, MemoryWriter
-from elastrain.checkpoints.dcp.peer_reader import PeerReader
 from elastrain.contracts.messages import StepMetrics
+from elastrain.workers.memory.in_memory import Blob, MemoryWriter
+from elastrain.workers.memory.peer_reader import PeerReader
 from elastrain.workers.memory.replica import ReplicaMemory
 from elastrain.workers.memory.sources import RestorePlan, Source
 from elastrain.workers.memory.transfer import stream
@@ -31,7 +31,7 @@ from elastrain.workers.strategies import Strategy
 
 
 class GroupTransport:
-    """`elastrain.checkpoints.dcp.in_memory.Transport` over a torch.distributed (gloo) group."""
+    """`elastrain.workers.memory.in_memory.Transport` over a torch.distributed (gloo) group."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group

@@ -2,7 +2,7 @@
 its buddy on another node (`elastrain.workers.memory.buddy`), every `checkpoint.memory_every` steps
 (`elastrain.workers.memory.pacing`).
 
-A snapshot is an in-memory DCP checkpoint (`elastrain.checkpoints.dcp.in_memory`): the first
+A snapshot is an in-memory DCP checkpoint (`elastrain.workers.memory.in_memory`): the first
 refresh of an attempt plans it collectively with DCP's save planner (the same items,
 deduplication and metadata as a disk checkpoint of the same state); later refreshes reuse
 that plan and only copy, locally. The buddy copy goes over a gloo group of its own,
@@ -33,7 +33,11 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
-from elastrain.checkpoints.dcp.in_memory import (
+from elastrain.contracts.spec import JobSpec
+from elastrain.workers.api import TrainContext
+from elastrain.workers.comm_release import group_forming
+from elastrain.workers.memory.buddy import buddies, wards
+from elastrain.workers.memory.in_memory import (
     Arena,
     Blob,
     MemoryWriter,
@@ -42,10 +46,6 @@ from elastrain.checkpoints.dcp.in_memory import (
     as_bytes,
     keep_items,
 )
-from elastrain.contracts.spec import JobSpec
-from elastrain.workers.api import TrainContext
-from elastrain.workers.comm_release import group_forming
-from elastrain.workers.memory.buddy import buddies, wards
 from elastrain.workers.memory.pacing import RefreshPacer, overhead
 from elastrain.workers.memory.sources import Generation
 from elastrain.workers.memory.transfer import stream

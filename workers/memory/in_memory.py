@@ -4,7 +4,7 @@
 a rank's shard in that rank's memory (tensors as host copies of their chunks, the few
 pickled items as bytes) and records, in DCP's `Metadata`, which rank holds which item
 (`HeldBy`); `Arena` lays a rank's tensor items side by side in one buffer.
-`elastrain.checkpoints.dcp.peer_reader.PeerReader` is the storage reader that loads such a checkpoint into a group
+`elastrain.workers.memory.peer_reader.PeerReader` is the storage reader that loads such a checkpoint into a group
 of any size and layout: DCP's own load planner decides which piece of which saved chunk
 each rank needs (exactly as when it loads from disk: the same resharding for FSDP, tensor
 parallel, pipeline stages and 2-D), and `read_data` fetches each piece from whichever

@@ -1,4 +1,4 @@
-"""The storage reader of an in-memory DCP checkpoint (`elastrain.checkpoints.dcp.in_memory`) that the
+"""The storage reader of an in-memory DCP checkpoint (`elastrain.workers.memory.in_memory`) that the
 ranks of a NEW group hold between them: DCP's load planner decides which piece of which
 saved chunk each rank needs (the same resharding as a load from disk), and `read_data`
 fetches each piece from the rank that holds it, over a `Transport` that streams raw
@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from elastrain.checkpoints.dcp.in_memory import Blob, as_bytes
+from elastrain.workers.memory.in_memory import Blob, as_bytes
 
 
 class Transport(Protocol):

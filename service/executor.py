@@ -338,13 +338,7 @@ class Executor:
                     log.info("job %s moved since it was observed; deciding again", view.id)
                     return False
                 samples = telemetry.samples_for(job, actions, now=utcnow())
-                effects = apply_to_db(
-                    session,
-                    job,
-                    actions,
-                    storage_path=self.storage_path,
-                    budgets=self.metric_budgets,
-                )
+                effects = self._apply(session, job, actions)
         except SpecRefused as exc:
             self.give_up_on(view.id, f"cannot launch: {exc}")
             return False
@@ -356,6 +350,11 @@ class Executor:
             self._carry_out(effect)
         return True
 
+    def _apply(self, session: Session, job: Job, actions: Sequence[Action]) -> list[Effect]:
+        return apply_to_db(
+            session, job, actions, storage_path=self.storage_path, budgets=self.metric_budgets
+        )
+
     def give_up_on(self, job_id: int, reason: str) -> bool:
         """Fail a job the scheduler cannot decide about (`decisions.give_up`): read from
         its row alone, so a spec that does not read back is no obstacle. False when the
@@ -366,13 +365,7 @@ class Executor:
                 attempt = jobs.current_attempt(session, job)
                 live = attempt is not None and attempt.ended_at is None
                 actions = give_up(JobState(job.state), live_attempt=live, reason=reason)
-                effects = apply_to_db(
-                    session,
-                    job,
-                    actions,
-                    storage_path=self.storage_path,
-                    budgets=self.metric_budgets,
-                )
+                effects = self._apply(session, job, actions)
         except Exception:
             log.exception("job %s: failing it (%s) failed; retrying next pass", job_id, reason)
             return False

@@ -102,6 +102,7 @@ def test_corrupt_shard_after_streamed_commit_is_refused(tmp_path: Path) -> None:
     train(model, optim, 1, seed=0)
     ckpt.save(step=1, attempt=0, state=ckpt_state(model, optim), manifest_fields={})
     ref = full_state(model, optim)
+    ckpt.wait_staged()  # before the state changes in place, as the loop does
     train(model, optim, 1, seed=1)
     ckpt.save(step=2, attempt=0, state=ckpt_state(model, optim), manifest_fields={})
     assert [c.step for c in ckpt.close()] == [1, 2]

@@ -266,18 +266,16 @@ def test_a_stopped_command_attempt_is_stopped_whatever_its_scripts_said() -> Non
     """On a resize every rank's script is stopped; one stopped first breaks its peers'
     collectives, and their non-zero exits are echoes of the stop, not a failure. A process
     that died is still a failure; a built-in job's verdict is unchanged."""
-    from types import SimpleNamespace
-
     from elastrain.contracts.group import RunOutcome
     from elastrain.contracts.messages import DriverStatus, ErrorKind, WorkerError
-    from elastrain.workers.runtime.driver import AttemptDriver
+    from elastrain.workers.runtime.verdict import verdict as judge
 
     broke = WorkerError(type="ScriptFailed", message="exit code 1: gloo", kind=ErrorKind.RAISED)
     died = WorkerError(type="RayActorError", message="gone", kind=ErrorKind.PROCESS_DIED)
     stopped = [RunOutcome(rank=0, stopped_early=True), RunOutcome(rank=1, error=broke)]
 
     def verdict(command: bool, outcomes: list) -> DriverStatus:  # type: ignore[type-arg]
-        return AttemptDriver._verdict(SimpleNamespace(_command=command), outcomes)[0]  # type: ignore[arg-type]
+        return judge(outcomes, command=command)[0]
 
     assert verdict(True, stopped) == DriverStatus.STOPPED
     assert verdict(False, stopped) == DriverStatus.FAILED

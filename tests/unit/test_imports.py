@@ -90,12 +90,15 @@ def test_service_does_not_load_torch() -> None:
     assert _first_offender(["elastrain.service.runtime_client"], {"torch", "api"}) == {}
     loaded = _loaded_by("elastrain.service.runtime_client", "elastrain.workers")
     assert loaded == ["elastrain.workers", "elastrain.workers.runtime", "elastrain.workers.runtime.actor",
+                      "elastrain.workers.runtime.attempts", "elastrain.workers.runtime.collect",
                       "elastrain.workers.runtime.driver", "elastrain.workers.runtime.guard",
                       "elastrain.workers.runtime.layout",
                       "elastrain.workers.runtime.liveness",
                       "elastrain.workers.runtime.notice", "elastrain.workers.runtime.ordering",
+                      "elastrain.workers.runtime.phases", "elastrain.workers.runtime.placement",
                       "elastrain.workers.runtime.pool",
-                      "elastrain.workers.runtime.reconcile"]  # fmt: skip
+                      "elastrain.workers.runtime.reconcile",
+                      "elastrain.workers.runtime.verdict"]  # fmt: skip
 
 
 def _loaded_by(module: str, prefix: str) -> list[str]:

@@ -11,7 +11,7 @@ from elastrain.contracts.group import HeldState, WorkerInfo
 from elastrain.contracts.messages import ErrorKind, WorkerError
 from elastrain.contracts.runtime import AttemptKey, JobRef
 from elastrain.contracts.spec import JobSpec
-from elastrain.workers.runtime.driver import cause_of, private_worker_options
+from elastrain.workers.runtime.placement import private_worker_options
 from elastrain.workers.runtime.pool import (
     PooledWorker,
     WorkerPool,
@@ -20,6 +20,7 @@ from elastrain.workers.runtime.pool import (
     surplus_gpu_workers,
     warm_target,
 )
+from elastrain.workers.runtime.verdict import cause_of
 from tests.factories import spec_dict
 
 

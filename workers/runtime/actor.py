@@ -1,7 +1,8 @@
 """The runtime: one long-lived, detached Ray actor that runs every attempt of every job.
 
 It holds the warm worker pool (`elastrain.workers.runtime.pool`) and one `AttemptDriver` per live
-attempt. The control plane (`elastrain.service.runtime_client`) launches an attempt once and, every
+attempt, which one loop (`elastrain.workers.runtime.attempts`) moves through its phases. The
+control plane (`elastrain.service.runtime_client`) launches an attempt once and, every
 scheduler pass, hands the runtime the attempts its database says are live (`reconcile`):
 the runtime answers with their reports and lets go of everything else it holds (drivers,
 the state processes keep of jobs that are over, placement groups nobody owns). Rank 0 of
@@ -40,9 +41,11 @@ from elastrain.contracts.runtime import (
     Reconcile,
     Reconciled,
 )
-from elastrain.workers.runtime.driver import AttemptDriver, group_prefix
+from elastrain.workers.runtime.attempts import AttemptLoop
+from elastrain.workers.runtime.driver import AttemptDriver
 from elastrain.workers.runtime.guard import RefusalLog
 from elastrain.workers.runtime.notice import NoticeWatchers
+from elastrain.workers.runtime.placement import group_prefix
 from elastrain.workers.runtime.pool import WorkerPool
 from elastrain.workers.runtime.reconcile import (
     HeldAttempt,
@@ -61,7 +64,8 @@ _ORPHAN_SCAN_INTERVAL_S = 10.0
 
 
 class Runtime:
-    """Wrapped with `ray.remote` (threaded: drivers and calls run concurrently)."""
+    """Wrapped with `ray.remote` (threaded: the control plane's and rank 0's calls run
+    concurrently with the attempt loop and the pool's upkeep)."""
 
     def __init__(
         self,
@@ -83,8 +87,10 @@ class Runtime:
         )
         self.notices = NoticeWatchers(preemption_notice, namespace)
         self.drivers: dict[AttemptKey, AttemptDriver] = {}
+        self.attempts = AttemptLoop()  # also moves released drivers until their ranks are back
         self._lock = threading.Lock()
         self._scanned_at = float("-inf")
+        self.attempts.start()
         threading.Thread(target=self._upkeep, name="pool-upkeep", daemon=True).start()
 
     # -- the control plane's calls ---------------------------------------------------------
@@ -105,16 +111,19 @@ class Runtime:
                 return  # launched already (a retried call)
             if held is not None:  # another database's attempt under the same key
                 self.drivers.pop(request.key)
-            self.drivers[request.key] = AttemptDriver(
+            driver = AttemptDriver(
                 request,
                 pool=self.pool,
                 runtime_name=RUNTIME_NAME,
                 namespace=self.namespace,
                 collective_timeout_s=self.collective_timeout_s,
                 capability=self.keys.capability(request.job_id, request.attempt),
+                wake=self.attempts.wake,
             )
+            self.drivers[request.key] = driver
         if held is not None:
             held.release()
+        self.attempts.add(driver)
 
     def reconcile(self, token: str, want: Reconcile) -> Reconciled:
         """Every live attempt's report; everything the control plane no longer wants is let
@@ -232,4 +241,7 @@ class Runtime:
                     self.pool.check_idle()
             except Exception:
                 log.exception("pool upkeep")
+            # The pool may have changed under the attempts waiting on it (a process that
+            # answered, let go or died; a node's GPUs): they look again.
+            self.attempts.wake()
             time.sleep(self.upkeep_interval_s)

@@ -255,12 +255,6 @@ class WorkerPool:
             "attempts (a GPU in use outside elastrain?)"
         )
 
-    def wait_ready(self, workers: Sequence[PooledWorker], timeout: float) -> None:
-        """Block until each of `workers` answered once (raises if one never does)."""
-        for w in workers:
-            if w.info is None:
-                w.info = ray.get(w.ready_ref, timeout=timeout)
-
     # -- lending -----------------------------------------------------------------------------
     def job_workers(self, job: JobRef) -> list[PooledWorker]:
         """This job's processes that hold its state or still run its last attempt."""

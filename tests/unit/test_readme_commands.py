@@ -22,7 +22,8 @@ from elastrain.api.cli import app
 from elastrain.contracts.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[2]
-README = (REPO / "README.md").read_text()
+# The README and the guide it points to (docs/guide.md): every command a user reads.
+README = (REPO / "README.md").read_text() + (REPO / "docs" / "guide.md").read_text()
 CODE = "\n".join(re.findall(r"```[a-z]*\n(.*?)```", README, re.S))
 
 

@@ -46,6 +46,11 @@ class TooMany(Exception):
         self.retry_after_s = retry_after_s
 
 
+class Unavailable(Exception):
+    """What the request needs is not there in this process (HTTP 503): the message says
+    what."""
+
+
 def _field_path(loc: Sequence[Any]) -> str:
     # Drop where the value came from ("body", "query", ...).
     parts = [str(p) for p in loc[1:]]
@@ -134,6 +139,10 @@ async def _too_many(_: Request, exc: Exception) -> JSONResponse:
     )
 
 
+async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+
+
 async def _bad_cursor(_: Request, exc: Exception) -> JSONResponse:
     payload = validation_payload(
         [{"loc": ("query", "offset"), "msg": str(exc), "type": "value_error"}]
@@ -163,6 +172,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(IllegalTransition, _conflict)
     app.add_exception_handler(Conflict, _conflict)
     app.add_exception_handler(TooMany, _too_many)
+    app.add_exception_handler(Unavailable, _unavailable)
     app.add_exception_handler(BadCursor, _bad_cursor)
     app.add_exception_handler(OperationalError, _database_down)
     app.add_exception_handler(Exception, _unexpected)

@@ -1,4 +1,4 @@
-"""How many exports run at once: each holds a child process with two copies of a model's
+"""How many exports run at once: each holds a task on the cluster with two copies of a model's
 weights (the checkpoint's and the Hugging Face model's), so concurrent exports are
 bounded in all and per tenant, per API process (`Settings.export_max_concurrent`,
 `Settings.export_max_per_tenant`). Past either, the request is a 429 at once: an export

@@ -2,7 +2,7 @@
 
 A job's code can put anything in its job folder: links to another tenant's data or out of
 the storage root, FIFOs, sparse files of any size. Whatever the control plane (API,
-scheduler, export child) does there goes through these helpers:
+scheduler, and the export task, which reads it as hostile input too) does there goes through these helpers:
 
 - folders are opened one component at a time from a root the caller trusts, each with
   `O_NOFOLLOW`, and what is below is reached through the folder's fd (`dir_fd=`), so a

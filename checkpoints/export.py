@@ -1,24 +1,34 @@
-"""Exporting a committed checkpoint as a Hugging Face model folder: which checkpoint, and
-the conversion run in a child process. Pure Python (the API imports it).
+"""Exporting a committed checkpoint as a Hugging Face model folder: which checkpoint, the
+conversion run in a child process, and the folder it wrote packed as a tar. Pure Python
+(the API imports it).
 
-The conversion itself (`elastrain.checkpoints.dcp.export`) needs torch and `transformers`, which the
-control plane never loads: the API runs it as `python -m elastrain.checkpoints.dcp.export` in a
-child process, which also hands the memory of the model's weights back to the system
-when it ends. The child reads the job's files as hostile input and holds none of the API's
-secrets (`child_env`).
+The conversion itself (`elastrain.checkpoints.dcp.export`) needs torch and `transformers`,
+which the control plane never loads, and reads a checkpoint a job's code wrote, which the
+control plane never does: an export task on the cluster (`elastrain.workers.export_task`)
+runs it as `python -m elastrain.checkpoints.dcp.export` in a child process, which also
+hands the memory of the model's weights back to the system when it ends. The child reads
+the job's files as hostile input and holds none of its parent's secrets (`child_env`).
+The API then only copies the JSON and safetensors files the task wrote into a tar
+(`pack_export`), parsing none of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import stat
 import subprocess
 import sys
+import tarfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from elastrain.checkpoints.catalog import CheckpointInfo, list_committed
+from elastrain.checkpoints.confined import ConfinedFileError, open_dir, remove_tree_at
 
 #: Formats an export writes.
 FORMATS = ("hf",)
@@ -108,3 +118,74 @@ def child_env(environ: Mapping[str, str]) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONNOUSERSITE="1")
     return env
+
+
+#: What an export folder may hold: `save_pretrained`'s JSON and safetensors files (one, or
+#: shards and their index), nothing that can carry code.
+_EXPORTED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.(json|safetensors)")
+#: The most files an export folder may hold.
+MAX_EXPORTED_FILES = 256
+
+
+def pack_export(trusted_root: Path, folder: Path, archive: Path, *, max_bytes: int) -> None:
+    """Write the model folder `folder` (below `trusted_root`, which the caller trusts) as
+    the tar `archive`, reading it as a job's own bytes would be read: entered without
+    following a link, only regular JSON and safetensors files, at most `max_bytes` in
+    all. Nothing is parsed. Raises ExportError naming the file by its name."""
+    try:
+        fd = open_dir(trusted_root, folder)
+    except ConfinedFileError as exc:
+        raise ExportError(f"the export's folder: {exc}") from None
+    try:
+        with os.scandir(fd) as entries:
+            names = sorted(e.name for e in entries)
+        if len(names) > MAX_EXPORTED_FILES:
+            raise ExportError(
+                f"the export wrote {len(names)} files, more than {MAX_EXPORTED_FILES}"
+            )
+        total = 0
+        with tarfile.open(archive, "w") as tar:
+            for name in names:
+                if not _EXPORTED_NAME.fullmatch(name):
+                    raise ExportError(f"the export wrote {name!r}: not a JSON or safetensors file")
+                with _open_regular(name, fd) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    total += size
+                    if total > max_bytes:
+                        raise ExportError(
+                            f"the export wrote more than {max_bytes} bytes, more than its "
+                            "checkpoint holds"
+                        )
+                    member = tarfile.TarInfo(name)
+                    member.size, member.mode, member.mtime = size, 0o644, int(time.time())
+                    try:
+                        tar.addfile(member, f)
+                    except OSError as exc:  # it shrank while read
+                        raise ExportError(f"{name} changed while it was read") from exc
+    finally:
+        os.close(fd)
+
+
+def remove_export(trusted_root: Path, folder: Path) -> None:
+    """Delete the export folder `folder` (below `trusted_root`) and all below it, through
+    no link."""
+    with contextlib.suppress(FileNotFoundError, ConfinedFileError):
+        fd = open_dir(trusted_root, folder.parent)
+        try:
+            remove_tree_at(fd, folder.name)
+        finally:
+            os.close(fd)
+
+
+def _open_regular(name: str, dir_fd: int) -> BinaryIO:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError as exc:
+        raise ExportError(
+            f"cannot read {name}: {exc.strerror} (a link is never followed)"
+        ) from None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise ExportError(f"{name} is not a regular file")
+    return f

@@ -157,3 +157,34 @@ class PreemptionNotice:
             reason=str(data.get("reason", "")),
             deadline=float(deadline) if deadline is not None else None,
         )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportRequest:
+    """Convert one committed checkpoint into a model folder, on the cluster (the API reads
+    none of a job's checkpoint: `elastrain.workers.export_task`). Paths are relative to
+    the storage root, which the task enters without following a link."""
+
+    job_id: int
+    storage_path: str
+    checkpoint: str
+    """The step's folder, e.g. `jobs/7/checkpoints/step_00000040-a1`."""
+    workload: str
+    params_json: str
+    """The workload's params, as JSON."""
+    out: str
+    """The folder the task makes and writes, e.g. `exports/<random>/model`."""
+    model_folder: str = ""
+    """An `hf_causal_lm` job's model folder (in its tenant's data area), or ""."""
+    timeout_s: float = 3600.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportOutcome:
+    """What an export task says: nothing (made), a reason it refused (the checkpoint
+    cannot be exported: for the caller), or that it failed otherwise (`details`, for the
+    server's log only)."""
+
+    refused: str = ""
+    failed: str = ""
+    details: str = ""

@@ -10,7 +10,13 @@ from __future__ import annotations
 from typing import Protocol
 
 from elastrain.contracts.messages import Control, DriverReport
-from elastrain.contracts.runtime import AttemptKey, LaunchRequest, Reconcile
+from elastrain.contracts.runtime import (
+    AttemptKey,
+    ExportOutcome,
+    ExportRequest,
+    LaunchRequest,
+    Reconcile,
+)
 from elastrain.service.capacity import ClusterCapacity
 
 
@@ -35,3 +41,7 @@ class Launcher(Protocol):
         failure, or after it finished), so the next launch may use them. Its processes
         may keep the job's state for the next attempt, unless `final` (the job has ended).
         The next `reconcile` does the same when this call fails."""
+
+    def export(self, request: ExportRequest) -> ExportOutcome:
+        """Convert a committed checkpoint into a model folder on the cluster
+        (`elastrain.workers.export_task`); returns when it is written, refused or failed."""

@@ -1,7 +1,8 @@
 """The one module of the control plane that talks to Ray: the runtime actor
 (`elastrain.workers.runtime.actor`, which runs the attempts) is created here, launched into once per
-attempt and reconciled with once per scheduler pass. Its class is the one name the control
-plane imports from `workers` (tests/unit/test_imports.py): its module loads no torch."""
+attempt and reconciled with once per scheduler pass; exports run here as Ray tasks. Its
+class and the export task are the names the control plane imports from `workers`
+(tests/unit/test_imports.py): their modules load no torch."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError, RayError
 from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -22,6 +24,8 @@ from elastrain.contracts.runtime import (
     NOTICE_KV_PREFIX,
     RUNTIME_NAME,
     AttemptKey,
+    ExportOutcome,
+    ExportRequest,
     LaunchRequest,
     PreemptionNotice,
     Reconcile,
@@ -35,6 +39,7 @@ from elastrain.service.capacity import (
 )
 from elastrain.service.settings import Settings
 from elastrain.service.worker_env import scrubbed_environ
+from elastrain.workers.export_task import run_export
 from elastrain.workers.runtime.actor import Runtime
 
 log = logging.getLogger("elastrain.launcher")
@@ -217,6 +222,23 @@ class RuntimeClient:
         # into the resources it held.
         ray.get(self.runtime.release.remote(self._token, key, final), timeout=_CALL_TIMEOUT_S)
         self._last_status.pop(key, None)
+
+    def export(self, request: ExportRequest) -> ExportOutcome:
+        # A Ray task of the workers' user, not the API: the checkpoint is the job's to
+        # write, so it is read where the job's code runs, with its rights
+        # (elastrain.workers.export_task). No CPU asked: exports at once are bounded by
+        # the API's export slots, and one must not queue behind the job it exports from.
+        task = ray.remote(run_export).options(num_cpus=0, max_retries=0)
+        ref = task.remote(request)
+        try:
+            outcome = ray.get(ref, timeout=request.timeout_s + _CALL_TIMEOUT_S)
+        except GetTimeoutError:
+            ray.cancel(ref, force=True)
+            return ExportOutcome(failed=f"the export took longer than {request.timeout_s:.0f} s")
+        except RayError as exc:  # its worker died, the node went
+            return ExportOutcome(failed="the export task failed", details=str(exc)[-2000:])
+        assert isinstance(outcome, ExportOutcome)
+        return outcome
 
     def workers(self) -> list[WorkerInfo]:
         """The runtime's pool processes (for tests, benches and debugging)."""

@@ -26,8 +26,15 @@ from elastrain.contracts.messages import (
     WorkerEvent,
     WorkerMessage,
 )
-from elastrain.contracts.runtime import AttemptKey, LaunchRequest, Reconcile
+from elastrain.contracts.runtime import (
+    AttemptKey,
+    ExportOutcome,
+    ExportRequest,
+    LaunchRequest,
+    Reconcile,
+)
 from elastrain.service.capacity import ClusterCapacity, NodeCapacity
+from elastrain.workers.export_task import run_export
 from elastrain.workers.runtime.reconcile import HeldAttempt, attempts_to_release
 
 
@@ -129,6 +136,7 @@ class FakeLauncher:
         self.reconciled: list[AttemptKey] = []  # released for not being live
         self.fail_releases = False  # make `release` raise, as a lost call would
         self.launch_calls: list[LaunchRequest] = []  # including refused duplicates
+        self.exports: list[ExportRequest] = []
         self._lock = threading.Lock()
 
     # -- test controls ------------------------------------------------------------------
@@ -188,6 +196,11 @@ class FakeLauncher:
             d.checkpoint_requests += 1
         elif control == Control.STOP:
             d.stop_requested = True
+
+    def export(self, request: ExportRequest) -> ExportOutcome:
+        # The task's own function, run here instead of on a Ray worker.
+        self.exports.append(request)
+        return run_export(request)
 
     def release(self, key: AttemptKey, *, final: bool = False) -> None:
         if self.fail_releases:

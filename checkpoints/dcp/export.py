@@ -13,7 +13,8 @@ world size reads the same), verified against the manifest's digests as they are 
   attention projection is reordered from the gpt's per-head `[q k v]` rows to GPT-2's
   `[q | k | v]`, and every Linear is transposed into GPT-2's `Conv1D` layout.
 
-Needs torch and `transformers` (the `hf` extra). The API runs it in a child process
+Needs torch and `transformers` (the `hf` extra). An export task on the cluster
+(`elastrain.workers.export_task`) runs it in a child process
 (`elastrain.checkpoints.export.export_in_child`): `python -m elastrain.checkpoints.dcp.export CHECKPOINT
 WORKLOAD PARAMS_JSON OUT [MODEL_FOLDER]`.
 """

@@ -96,6 +96,8 @@ def test_planted_folders_links_and_pickles_are_never_adopted_followed_or_run(
             assert answer.headers["X-Elastrain-Step"] == "4"
             with tarfile.open(fileobj=io.BytesIO(answer.content)) as tar:
                 assert "model.safetensors" in tar.getnames()
+            # Converted by a task on the cluster, packed by the API, then deleted.
+            assert list((storage / "exports").iterdir()) == []
 
             # The job's code replaces its newest checkpoint's metadata with a pickle.
             (ckpts / step_dir_name(4, 1) / ".metadata").write_bytes(pickle.dumps(Planted(marker)))

@@ -3,14 +3,17 @@
 Real files and links on disk: a link planted in a checkpoints folder is neither listed,
 exported nor deleted through; control files are read through no link and within a size;
 a folder planted under a future job id is set aside at the job's first launch; a planted
-DCP `.metadata` pickle is refused by the export child and never runs.
+DCP `.metadata` pickle is refused by the export child and never runs; what an export task
+wrote is packed by the API only as plain JSON and safetensors files, through no link.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,12 +23,20 @@ from elastrain.checkpoints import ManifestError, read_manifest, retention_plan
 from elastrain.checkpoints.catalog import list_committed
 from elastrain.checkpoints.confined import ConfinedFileError, read_bounded
 from elastrain.checkpoints.dcp.untrusted import UntrustedCheckpoint, load_metadata
-from elastrain.checkpoints.export import ExportError, child_env, export_in_child
+from elastrain.checkpoints.export import (
+    ExportError,
+    child_env,
+    export_in_child,
+    pack_export,
+    remove_export,
+)
 from elastrain.checkpoints.fence import FenceUnreadable, read_fence
 from elastrain.checkpoints.layout import step_dir_name
 from elastrain.checkpoints.manifest import MAX_MANIFEST_BYTES
 from elastrain.checkpoints.owner import claim_job_folder
 from elastrain.checkpoints.retention import delete_checkpoints
+from elastrain.contracts.runtime import ExportRequest
+from elastrain.workers.export_task import run_export
 from tests.unit.test_checkpoints_pure import make_checkpoint
 
 
@@ -280,3 +291,68 @@ def test_failure_reasons_name_paths_as_the_tenant_gave_them(
     from elastrain.contracts.datasets import paths_as_given
 
     assert paths_as_given(text.format(root=tmp_path), tmp_path, "a") == given
+
+
+def an_export(tmp_path: Path) -> tuple[Path, Path]:
+    """storage root and an export folder below it, as a task leaves it."""
+    folder = tmp_path / "exports" / "n" / "model"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "gpt2"}')
+    (folder / "model.safetensors").write_bytes(b"\0" * 100)
+    return tmp_path, folder
+
+
+def test_the_api_packs_an_export_without_parsing_it_and_deletes_it(tmp_path: Path) -> None:
+    root, folder = an_export(tmp_path)
+    pack_export(root, folder, tmp_path / "a.tar", max_bytes=1000)
+    with tarfile.open(tmp_path / "a.tar") as tar:
+        assert tar.getnames() == ["config.json", "model.safetensors"]
+        assert tar.extractfile("model.safetensors").read() == b"\0" * 100  # type: ignore[union-attr]
+    remove_export(root, folder.parent)
+    assert not folder.parent.exists() and (root / "exports").is_dir()
+
+
+@pytest.mark.parametrize(
+    "plant, reason",
+    [
+        (lambda f, b: (f / "config.json").unlink() or (f / "config.json").symlink_to(b), "link"),
+        (lambda f, b: os.mkfifo(f / "x.json"), "not a regular file"),
+        (lambda f, b: (f / "modeling.py").write_text("import os"), "not a JSON or safetensors"),
+        (lambda f, b: (f / "big.safetensors").write_bytes(b"\0" * 1000), "more than 1000 bytes"),
+    ],
+    ids=["link", "fifo", "code", "too-big"],
+)
+def test_the_api_packs_only_plain_json_and_safetensors_within_a_size(
+    tmp_path: Path, plant: Any, reason: str
+) -> None:
+    root, folder = an_export(tmp_path)
+    _, _, theirs = two_tenants(tmp_path)
+    plant(folder, theirs)
+    with pytest.raises(ExportError, match=reason):
+        pack_export(root, folder, tmp_path / "a.tar", max_bytes=1000)
+    assert theirs.read_text() == "tenant b's data"
+
+
+def test_a_linked_export_folder_is_not_entered_nor_deleted_through(tmp_path: Path) -> None:
+    root, _ = an_export(tmp_path)
+    _, _, theirs = two_tenants(tmp_path)
+    (root / "exports" / "m").symlink_to(theirs.parent)
+    with pytest.raises(ExportError, match="link or not a folder"):
+        pack_export(root, root / "exports" / "m", tmp_path / "a.tar", max_bytes=1000)
+    remove_export(root, root / "exports" / "m")
+    assert theirs.read_text() == "tenant b's data"
+
+
+@pytest.mark.parametrize("field", ["checkpoint", "out", "model_folder"])
+def test_the_export_task_takes_only_paths_below_the_storage_root(
+    tmp_path: Path, field: str
+) -> None:
+    paths = {"checkpoint": "jobs/1/checkpoints/step_1-a1", "out": "exports/n/model"}
+    for bad in ("../elsewhere", "/etc", "jobs/../../x"):
+        request = ExportRequest(
+            job_id=1, storage_path=str(tmp_path), workload="gpt", params_json="{}",
+            **{**paths, field: bad},
+        )  # fmt: skip
+        outcome = run_export(request)
+        assert "not a path below the storage root" in outcome.refused, outcome
+    assert not (tmp_path.parent / "elsewhere").exists()

@@ -85,11 +85,11 @@ def test_service_does_not_load_torch() -> None:
     assert "elastrain.service.jobs" in modules and "elastrain.service.runtime_client" in modules
     modules.remove("elastrain.service.runtime_client")
     assert _first_offender(modules, {"torch", "api", "workers"}) == {}
-    # The runtime client imports the runtime actor's class (its one edge into `workers`)
-    # and nothing a rank runs: no torch, no worker process, no training loop.
+    # The runtime client imports the runtime actor's class and the export task (its
+    # edges into `workers`) and nothing a rank runs: no torch, no worker process, no training loop.
     assert _first_offender(["elastrain.service.runtime_client"], {"torch", "api"}) == {}
     loaded = _loaded_by("elastrain.service.runtime_client", "elastrain.workers")
-    assert loaded == ["elastrain.workers", "elastrain.workers.runtime", "elastrain.workers.runtime.actor",
+    assert loaded == ["elastrain.workers", "elastrain.workers.export_task", "elastrain.workers.runtime", "elastrain.workers.runtime.actor",
                       "elastrain.workers.runtime.attempts", "elastrain.workers.runtime.collect",
                       "elastrain.workers.runtime.driver", "elastrain.workers.runtime.guard",
                       "elastrain.workers.runtime.layout",
@@ -136,6 +136,8 @@ _ALLOWED_ONLY_IN = {
 _EDGES_ALLOWED = {
     # The runtime actor's class, to create the actor: its module loads no torch (tested above).
     ("service/runtime_client.py", "elastrain.workers.runtime.actor"),
+    # The export task, run on the cluster: its module loads no torch (tested above).
+    ("service/runtime_client.py", "elastrain.workers.export_task"),
     # Built-in workloads named as entrypoints in the job spec: data the workers import
     # themselves (`elastrain.workers.workloads.load_workload`), never imported where they are named.
     ("contracts/spec.py", "elastrain.workers.workloads.gpt"),

@@ -15,7 +15,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,11 +36,11 @@ from elastrain.workers.checkpointing import (
     settles_staging,
 )
 from elastrain.workers.errors import configuration_errors
-from elastrain.workers.log_cap import CappedFileHandler
 from elastrain.workers.lr_schedule import lr_at
 from elastrain.workers.memory import ReplicaMemory
 from elastrain.workers.memory.snapshots import PeerRefresher
 from elastrain.workers.profiling import StepProfiler
+from elastrain.workers.rank_output import rank_log
 from elastrain.workers.reports import Reports
 from elastrain.workers.resume import describe_restore, restore
 from elastrain.workers.rng import seed_everything
@@ -69,7 +68,7 @@ def train(
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("train() needs an initialised torch.distributed process group")
-    with _log_to_file(ctx.log_path, ctx.rank):
+    with rank_log(ctx.log_path, ctx.rank):
         return _train(ctx, spec, hooks, memory if memory is not None else ReplicaMemory())
 
 
@@ -316,29 +315,3 @@ def _superseded_now(fence: FenceWatcher) -> Superseded | None:
     except Exception:  # an unreadable fence says nothing about the error at hand
         return None
     return None
-
-
-# ---------------------------------------------------------------------------------------
-# Logging
-# ---------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _log_to_file(path: Path | None, rank: int) -> Iterator[None]:
-    if path is None:
-        yield
-        return
-    # Capped (`workers/log_cap.py`): a rank's file stops at RANK_LOG_BYTES, with a note.
-    handler = CappedFileHandler(path)
-    handler.setFormatter(
-        logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
-    )
-    logger = logging.getLogger("elastrain.workers")
-    logger.addHandler(handler)
-    if logger.level == logging.NOTSET or logger.level > logging.INFO:
-        logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        handler.close()

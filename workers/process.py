@@ -48,6 +48,7 @@ from elastrain.contracts.messages import (
 from elastrain.contracts.runtime import AttemptKey, JobRef
 from elastrain.contracts.storage import JobStorage
 from elastrain.workers.comm_release import GroupSockets, attempt_groups, release_group
+from elastrain.workers.rank_output import captured_output
 from elastrain.workers.runtime.guard import RefusalLog
 
 if TYPE_CHECKING:  # torch is imported when the process starts, not by the runtime
@@ -477,6 +478,15 @@ class WorkerProcess:
         return RunOutcome(rank=a.rank, final_step=result.last_step, error=error)
 
     def _run(self, a: Assignment) -> RunOutcome:
+        if a.spec.workload.command is not None:  # its own output is piped to its log already
+            return self._run_attempt(a)
+        # Every line the rank's process writes (the job's prints, warnings, a traceback
+        # below) in the rank's log file, not only in Ray's.
+        log_path = JobStorage.of(a.storage_path, a.job_id).log_file(attempt=a.attempt, rank=a.rank)
+        with captured_output(log_path, a.rank):
+            return self._run_attempt(a)
+
+    def _run_attempt(self, a: Assignment) -> RunOutcome:
         import torch
         import torch.distributed as dist
 

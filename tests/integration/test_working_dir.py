@@ -1,6 +1,7 @@
 """A user's own code, shipped with the job: a working directory that is not installed
 anywhere is submitted with the CLI, trains on a multi-node Ray cluster, survives the loss
-of a node, and every attempt runs exactly the uploaded package."""
+of a node, and every attempt runs exactly the uploaded package. Its prints, warnings,
+native output and tracebacks are in the job's logs."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.chaos]
 
 MODEL = '''\
 """A user's regression model: nothing of it is installed on the cluster."""
+import os
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -29,7 +32,12 @@ from elastrain.workers.api import Workload
 from wd_regressor.data import make_data
 
 
-def build(hidden: int = 32, slow_s: float = 0.0) -> Workload:
+def build(hidden: int = 32, slow_s: float = 0.0, fail: bool = False) -> Workload:
+    print(f"wd_regressor: building hidden={hidden}")
+    warnings.warn("wd_regressor: a user's warning")
+    os.write(2, b"wd_regressor: below Python \\x1b]0;title\\x07\\n")  # as a native library would
+    if fail:
+        raise ValueError("wd_regressor: no such data")
     x, y = make_data()
 
     def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -137,6 +145,38 @@ def test_an_uninstalled_working_dir_trains_loses_a_node_and_resumes(
         status = CliRunner().invoke(cli.app, ["--url", server.url, "status", str(job_id)])
         assert f"package:          {digest}" in status.stdout
         assert "wd_regressor.model:build" in status.stdout
+
+        # What the factory printed, warned and wrote below Python, on every rank, escaped.
+        for attempt in (1, final["attempt"]):
+            shown = _logs(server.url, job_id, attempt)
+            for rank in (0, 1) if attempt == 1 else (0,):
+                assert f"[rank {rank}] INFO output: wd_regressor: building hidden=32" in shown
+            assert "UserWarning: wd_regressor: a user's warning" in shown
+            assert "wd_regressor: below Python \\x1b]0;title\\x07" in shown, shown
+        # A factory that prints and raises: its print and its traceback are in the logs.
+        failing = spec_file.parent / "failing.yaml"
+        raw = yaml.safe_load(spec_file.read_text())
+        raw["workload"]["params"] = {"fail": True}
+        raw["scaling"] = {"min_workers": 1, "max_workers": 1, "cpus_per_worker": 1}
+        failing.write_text(yaml.safe_dump(raw))
+        again = CliRunner().invoke(
+            cli.app, ["--url", server.url, "submit", str(failing), "--working-dir", str(project)]
+        )
+        assert again.exit_code == 0, again.output
+        with server.http() as http:
+            failed = wait_terminal(http, int(again.stdout.split()[0]), timeout=120)
+        assert failed["state"] == "FAILED", failed
+        shown = _logs(server.url, failed["id"], 1)
+        assert "output: wd_regressor: building hidden=32" in shown
+        assert "ValueError: wd_regressor: no such data" in shown and "Traceback" in shown
     finally:
         server.stop()
         cluster.shutdown()
+
+
+def _logs(url: str, job_id: int, attempt: int) -> str:
+    shown = CliRunner().invoke(
+        cli.app, ["--url", url, "logs", str(job_id), "--attempt", str(attempt)]
+    )
+    assert shown.exit_code == 0, shown.output
+    return shown.stdout

@@ -200,13 +200,16 @@ def refresh_body(rank: int, world_size: int, params: dict[str, int], steps: int,
 
 
 def node_loss_trials(
-    strategies: list[str], repeats: int, steps: int
+    strategies: list[str], repeats: int, steps: int, *, compiled: tuple[bool, ...] = (False,)
 ) -> dict[str, list[dict[str, Any]]]:
+    """Per strategy (and, with `compiled`, per `training.compile` setting, labelled
+    `<strategy> compiled`), `repeats` node losses, interleaved."""
     from bench.elastic_bench import wait_for_warm_pool
     from tests.integration.cluster_service import multi_node_service
     from tests.integration.ray_service import submit, tiny_gpt_spec, wait_for, wait_terminal
 
-    results: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
+    cases = [(s, c) for s in strategies for c in compiled]
+    results: dict[str, list[dict[str, Any]]] = {_case_label(s, c): [] for s, c in cases}
     service = multi_node_service(
         Path(tempfile.mkdtemp(prefix="peer-bench-")), worker_nodes=2, cpus_per_node=2,
         grow_interval_s=3600, warm_workers_per_node=2, allowed_hosts=["testserver"],
@@ -214,12 +217,18 @@ def node_loss_trials(
     with service as (client, nodes):
         nodes.add(1)  # c: room for one rank after the loss
         for i in range(repeats):
-            for label in strategies:
+            for strategy, compile_on in cases:
+                label = _case_label(strategy, compile_on)
                 spec = tiny_gpt_spec(
-                    f"{label}-{i}",
-                    strategy=STRATEGIES[label],
+                    f"{strategy}-{i}",
+                    strategy=STRATEGIES[strategy],
                     scaling={"min_workers": 2, "max_workers": 4, "cpus_per_worker": 1},
-                    training={"global_batch_size": 16, "micro_batch_size": 4, "max_steps": steps},
+                    training={
+                        "global_batch_size": 16,
+                        "micro_batch_size": 4,
+                        "max_steps": steps,
+                        "compile": compile_on,
+                    },
                     # Every step: a crash then loses none (the default interval trades
                     # that for <= 5 % of step time; part 2 measures what it chooses).
                     checkpoint={"every_steps": 50, "memory_every": 1},
@@ -260,6 +269,10 @@ def node_loss_trials(
     return results
 
 
+def _case_label(strategy: str, compiled: bool) -> str:
+    return f"{strategy} compiled" if compiled else strategy
+
+
 def _wait_points(
     client: Any, job_id: int, attempt: int, timeout: float = 60
 ) -> list[dict[str, Any]]:
@@ -287,7 +300,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, one trial")
     parser.add_argument("--no-cluster", action="store_true", help="skip part 3")
     parser.add_argument("--out", type=Path, default=Path("docs/bench-peer-restore.md"))
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="part 3 only, for ddp and fsdp, eager and with training.compile side by side",
+    )
     args = parser.parse_args()
+    if args.compile:
+        compile_report(args)
+        return
     if args.quick:
         args.repeats, args.mb, args.steps = 1, 16, 4
     params = (
@@ -316,6 +337,32 @@ def main() -> None:
 
 
 TITLE = "# Peer memory: refresh cost, hand-over throughput, node loss per strategy\n"
+
+
+def compile_report(args: argparse.Namespace) -> None:
+    """Node lost -> first step with `training.compile` on, beside eager, in one run."""
+    losses = node_loss_trials(
+        ["ddp", "fsdp"], args.repeats, 200 if args.quick else 400, compiled=(False, True)
+    )
+    lines = [
+        f"`python bench/peer_restore_bench.py --compile --repeats {args.repeats}`: part 3's "
+        "node loss, eager and with `training.compile: true` (each block compiled) alternately.",
+        "The rank that takes over on node c runs in a process that has not compiled the job's",
+        "blocks: it compiles at its first step (inductor's on-disk cache warm from the first job).",
+        "",
+        "| strategy | node lost -> first step (s), median | trials | steps recomputed |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for label, trials in losses.items():
+        times = [t["loss_to_step_s"] for t in trials]
+        lines.append(
+            f"| {label} | {statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f}) "
+            f"| {len(times)} | {_counted(t['steps_recomputed'] for t in trials)} |"
+        )
+    block = "\n".join(lines)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_block(args.out, "peer-restore-compile", block, new_document=TITLE)
+    print(block)
 
 
 def render(

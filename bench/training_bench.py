@@ -7,6 +7,7 @@ the job's own metrics: median step time over the steady-state steps, tokens/s, a
 time from submit (the job's created_at) to the end of its first step.
 
     .venv/bin/python bench/training_bench.py [--steps 40] [--quick] [--out docs/bench-training.md]
+    .venv/bin/python bench/training_bench.py --compile [--steps 60]   # eager vs training.compile
 
 The report goes between its markers in `--out`; notes written around them stay.
 """
@@ -62,21 +63,38 @@ CASES = [
 #: to show the script still runs; tests/integration/test_training_ray.py trains every strategy
 #: through the service.
 QUICK_CASES = [CASES[1], CASES[-1]]
+#: `--compile`: each strategy that compiles, eager then `training.compile`, side by side.
+COMPILE_CASES = [
+    (f"{name} {mode}", strategy, 2, {"compile": mode == "compiled"})
+    for name, strategy in (
+        ("ddp", {"kind": "ddp"}),
+        ("fsdp", {"kind": "fsdp"}),
+        ("tp2", {"kind": "tp", "tensor_parallel": 2}),
+    )
+    for mode in ("eager", "compiled")
+]
+Case = tuple[str, dict[str, object], int] | tuple[str, dict[str, object], int, dict[str, object]]
 
 
-def run(steps: int, cases: list[tuple[str, dict[str, object], int]]) -> list[dict[str, object]]:
+def run(steps: int, cases: list[Case]) -> list[dict[str, object]]:
     rows = []
     with (
         tempfile.TemporaryDirectory() as tmp,
         ray_service(Path(tmp), num_cpus=4, **SERVICE) as client,
     ):
-        for name, strategy, workers in cases:
+        for name, strategy, workers, *more in cases:
+            training = more[0] if more else {}
             spec = tiny_gpt_spec(
                 f"bench-{name}-{workers}",
                 workload={"name": "gpt", "params": GPT},
                 strategy=strategy,
                 scaling={"min_workers": workers, "max_workers": workers, "cpus_per_worker": 1},
-                training={"global_batch_size": 32, "micro_batch_size": 16, "max_steps": steps},
+                training={
+                    "global_batch_size": 32,
+                    "micro_batch_size": 16,
+                    "max_steps": steps,
+                    **training,
+                },
                 checkpoint={"every_steps": steps, "keep_last": 2},
             )
             job_id = submit(client, spec)
@@ -111,10 +129,16 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help=f"{len(QUICK_CASES)} of the {len(CASES)} cases"
     )
+    parser.add_argument(
+        "--compile", action="store_true", help="eager vs training.compile, per strategy"
+    )
     args = parser.parse_args()
     if args.steps <= STEADY_AFTER:
         parser.error(f"--steps must be above {STEADY_AFTER}: the figures are of later steps")
     started = time.time()
+    if args.compile:
+        compile_report(args.steps, args.out, started)
+        return
     rows = run(args.steps, QUICK_CASES if args.quick else CASES)
     lines = [
         f"`python bench/training_bench.py --steps {args.steps}{' --quick' if args.quick else ''}`: "
@@ -139,6 +163,31 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     block = "\n".join(lines)
     write_block(args.out, "training-report", block, new_document=TITLE)
+    print(block)
+
+
+def compile_report(steps: int, out: Path, started: float) -> None:
+    rows = run(steps, COMPILE_CASES)  # type: ignore[arg-type]
+    lines = [
+        f"`python bench/training_bench.py --compile --steps {steps}`: the same gpt {GPT} and",
+        "batches as above, 2 workers, each strategy eager then with `training.compile: true`",
+        "(torch.compile per block, inductor on CPU), one job after the other in one service.",
+        "Submit -> first step includes the compile (inductor's on-disk cache is warm after the",
+        "first job of a machine).",
+        "",
+        "| strategy | steps/s | compiled / eager | submit -> first step (s) | final loss |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for eager, compiled in zip(rows[::2], rows[1::2], strict=True):
+        for r in (eager, compiled):
+            ratio = float(r["steps_per_s"]) / float(eager["steps_per_s"])  # type: ignore[arg-type]
+            lines.append(
+                f"| {r['strategy']} | {r['steps_per_s']:.2f} | {ratio:.2f}x "
+                f"| {r['submit_to_first_step_s']:.1f} | {r['final_loss']:.4f} |"
+            )
+    lines += ["", f"Total bench time {time.time() - started:.0f} s."]
+    block = "\n".join(lines)
+    write_block(out, "compile-report", block, new_document=TITLE)
     print(block)
 
 

@@ -442,6 +442,12 @@ class TrainingSpec(_Strict):
     )
     max_steps: int = Field(default=200, ge=1, le=100_000_000)
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    compile: bool = Field(
+        default=False,
+        description="torch.compile each of the model's blocks (its shard_units), as "
+        "torchtitan does: faster steps once compiled. A process's first step compiles "
+        "(seconds to minutes); a later attempt in the same warm process reuses it",
+    )
 
     @model_validator(mode="after")
     def _divisible(self) -> TrainingSpec:
@@ -599,6 +605,16 @@ class JobSpec(_Strict):
             raise ValueError(f"strategy.pipeline_stages: {why}")
         if self.strategy.tensor_parallel_degree > 1 and (why := self._no_tensor_parallel()):
             raise ValueError(f"strategy.tensor_parallel: {why}")
+        if self.training.compile and self.workload.command is not None:
+            raise ValueError(
+                "training.compile: a command job's script compiles its own model; set it "
+                "false and call torch.compile in the script"
+            )
+        if self.training.compile and self.strategy.kind == StrategyKind.pipeline:
+            raise ValueError(
+                "training.compile: not supported with kind 'pipeline' yet; use ddp, fsdp "
+                "or tp, or compile: false"
+            )
         if self.workload.command is not None and self.strategy != StrategySpec():
             raise ValueError(
                 "strategy: a command job's script does its own parallelism (every rank runs "

@@ -122,7 +122,10 @@ def _checkpointed(forward: Callable[..., Any], meter: ActivationMeter) -> Callab
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return forward(*args, **kwargs)
-        meter.add(args)  # what checkpoint keeps for the recomputation
+        # What checkpoint keeps for the recomputation; not while torch.compile traces the
+        # unit (`training.compile`): the meter's storage lookups would break its graph.
+        if not torch.compiler.is_compiling():
+            meter.add(args)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastrain.contracts.messages import ErrorKind
+from elastrain.workers.compiling import is_compile_error
 from elastrain.workers.workloads import WorkloadError
 
 #: Words gloo's transport puts in the error a rank gets when a peer of its collective went
@@ -100,6 +101,12 @@ def configuration_errors(what: str) -> Iterator[None]:
     except Exception as exc:
         if error_kind(exc) != ErrorKind.RAISED or _may_pass(exc):
             raise
+        if is_compile_error(exc):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise WorkloadError(
+                f"training.compile: {what} did not compile ({type(exc).__name__}: {first}); "
+                "set training.compile: false"
+            ) from exc
         raise WorkloadError(f"{what} raised {type(exc).__name__}: {exc}") from exc
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from elastrain.checkpoints.fence import FenceWatcher, Superseded
 from elastrain.contracts.messages import Control, Phase, TimelineMark
-from elastrain.contracts.spec import JobSpec
+from elastrain.contracts.spec import JobSpec, StrategyKind
 from elastrain.workers.activation import apply_activation_checkpointing
 from elastrain.workers.api import (
     AttemptAborted,
@@ -35,6 +35,7 @@ from elastrain.workers.checkpointing import (
     save_checkpoint,
     settles_staging,
 )
+from elastrain.workers.compiling import compile_units
 from elastrain.workers.errors import configuration_errors
 from elastrain.workers.lr_schedule import lr_at
 from elastrain.workers.memory import ReplicaMemory
@@ -90,6 +91,10 @@ def _train(
     apply_activation_checkpointing(
         workload.model, training.activation_checkpointing, strategy.activations
     )
+    if training.compile:
+        if spec.strategy.kind == StrategyKind.pipeline:  # `auto` may have chosen it
+            raise WorkloadError("training.compile: not supported with kind 'pipeline' yet")
+        compile_units(workload.model)
     strategy.setup(workload, ctx, spec)
     layout = strategy.layout
     with configuration_errors("workload: its dataset"):  # its length, its first sample

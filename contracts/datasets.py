@@ -24,6 +24,7 @@ the root once more (`elastrain.workers.workloads.load_workload`). Torch-free.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,11 @@ TENANT_DATA_DIR = "data"
 #: Data an operator publishes for every tenant, read-only for jobs: `<storage>/shared/`.
 SHARED_DATA_DIR = "shared"
 #: The params of the gpt (and hf_causal_lm) that name files or folders.
-PATH_PARAMS = ("data_path", "eval_path", "model")
+PATH_PARAMS = ("data_path", "eval_path", "model", "tokenizer")
+#: A Hugging Face tokenizer's file, in the folder `tokenizer` names.
+TOKENIZER_FILE = "tokenizer.json"
+#: The most bytes of a tokenizer.json read at submit (large vocabularies are ~10-20 MB).
+MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
 #: The built-in workloads that read files from the tenant's data area.
 DATA_WORKLOADS = frozenset({"gpt", "hf_causal_lm"})
 
@@ -143,6 +148,8 @@ def data_path_problems(
     problems: list[str] = []
     if isinstance(params, HfCausalLmParams) and params.model is not None:
         problems.extend(model_folder_problems(params.model, storage_root, owner))
+    if params.tokenizer is not None:
+        problems.extend(tokenizer_problems(params, storage_root, owner))
     for key in ("data_path", "eval_path"):
         path = getattr(params, key)
         if path is None:
@@ -207,4 +214,66 @@ def model_folder_problems(path: str, storage_root: Path, owner: str) -> list[str
         ]
     if not (real / "config.json").is_file():
         return [f"{where}: {path!r} has no config.json (a Hugging Face model folder has)"]
+    return []
+
+
+def tokenizer_file(real: Path) -> Path:
+    """The tokenizer.json a `tokenizer` param names: the folder's, or the file itself."""
+    return real / TOKENIZER_FILE if real.is_dir() else real
+
+
+def tokenizer_vocab_size(data: bytes) -> int:
+    """The vocabulary of a Hugging Face tokenizer.json (its model's ids and the added
+    tokens'), read as JSON. ValueError when it is not one."""
+    doc = json.loads(data)
+    model = doc.get("model") if isinstance(doc, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
+        ids = [i for i in vocab.values() if isinstance(i, int)]
+    elif isinstance(vocab, list):  # Unigram: [token, score] by id
+        ids = list(range(len(vocab)))
+    else:
+        raise ValueError("no model.vocab: not a Hugging Face tokenizer.json")
+    added = doc.get("added_tokens") or []
+    ids += [t["id"] for t in added if isinstance(t, dict) and isinstance(t.get("id"), int)]
+    if not ids:
+        raise ValueError("an empty vocabulary")
+    return max(ids) + 1
+
+
+def tokenizer_problems(
+    params: GptParams | HfCausalLmParams, storage_root: Path, owner: str
+) -> list[str]:
+    """What is wrong with the params' `tokenizer`: it must name a tokenizer.json (or a
+    folder holding one) in the owner's (or the shared) area, and an hf_causal_lm built
+    from a config must have an embedding row for each of its ids."""
+    where, path = "workload.params.tokenizer", params.tokenizer
+    assert path is not None
+    try:
+        real = resolve_data_path(path, storage_root, owner)
+    except DataPathError as exc:
+        return [f"{where}: {exc}"]
+    found = tokenizer_file(real)
+    if not found.is_file():
+        return [
+            f"{where}: {path!r} is not a {TOKENIZER_FILE} nor a folder holding one in your "
+            f"data area ({_WHERE}); save it with tokenizer.save_pretrained(folder) and copy it"
+        ]
+    if found.stat().st_size > MAX_TOKENIZER_BYTES:
+        return [f"{where}: {path!r} is larger than {MAX_TOKENIZER_BYTES} bytes"]
+    try:
+        vocab = tokenizer_vocab_size(found.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        return [f"{where}: {path!r} is not a Hugging Face {TOKENIZER_FILE} ({exc})"]
+    model_vocab = (
+        params.config.get("vocab_size")
+        if isinstance(params, HfCausalLmParams) and params.config is not None
+        else None
+    )
+    if isinstance(model_vocab, int) and model_vocab < vocab:
+        return [
+            f"workload.params.config.vocab_size ({model_vocab}) is smaller than the "
+            f"tokenizer's vocabulary ({vocab}): every token id must have an embedding row; "
+            "raise config.vocab_size"
+        ]
     return []

@@ -31,10 +31,12 @@ BUNDLED_VOCAB = 65
 
 class _TokenData:
     """The data fields' meaning, shared by the built-ins that read token streams (the gpt,
-    hf_causal_lm): `data_path`, `token_dtype`, `vocab_size`, `eval_path`, `eval_fraction`."""
+    hf_causal_lm): `data_path`, `token_dtype`, `vocab_size`, `eval_path`, `eval_fraction`,
+    `tokenizer`."""
 
     if TYPE_CHECKING:  # fields of the pydantic models this is mixed into
         data_path: str | None
+        tokenizer: str | None
         eval_path: str | None
         eval_fraction: float | None
 
@@ -79,6 +81,11 @@ def token_data_problem(p: Any) -> str | None:
         )
     if p.eval_path is not None and p.eval_fraction is not None:
         return "workload.params.eval_fraction: give eval_path or eval_fraction, not both"
+    if p.tokenizer is not None and (p.data_path is None or p.token_dtype is not None):
+        return (
+            "workload.params.tokenizer: only with a text data_path (token_dtype files hold "
+            "token ids already; the bundled corpus is characters)"
+        )
     return None
 
 
@@ -100,6 +107,11 @@ class GptParams(_TokenData, _Params):
     eval_path: DataPath | None = None
     """A held-out file in the same format; else the last `eval_fraction` of data_path."""
     eval_fraction: Annotated[float, Field(ge=0, lt=1)] | None = None
+    tokenizer: DataPath | None = None
+    """A Hugging Face tokenizer in the data area: a folder holding `tokenizer.json` (or the
+    file): a text data_path is tokenized with it instead of one token per character, and
+    the vocabulary is the tokenizer's. Loaded with the `tokenizers` library; nothing is
+    downloaded."""
 
     @model_validator(mode="after")
     def _consistent(self) -> GptParams:
@@ -130,6 +142,8 @@ class HfCausalLmParams(_TokenData, _Params):
     vocab_size: Annotated[StrictInt, Field(ge=1, le=2**32)] | None = None
     eval_path: DataPath | None = None
     eval_fraction: Annotated[float, Field(ge=0, lt=1)] | None = None
+    tokenizer: DataPath | None = None
+    """As the gpt's: a folder holding `tokenizer.json`, for a text data_path."""
 
     @model_validator(mode="after")
     def _consistent(self) -> HfCausalLmParams:
@@ -161,7 +175,7 @@ class HfCausalLmParams(_TokenData, _Params):
         """The data's vocabulary when known without reading it (a text file's is not)."""
         if self.data_path is None:
             return BUNDLED_VOCAB
-        return self.vocab_size
+        return self.vocab_size  # None for text: its characters', or its tokenizer's
 
 
 class SyntheticParams(_Params):

@@ -71,7 +71,7 @@ def token_windows(params: GptParams | HfCausalLmParams) -> TokenData:
         data_path=params.data_path, token_dtype=params.token_dtype,
         vocab_size=params.vocab_size, eval_path=params.eval_path,
         held_out_fraction=params.held_out_fraction, seq_len=params.seq_len,
-        stride=params.stride,
+        stride=params.stride, tokenizer=params.tokenizer,
     )  # fmt: skip
 
 

@@ -192,7 +192,8 @@ def build(params: HfCausalLmParams) -> Workload:
         field = "config.vocab_size" if params.config is not None else "model"
         raise WorkloadError(
             f"workload.params.{field}: the model takes {vocab} token ids, the data has "
-            f"{data.vocab_size} (workload.params.vocab_size, or the text's characters): "
+            f"{data.vocab_size} (workload.params.vocab_size, the tokenizer's, or the text's "
+            "characters): "
             "every token id must have an embedding row"
         )
     wrapped = HfCausalLM(lm)

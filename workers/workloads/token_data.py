@@ -2,7 +2,8 @@
 
 Three sources: the bundled tiny Shakespeare (characters), a user's UTF-8 text file
 (characters: the vocabulary is the sorted set of characters, exactly as for the bundled
-corpus), or a flat file of little-endian uint16/uint32 token ids (nanoGPT's `train.bin`),
+corpus; or, with `tokenizer`, the ids a Hugging Face tokenizer gives it, the vocabulary
+the tokenizer's), or a flat file of little-endian uint16/uint32 token ids (nanoGPT's `train.bin`),
 memory-mapped, so a file larger than RAM costs only the pages the sampled windows touch.
 
 Window `i` of a stream is always the same tokens, which is what the elastic sampler's
@@ -13,6 +14,7 @@ stop before it, so no training window ever contains a held-out token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from elastrain.contracts.datasets import split_sizes
+from elastrain.contracts.datasets import split_sizes, tokenizer_file
 from elastrain.workers.workloads import WorkloadError
 
 _NUMPY_DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -90,16 +92,21 @@ def load_token_data(
     held_out_fraction: float,
     seq_len: int,
     stride: int | None,
+    tokenizer: str | None = None,
 ) -> TokenData:
     """The user's data as training windows and (maybe) held-out windows."""
-    if token_dtype is None:
+    tokens: torch.Tensor | np.ndarray[Any, Any]
+    held_tokens: torch.Tensor | np.ndarray[Any, Any] | None
+    if tokenizer is not None:
+        encode, size = _tokenizer(tokenizer)
+        tokens = encode(_read_text(data_path, "data_path"))
+        held_tokens = encode(_read_text(eval_path, "eval_path")) if eval_path else None
+    elif token_dtype is None:
         text = _read_text(data_path, "data_path")
         held_text = _read_text(eval_path, "eval_path") if eval_path else ""
         vocab = char_vocab(text, held_text)
-        tokens: torch.Tensor | np.ndarray[Any, Any] = encode_chars(text, vocab)
-        held_tokens: torch.Tensor | np.ndarray[Any, Any] | None = (
-            encode_chars(held_text, vocab) if eval_path else None
-        )
+        tokens = encode_chars(text, vocab)
+        held_tokens = encode_chars(held_text, vocab) if eval_path else None
         size = len(vocab)
     else:
         if vocab_size is None:
@@ -122,6 +129,42 @@ def load_token_data(
     elif held:
         held_out = TokenWindows(tokens, seq_len, stride, start=train_end)
     return TokenData(train=train, held_out=held_out, vocab_size=size)
+
+
+#: Text is tokenized in pieces of about this many characters, cut after a newline.
+_ENCODE_CHARS = 1 << 20
+
+
+def _tokenizer(path: str) -> tuple[Callable[[str], np.ndarray[Any, Any]], int]:
+    """A Hugging Face tokenizer's `encode` (text -> token ids) and its vocabulary size,
+    from `path` (a tokenizer.json, or a folder holding one)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as exc:  # the hf extra is not installed on this worker
+        raise WorkloadError(
+            "workload.params.tokenizer: the workers lack the `tokenizers` library (the "
+            "hf extra: pip install 'elastrain[hf]')"
+        ) from exc
+    try:
+        tok = Tokenizer.from_file(str(tokenizer_file(Path(path))))
+    except Exception as exc:  # tokenizers raises its own Exception for a bad file
+        raise WorkloadError(f"workload.params.tokenizer: cannot load {path} ({exc})") from exc
+    size = tok.get_vocab_size(with_added_tokens=True)
+    dtype = np.uint16 if size <= 2**16 else np.uint32
+
+    def encode(text: str) -> np.ndarray[Any, Any]:
+        # In pieces cut after a newline (encoded as one, with the Rust library's threads):
+        # the whole of a large file as one string would be one long sequence.
+        pieces, start = [], 0
+        while start < len(text):
+            end = text.find("\n", start + _ENCODE_CHARS)
+            end = len(text) if end < 0 else end + 1
+            pieces.append(text[start:end])
+            start = end
+        ids = [e.ids for e in tok.encode_batch(pieces, add_special_tokens=False)]
+        return np.fromiter((i for part in ids for i in part), dtype=dtype)
+
+    return encode, size
 
 
 def _read_text(path: str, key: str) -> str:

@@ -252,7 +252,7 @@ def rates(step_s: float, shape: Shape, gpus: int, device: str) -> tuple[float, f
 
 
 def plain_torchrun(strategy: str, shape: Shape, gpus: int, deadline: Deadline,
-                   *, sync_every_step: bool = False) -> float:  # fmt: skip
+                   *, sync_every_step: bool = False, compiled: bool = False) -> float:  # fmt: skip
     """The mean step time (s) of the plain script, after its warm-up steps."""
     on_cpu = gpu_on_cpu()
     with tempfile.TemporaryDirectory() as tmp:
@@ -265,6 +265,7 @@ def plain_torchrun(strategy: str, shape: Shape, gpus: int, deadline: Deadline,
             "--steps", str(shape.steps + WARMUP_STEPS), "--params", json.dumps(shape.params),
             "--global-batch", str(shape.global_batch), "--micro-batch", str(shape.micro_batch),
             "--out", str(out), *(["--sync-every-step"] if sync_every_step else []),
+            *(["--compile"] if compiled else []),
         ]  # fmt: skip
         say(" ".join(argv[1:]))
         subprocess.run(argv, check=True, timeout=deadline.left(300), cwd=ROOT)
@@ -278,7 +279,7 @@ def plain_torchrun(strategy: str, shape: Shape, gpus: int, deadline: Deadline,
 
 
 def job_spec(name: str, strategy: str, shape: Shape, gpus: int, *, async_save: bool,
-             max_steps: int = 1_000_000) -> dict[str, Any]:  # fmt: skip
+             max_steps: int = 1_000_000, compiled: bool = False) -> dict[str, Any]:  # fmt: skip
     return {
         "name": name,
         "workload": {"name": "gpt", "params": shape.params},
@@ -287,7 +288,7 @@ def job_spec(name: str, strategy: str, shape: Shape, gpus: int, *, async_save: b
                     "gpus_per_worker": 1, "cpus_per_worker": 1},
         "training": {"global_batch_size": shape.global_batch,
                      "micro_batch_size": shape.micro_batch, "learning_rate": 3e-4,
-                     "max_steps": max_steps, "seed": 0},
+                     "max_steps": max_steps, "seed": 0, "compile": compiled},
         "checkpoint": {"every_steps": shape.checkpoint_every, "keep_last": 2,
                        "async_save": async_save},
         "failure": {"max_restarts": 5},
@@ -528,7 +529,23 @@ def service_checks(report: Report, shape: Shape, gpus: int, device: str,
             with step(report, f"service: {strategy} bf16 job"):
                 run_job(svc, report, strategy, shape, gpus, device, deadline,
                         kill=strategy == "ddp")  # fmt: skip
+        for strategy in ("ddp", "fsdp"):
+            with step(report, f"service: {strategy} bf16 job, training.compile"):
+                compiled_throughput(svc, report, strategy, shape, gpus, device, deadline)
         keep_profiles(Path(tmp))
+
+
+def compiled_throughput(svc: Service, report: Report, strategy: str, shape: Shape, gpus: int,
+                        device: str, deadline: Deadline) -> None:  # fmt: skip
+    """Tokens/s of the job with `training.compile: true` (its first steps compile)."""
+    label = f"{strategy} {'fp32 on CPU' if gpu_on_cpu() else 'bf16'} compiled"
+    job = svc.submit(job_spec(f"gpu-{strategy}-compiled", strategy, shape, gpus,
+                              async_save=True, compiled=True))  # fmt: skip
+    svc.training(job, 1, WARMUP_STEPS + shape.steps, deadline)
+    points = svc.metrics(job)
+    step_s = throughput_step_s(points, 1, shape.checkpoint_every)
+    report.throughput.append((label, "service", *rates(step_s, shape, gpus, device)))
+    svc.cancel(job, deadline)
 
 
 def keep_profiles(root: Path) -> None:
@@ -695,6 +712,11 @@ def main() -> int:
                 step_s = plain_torchrun(strategy, shape, gpus, deadline)
                 label = f"{strategy} {'fp32 on CPU' if gpu_on_cpu() else 'bf16'}"
                 report.throughput.append((label, "plain", *rates(step_s, shape, gpus, devices[0])))
+            with step(report, f"plain torchrun: {strategy} bf16, compiled blocks"):
+                step_s = plain_torchrun(strategy, shape, gpus, deadline, compiled=True)
+                report.throughput.append(
+                    (f"{label} compiled", "plain", *rates(step_s, shape, gpus, devices[0]))
+                )
             if not args.sync_reference:
                 continue
             with step(report, f"plain torchrun, a host sync per step: {strategy} bf16"):

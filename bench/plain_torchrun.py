@@ -63,6 +63,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile each block's forward first"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -82,6 +85,9 @@ def main() -> None:
     replica = rank // stages
     share = args.global_batch // replicas  # samples per replica per step
     model = model.to(device)
+    if args.compile:  # per block, as torchtitan and `training.compile` do
+        for block in model.blocks.values():
+            block.forward = torch.compile(block.forward)
     if args.strategy == "ddp":
         model = DistributedDataParallel(model)
     elif args.strategy == "fsdp":

@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-deps test-fast lint bench bench-quick gpu-check gpu-wheels clean
+.PHONY: demo test test-deps test-fast lint docs bench bench-quick gpu-check gpu-wheels clean
 
 $(BIN)/elastrain: pyproject.toml
 	@echo "installing into $(VENV)"
@@ -13,7 +13,7 @@ $(BIN)/elastrain: pyproject.toml
 	# the install's time), and must: with PYTHONDONTWRITEBYTECODE=1, as on CI's machines,
 	# no .pyc is written at import, so every process would compile torch and ray anew.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,docs]"
 	touch $@
 
 # Start the service on the embedded defaults (SQLite, local Ray, checkpoints under
@@ -27,13 +27,21 @@ demo: $(BIN)/elastrain
 test-deps:
 	@.ci/setup-system
 
-# Lint (ruff, mypy), the whole suite: unit, integration (real Ray, real PostgreSQL), chaos,
-# browser; and every bench script in its quick mode (bench-quick), so a bench that breaks
-# fails CI too. tests/lanes.py runs them in three lanes at once: the tests that start a
-# shared Ray cluster one after another in one; the other tests, then bench-quick, in the
-# second; lint in the third. --durations: each pytest lists its slowest tests, the ones to
-# look at when CI nears its 40-minute budget.
-test: test-deps $(BIN)/elastrain
+# The docs site (mkdocs.yml, MkDocs Material) into site/, in a few seconds. Strict: a broken
+# link or anchor, or a page missing from the nav, fails the build; the CLI and REST
+# reference pages are generated from the code (docs/hooks/reference.py). `make test` builds
+# it first. (NO_MKDOCS_2_WARNING: the theme's banner about MkDocs 2.0, on every build.)
+docs: $(BIN)/elastrain
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+
+# The docs (strict, above) first, then lint (ruff, mypy), the whole suite: unit,
+# integration (real Ray, real PostgreSQL), chaos, browser; and every bench script in its
+# quick mode (bench-quick), so a bench that breaks fails CI too. tests/lanes.py runs them
+# in three lanes at once: the tests that start a shared Ray cluster one after another in
+# one; the other tests, then bench-quick, in the second; lint in the third. --durations:
+# each pytest lists its slowest tests, the ones to look at when CI nears its 40-minute
+# budget.
+test: test-deps $(BIN)/elastrain docs
 	$(BIN)/python -m tests.lanes -q --durations=30
 
 test-fast: $(BIN)/elastrain
@@ -90,4 +98,4 @@ gpu-wheels:
 	@du -sh .whl/a .whl/b
 
 clean:
-	rm -rf $(VENV) .elastrain .pytest_cache .gpu-site
+	rm -rf $(VENV) .elastrain .pytest_cache .gpu-site site

@@ -1,10 +1,10 @@
-"""The README's commands stay true: every `elastrain ...` line in its code blocks names
-a command the CLI has, with options that command takes; every `examples/...` path it
-names exists, each example spec valid (the ones whose code comes with `--working-dir`
-refused without it, saying so); every REST call it names (`GET /v1/...`) is one the API
-serves; every `ELASTRAIN_*` variable it names is read somewhere. Nothing is run: the
-commands are parsed against the CLI's own definition, the calls looked up in the API's
-OpenAPI description."""
+"""The commands the README and the docs pages (docs/*.md) show stay true: every
+`elastrain ...` line in their code blocks names a command the CLI has, with options that
+command takes; every `examples/...` path they name exists, each example spec valid (the
+ones whose code comes with `--working-dir` refused without it, saying so); every REST call
+they name (`GET /v1/...`) is one the API serves; every `ELASTRAIN_*` variable they name is
+read somewhere. Nothing is run: the commands are parsed against the CLI's own definition,
+the calls looked up in the API's OpenAPI description."""
 
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ from elastrain.api.cli import app
 from elastrain.contracts.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[2]
-# The README and the guide it points to (docs/guide.md): every command a user reads.
-README = (REPO / "README.md").read_text() + (REPO / "docs" / "guide.md").read_text()
+# The README and every page of the docs site it points to (docs/*.md; the reference pages
+# are generated from the code itself): every command a user reads.
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+README = "\n".join(page.read_text() for page in PAGES)
 CODE = "\n".join(re.findall(r"```[a-z]*\n(.*?)```", README, re.S))
 
 

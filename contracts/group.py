@@ -95,3 +95,24 @@ class RunOutcome:
     """Told to let go (the attempt was released) before it ended by itself."""
     held: HeldState | None = None
     """What the process keeps in memory now that its part ended."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankProgress:
+    """How far a rank's training got, as its process answers the runtime's poll (the
+    runtime's hang watch, `elastrain.workers.runtime.hangs`). Times are wall clock."""
+
+    step: int
+    """The last step this rank finished."""
+    last_step_at: float
+    """When it finished it (or when the attempt's loop started, before its first)."""
+    steps_done: int
+    """Steps finished in this attempt."""
+    phase: str
+    """What the rank is doing now: `data` (its batch), `step` (forward, backward, the
+    gradient collectives and the update), `checkpoint`, `eval`, `start`."""
+    phase_since: float
+    median_step_s: float | None
+    """The median of its recent steps' wall time (None before its first)."""
+    where: str = ""
+    """The innermost frames of its training thread's stack, `file:line in function`."""

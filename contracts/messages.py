@@ -78,6 +78,7 @@ class ErrorKind(str, Enum):
     DRIVER_LOST = "driver_lost"  # the runtime no longer knows the attempt
     GROUP_FAILED = "group_failed"  # the group failed and no rank said why
     BUSY = "busy"  # the process was still running another attempt
+    HANG = "hang"  # a rank made no progress past the job's hang threshold (the runtime saw it)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

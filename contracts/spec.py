@@ -500,6 +500,16 @@ class CheckpointSpec(_Strict):
 
 class FailureSpec(_Strict):
     max_restarts: int = Field(default=5, ge=0, le=1000)
+    hang_after_s: float | None = Field(
+        default=None,
+        ge=1,
+        le=86_400,
+        description="a rank that makes no progress this long (a frozen process, a collective "
+        "that never returns, a data loader or user code stuck) is hung: the attempt is "
+        "aborted and retried as a failure. null: max(10 s, 5x the attempt's median step "
+        "time). Watched from an attempt's first step on (a first step may compile or "
+        "warm up for minutes); not for workload.command scripts",
+    )
 
 
 #: Where an MLflow tracking server or store lives: a scheme MLflow understands, no

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from elastrain.contracts.messages import Control, StepMetrics, WorkerMessage
+from elastrain.workers.progress import Progress
 
 __all__ = [
     "Control",
@@ -97,6 +98,9 @@ class TrainContext:
     checkpoint_root: Path
     """This job's checkpoint folder (shared storage): one sub-folder per checkpoint."""
     log_path: Path | None = None
+    progress: Progress | None = None
+    """Where the loop marks what it does and each step it finishes (the runtime's hang
+    watch reads it through the process); None: nobody watches."""
     storage_root: Path | None = None
     """The storage root shared by every node: where the gpt's `data_path` is resolved."""
     step: int = 0

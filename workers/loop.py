@@ -41,6 +41,7 @@ from elastrain.workers.lr_schedule import lr_at
 from elastrain.workers.memory import ReplicaMemory
 from elastrain.workers.memory.snapshots import PeerRefresher
 from elastrain.workers.profiling import StepProfiler
+from elastrain.workers.progress import Progress
 from elastrain.workers.rank_output import rank_log
 from elastrain.workers.reports import Reports
 from elastrain.workers.resume import describe_restore, restore
@@ -143,6 +144,9 @@ def _train(
     # processes live on): stop before doing or writing anything more (checkpoints/fence.py).
     fence = FenceWatcher(ctx.checkpoint_root.parent, ctx.attempt, owner=ctx.database)
     profiler = StepProfiler.from_env(ctx.checkpoint_root.parent, ctx.attempt, ctx.rank)
+    # The runtime's hang watch reads this rank's progress from it (`workers/progress.py`).
+    progress = ctx.progress if ctx.progress is not None else Progress()
+    progress.started(start_step)
     with stops_when_superseded(ctx, fence), settles_staging(checkpointer):
         for step in range(start_step, max_steps):
             if ctx.abort is not None and ctx.abort.is_set():
@@ -164,18 +168,23 @@ def _train(
             # Every rank agrees on the step (the global loss, rank 0's control) before any
             # updates its weights, so all act on a control at the same step.
             with first_use:
+                progress.mark("data")
+                batches = [collate(mb) for mb in ids]
+                progress.mark("step")
                 result = strategy.step(
-                    [collate(mb) for mb in ids],
+                    batches,
                     loss_scale=loss_scale,
                     lr=lr_at(step, training),  # a function of the step: resumes agree
                     control=asked,
                     wait_staged=checkpointer.wait_staged,
                 )
             done = ctx.step = memory.step = step + 1
+            progress.stepped(done)
             step_time = time.perf_counter() - t0
             loss, control = result.loss_sum / global_batch, result.control
             eval_loss = None
             if evaluator is not None and evaluator.due(done):
+                progress.mark("eval")
                 eval_loss = evaluator.run(strategy)
 
             # Every rank keeps the point (the loss is global), rank 0 sends it.
@@ -199,6 +208,7 @@ def _train(
                 peers.after_step(memory.copies, strategy, done, step_time,
                                  final=control in _STOPS)  # fmt: skip
             if saving:
+                progress.mark("checkpoint")
                 reason = control.value if control != Control.NONE else "scheduled"
                 stalled = save_checkpoint(checkpointer, strategy, ctx, spec, done, reason=reason,
                                           metrics=reports.kept_with_checkpoint(),

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from elastrain.contracts.capability import matches_digest
-from elastrain.contracts.group import Assignment, HeldState, RunOutcome, WorkerInfo
+from elastrain.contracts.group import Assignment, HeldState, RankProgress, RunOutcome, WorkerInfo
 from elastrain.contracts.messages import (
     Control,
     ErrorKind,
@@ -48,6 +48,7 @@ from elastrain.contracts.messages import (
 from elastrain.contracts.runtime import AttemptKey, JobRef
 from elastrain.contracts.storage import JobStorage
 from elastrain.workers.comm_release import GroupSockets, attempt_groups, release_group
+from elastrain.workers.progress import Progress
 from elastrain.workers.rank_output import captured_output
 from elastrain.workers.runtime.guard import RefusalLog
 
@@ -241,6 +242,7 @@ class WorkerProcess:
         self._lock = threading.Lock()
         self._busy = False
         self._abort = threading.Event()
+        self._progress: Progress | None = None  # the running rank's, for `progress`
         self._group_sockets: GroupSockets | None = None
         self._running: AttemptKey | None = None  # the attempt this process runs a rank of
         self._own_code_of: JobRef | None = None  # told to the pool (`runs_own_code`)
@@ -328,6 +330,14 @@ class WorkerProcess:
         log.warning("%s: still in its attempt %.1fs after an abort: %s", self.name,
                     RELEASE_AFTER_S, how)  # fmt: skip
 
+    def progress(self, token: str, key: AttemptKey) -> RankProgress | None:
+        """How far this process's rank of attempt `key` got (the runtime's hang watch);
+        None when it runs no such rank, or one whose loop has not started."""
+        self._check(token, "progress", key)
+        with self._lock:
+            progress = self._progress if self._running == AttemptKey(*key) else None
+        return progress.snapshot() if progress is not None else None
+
     def control(self, token: str, key: AttemptKey, controls: list[Control]) -> None:
         """The runtime's requests for an attempt whose rank 0 runs here (or will)."""
         self._check(token, "control", key)
@@ -389,6 +399,7 @@ class WorkerProcess:
             with self._lock:
                 self._busy = False
                 self._running = None
+                self._progress = None
                 self._controls.pop(key, None)
         return dataclasses.replace(outcome, held=self._held())
 
@@ -513,11 +524,14 @@ class WorkerProcess:
             attempt=a.attempt,
             checkpoint_root=storage.checkpoints,
             log_path=log_path,
+            progress=Progress(),
             storage_root=Path(a.storage_path),
             abort=self._abort,
             database=a.database,
             node=self.node_id,
         )
+        with self._lock:
+            self._progress = ctx.progress
         if a.spec.workload.runs_own_code and self._own_code_of is None:
             self._own_code_of = JobRef(a.database, a.job_id)
         try:

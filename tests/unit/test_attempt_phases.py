@@ -19,10 +19,12 @@ from elastrain.workers.runtime.phases import (
     PLACEMENT_RETRY_MAX_S,
     PLACEMENT_RETRY_S,
     PLACEMENT_TIMEOUT_S,
+    POLL_S,
     PREFERRED_PLACEMENT_S,
     RELEASED,
     START_TIMEOUT_S,
     STORE_TIMEOUT_S,
+    AbortHung,
     AbortStragglers,
     Action,
     Ask,
@@ -32,6 +34,7 @@ from elastrain.workers.runtime.phases import (
     Fail,
     Mark,
     OpenStore,
+    Poll,
     Run,
     State,
     Step,
@@ -213,7 +216,7 @@ RESERVING = State(step=Step.RESERVE, where=Where.PREFERRED, deadline=T + PREFERR
             [Fail(type="GetTimeoutError", message="a process did not start in 300s")],
         ),
         # the store open: run
-        (at(Step.FORM), facts(store_open=True), at(Step.RUN, None), [Run()]),
+        (at(Step.FORM), facts(store_open=True), at(Step.RUN, None, poll_at=T + POLL_S), [Run()]),
         (
             at(Step.FORM),
             facts(T + 1),
@@ -249,6 +252,34 @@ RESERVING = State(step=Step.RESERVE, where=Where.PREFERRED, deadline=T + PREFERR
             at(Step.DONE, None),
             [AbortStragglers(), Verdict()],
         ),
+        # the hang watch: polls every POLL_S while all run ...
+        (
+            at(Step.RUN, None, poll_at=T),
+            facts(ranks=2),
+            at(Step.RUN, None, poll_at=T + POLL_S),
+            [Poll()],
+        ),
+        (at(Step.RUN, None, poll_at=T + 1), facts(ranks=2), at(Step.RUN, None, poll_at=T + 1), []),
+        # ... hung ranks end the attempt: stopped, the others get the grace to let go ...
+        (
+            at(Step.RUN, None, poll_at=T + 1),
+            facts(ranks=2, hung=True),
+            at(Step.RUN, None, hung=True, grace_until=T + OUTCOME_GRACE_S),
+            [AbortHung()],
+        ),
+        (
+            at(Step.RUN, None, hung=True, grace_until=T + 5),
+            facts(ranks=2, outcomes=1, bad=True, hung=True),
+            at(Step.RUN, None, hung=True, grace_until=T + 5),
+            [],
+        ),
+        # ... and a bad outcome stops the polls
+        (
+            at(Step.RUN, None, poll_at=T),
+            facts(ranks=2, outcomes=1, bad=True),
+            at(Step.RUN, None, grace_until=T + OUTCOME_GRACE_S),
+            [],
+        ),
         # over: nothing more
         (at(Step.DONE), facts(released=True, placed=True), at(Step.DONE), []),
     ],
@@ -265,6 +296,8 @@ def test_advance(state: State, observed: Facts, after: State, actions: list[Acti
         (RESERVING, T + PLACEMENT_RETRY_S),  # the next ask, not the step's deadline
         (at(Step.RUN, None), None),  # woken by the outcomes alone
         (at(Step.RUN, None, grace_until=T + 15), T + 15),
+        (at(Step.RUN, None, poll_at=T + 2), T + 2),  # the next poll
+        (at(Step.RUN, None, poll_at=T + 2, grace_until=T + 1), T + 1),  # whichever is first
         (at(Step.DONE), None),
     ],
 )

@@ -37,6 +37,7 @@ from elastrain.contracts.messages import (
     Control,
     DriverReport,
     DriverStatus,
+    ErrorKind,
     Phase,
     Placement,
     Resumed,
@@ -50,6 +51,7 @@ from elastrain.contracts.messages import (
 from elastrain.contracts.runtime import LaunchRequest
 from elastrain.workers.runtime import phases
 from elastrain.workers.runtime.collect import Outcomes
+from elastrain.workers.runtime.hangs import Hang, RankSeen, find_hang
 from elastrain.workers.runtime.layout import local_layout
 from elastrain.workers.runtime.ordering import InOrder
 from elastrain.workers.runtime.phases import Facts, State, Step
@@ -126,6 +128,11 @@ class AttemptDriver:
         self._ready: dict[str, Future[Any]] = {}  # a starting process's first answer, by name
         self._store: Future[Any] | None = None  # rank 0's store port
         self._outcomes = Outcomes(pool, wake)  # RUN: the ranks' outcomes
+        # RUN: the hang watch. Each rank's last answer, and its poll still out (with when
+        # it was sent); what it found, once it found something.
+        self._seen: dict[int, RankSeen] = {}
+        self._polls: dict[int, tuple[Future[Any], float]] = {}
+        self._hang: Hang | None = None
         detected = request.detected_at or time.time()
         self._mark(Phase.DETECTED, at=detected, detail=request.cause)
 
@@ -309,8 +316,24 @@ class AttemptDriver:
         if step == Step.RUN:
             self._outcomes.take_in()
             known, bad = len(self._outcomes.known), self._outcomes.bad
-            return replace(facts, ranks=len(self.workers), outcomes=known, bad=bad)
+            hung = self._watch_hangs() if self._hang is None and not bad else False
+            return replace(facts, ranks=len(self.workers), outcomes=known, bad=bad, hung=hung)
         return facts
+
+    def _watch_hangs(self) -> bool:
+        """Take in the polls' answers; whether the hang watch names hung ranks."""
+        for rank, (future, _) in list(self._polls.items()):
+            if future.done():
+                del self._polls[rank]
+                answer = future.result() if future.exception() is None else None
+                self._seen[rank] = RankSeen(progress=answer)
+        seen: dict[int, RankSeen] = {}
+        for rank in range(len(self.workers)):
+            last, poll = self._seen.get(rank, RankSeen(None)), self._polls.get(rank)
+            seen[rank] = replace(last, unanswered_since=poll[1]) if poll is not None else last
+        after = self.request.spec.failure.hang_after_s
+        self._hang = find_hang(seen, time.time(), after)
+        return self._hang is not None
 
     def _processes_up(self) -> bool:
         """Whether every chosen process answered once (one that failed to start raises)."""
@@ -358,12 +381,60 @@ class AttemptDriver:
                 )
             case phases.Run():
                 self._run()
+            case phases.Poll():
+                self._poll()
+            case phases.AbortHung():
+                self._abort_hung()
             case phases.AbortStragglers():
                 self._outcomes.give_up()
+                if self._hang is not None:  # still out after the grace: hung too
+                    for rank in self._outcomes.stragglers:
+                        self.pool.stop(self.workers[rank], "hung in its attempt")
             case phases.Verdict():
-                self._finish(*verdict(self._outcomes.final(), command=self._command))
+                status, error = verdict(self._outcomes.final(), command=self._command)
+                if self._hang is not None:  # the cause, whatever the ranks said after it
+                    status, error = DriverStatus.FAILED, self._hang_error(self._hang)
+                self._finish(status, error)
             case phases.Fail(type=type_, message=message):
                 self._fail(RuntimeError(message), error=WorkerError(type=type_, message=message))
+
+    def _poll(self) -> None:
+        """Ask each rank's process how far it got; a rank whose last ask is still out is
+        not asked again (how long it has been out is what the watch reads)."""
+        if self._command:
+            return  # a script reports no loop's progress
+        sent = time.time()
+        for rank, w in enumerate(self.workers):
+            if rank not in self._polls:
+                ref = w.handle.progress.remote(self.pool.token, self.key)
+                self._polls[rank] = (self._watch(ref), sent)
+
+    def _abort_hung(self) -> None:
+        """Stop the hung ranks' processes (a rank stuck in its own code never lets go) and
+        tell the others to let go: those blocked in a collective on a hung peer are freed
+        by the abort's release of the group's connections, holding the job's state. When
+        every rank is named, every one is told to let go; those still out after the grace
+        are stopped then."""
+        hang = self._hang
+        assert hang is not None
+        log.warning("attempt %s hung: %s", self.key, hang.why)
+        named = set(hang.ranks) if len(hang.ranks) < len(self.workers) else set()
+        for rank, w in enumerate(self.workers):
+            if rank in named:
+                self.pool.stop(w, "hung in its attempt")
+            elif w.busy and w.lent_to == self.key:
+                w.handle.abort.remote(self.pool.token)
+
+    def _hang_error(self, hang: Hang) -> WorkerError:
+        first = hang.ranks[0]
+        return WorkerError(
+            type="Hang",
+            kind=ErrorKind.HANG,
+            message=f"hung: {hang.why} (no progress for {hang.threshold_s:.0f}s, the "
+            "threshold: failure.hang_after_s)",
+            rank=first,
+            node_id=self.workers[first].node_id,
+        )
 
     def _ask(self, where: phases.Where) -> None:
         """Replace the current ask with a new one (Ray places a new request at once, and a

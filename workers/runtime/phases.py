@@ -43,6 +43,9 @@ STORE_TIMEOUT_S = 30.0
 #: (survivors fail their next collective within milliseconds; a dead process is known to
 #: Ray within a second or two).
 OUTCOME_GRACE_S = 15.0
+#: RUN: how often the ranks' processes are asked how far they got (the hang watch,
+#: `elastrain.workers.runtime.hangs`).
+POLL_S = 2.0
 
 
 class Step(str, Enum):
@@ -73,6 +76,10 @@ class State:
     """RESERVE: how long the current ask was given."""
     grace_until: float | None = None
     """RUN: when the ranks still out are given up (set by the first that ended badly)."""
+    poll_at: float | None = None
+    """RUN: when the ranks are next asked how far they got (None: no more polls)."""
+    hung: bool = False
+    """RUN: the hang watch found hung ranks; the attempt is over."""
 
     @property
     def wake_at(self) -> float | None:
@@ -80,7 +87,8 @@ class State:
         if self.step == Step.RESERVE:
             return self.ask_until
         if self.step == Step.RUN:
-            return self.grace_until
+            due = [t for t in (self.grace_until, self.poll_at) if t is not None]
+            return min(due) if due else None
         return None if self.step == Step.DONE else self.deadline
 
 
@@ -115,6 +123,8 @@ class Facts:
     """RUN: ranks whose outcome is known."""
     bad: bool = False
     """RUN: a rank's part ended badly (an error, an abort, its process died)."""
+    hung: bool = False
+    """RUN: the hang watch names hung ranks (`elastrain.workers.runtime.hangs`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,6 +164,16 @@ class Run:
 
 
 @dataclass(frozen=True, slots=True)
+class Poll:
+    """Ask every rank's process how far it got (those that answered the last ask)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AbortHung:
+    """The attempt hung: stop the hung ranks' processes, tell the others to let go."""
+
+
+@dataclass(frozen=True, slots=True)
 class AbortStragglers:
     """Tell the ranks still out to let go; the pool takes them back when they do."""
 
@@ -171,7 +191,19 @@ class Fail:
     message: str
 
 
-Action = Mark | Ask | Drop | Choose | OpenStore | Run | AbortStragglers | Verdict | Fail
+Action = (
+    Mark
+    | Ask
+    | Drop
+    | Choose
+    | OpenStore
+    | Run
+    | Poll
+    | AbortHung
+    | AbortStragglers
+    | Verdict
+    | Fail
+)
 
 RELEASED = Fail(type="RuntimeError", message="released before it started")
 
@@ -199,7 +231,7 @@ def advance(state: State, f: Facts) -> tuple[State, list[Action]]:
         return state, []
     if s == Step.FORM:
         if f.store_open:
-            return replace(state, step=Step.RUN, deadline=None), [Run()]
+            return replace(state, step=Step.RUN, deadline=None, poll_at=f.now + POLL_S), [Run()]
         if _due(state, f):
             return _fail(state, f"rank 0 did not open the group's store in {STORE_TIMEOUT_S:g}s")
         return state, []
@@ -267,11 +299,17 @@ def _choose(state: State, f: Facts) -> tuple[State, list[Action]]:
 
 def _run(state: State, f: Facts) -> tuple[State, list[Action]]:
     if f.outcomes >= f.ranks:
-        return replace(state, step=Step.DONE, grace_until=None), [Verdict()]
+        return replace(state, step=Step.DONE, grace_until=None, poll_at=None), [Verdict()]
     if state.grace_until is not None and f.now >= state.grace_until:
-        return replace(state, step=Step.DONE, grace_until=None), [AbortStragglers(), Verdict()]
+        done = replace(state, step=Step.DONE, grace_until=None, poll_at=None)
+        return done, [AbortStragglers(), Verdict()]
+    if f.hung and not state.hung:  # the others get the grace to let go
+        after = replace(state, hung=True, poll_at=None, grace_until=f.now + OUTCOME_GRACE_S)
+        return after, [AbortHung()]
     if f.bad and state.grace_until is None:
-        return replace(state, grace_until=f.now + OUTCOME_GRACE_S), []
+        return replace(state, grace_until=f.now + OUTCOME_GRACE_S, poll_at=None), []
+    if state.poll_at is not None and f.now >= state.poll_at:
+        return replace(state, poll_at=f.now + POLL_S), [Poll()]
     return state, []
 
 

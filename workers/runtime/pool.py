@@ -305,6 +305,16 @@ class WorkerPool:
                     w.handle.forget.remote(self.token)
                     w.info = replace(w.info, held=None) if w.info is not None else None
 
+    def stop(self, worker: PooledWorker, why: str) -> None:
+        """Stop a process for good, now (upkeep starts another in its place)."""
+        with self.lock:
+            self.workers.pop(worker.name, None)
+        log.warning("stopping %s: %s", worker.name, why)
+        try:
+            ray.kill(worker.handle)
+        except Exception as exc:  # gone already
+            log.info("stop %s: %s", worker.name, exc)
+
     def _retire(self, worker: PooledWorker, why: str) -> None:
         """Stop a process for good (call with `lock` held): upkeep starts a clean one."""
         self.workers.pop(worker.name, None)

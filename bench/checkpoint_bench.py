@@ -3,6 +3,7 @@ against a sync save's, the steps taken while a save writes, DCP's thread against
 process, and the verified load against a plain read of the same files.
 
     .venv/bin/python bench/checkpoint_bench.py [--quick] [--strategy fsdp|ddp] [--repeats N]
+        [--only load]
 
 Two gloo ranks (spawned, one torch thread each), nn.Linear layers + AdamW state of ~400 MB
 (`--quick`: ~60 MB, 3 repeats). Figures are medians of `--repeats` runs, in which the
@@ -21,7 +22,8 @@ first (the process starts at it: its "first save" time).
   the staging wait; tail: the wait to finish the save after them. Whole cost = blocked +
   extra + tail (the background work taking the cores from training included).
 - verified load: `load_latest` (digests checked) against a plain sequential read of the
-  files each rank's load reads, both from a cold page cache.
+  files each rank's load reads, both from a cold page cache. `--only load` measures only
+  this (no other kind of save) and prints its figure without writing the report.
 """
 
 from __future__ import annotations
@@ -211,11 +213,14 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
 
     steps(3)  # warm up, and create the optimizer state
     savers: dict[str, Saver] = {
-        "sync": ProductSaver(work / "sync", rank=rank, world_size=world_size, async_save=False),
-        "async": ProductSaver(work / "async", rank=rank, world_size=world_size, async_save=True),
-        "thread": DcpSaver(work / "thread", AsyncCheckpointerType.THREAD),
-        "process": DcpSaver(work / "process", AsyncCheckpointerType.PROCESS),
+        "sync": ProductSaver(work / "sync", rank=rank, world_size=world_size, async_save=False)
     }
+    if cfg["only"] != "load":
+        savers["async"] = ProductSaver(
+            work / "async", rank=rank, world_size=world_size, async_save=True
+        )
+        savers["thread"] = DcpSaver(work / "thread", AsyncCheckpointerType.THREAD)
+        savers["process"] = DcpSaver(work / "process", AsyncCheckpointerType.PROCESS)
     step = 0
     for mode, saver in list(savers.items()):  # warm-up saves (the process starts here)
         step += 1
@@ -236,7 +241,7 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
             errors.setdefault(mode, "failed on another rank")
             del savers[mode]
     modes = list(savers.items())
-    for repeat in range(repeats):
+    for repeat in range(0 if cfg["only"] == "load" else repeats):
         dist.barrier()
         started = time.perf_counter()
         record("baseline.steps", steps(STEPS_AFTER_SAVE)[0])
@@ -403,6 +408,19 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_load(cfg: dict[str, Any], out: dict[str, Any]) -> str:
+    """The verified-load figure alone (`--only load`)."""
+    res = out["results"]
+    verify, plain = statistics.median(res["load.verify"]), statistics.median(res["plain.read"])
+    return (
+        f"{cfg['strategy'].upper()}, checkpoint of {out['total_bytes'] / MB:.0f} MB, medians "
+        f"of {cfg['repeats']}: verified load {verify:.3f} s, plain read {plain:.3f} s, "
+        f"verified load MB/s / plain read MB/s {plain / verify:.2f} (target >= 0.70); "
+        f"runs {', '.join(f'{v:.3f}' for v in res['load.verify'])} s / "
+        f"{', '.join(f'{p:.3f}' for p in res['plain.read'])} s"
+    )
+
+
 def fmt_load(load: tuple[float, float, float]) -> str:
     return ", ".join(f"{x:.2f}" for x in load)
 
@@ -412,6 +430,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="~60 MB state, 3 repeats")
     parser.add_argument("--strategy", choices=["fsdp", "ddp"], default="fsdp")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--only", choices=["load"], default=None, help="measure only the verified load"
+    )
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: tmp)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench-checkpoint.md")
     args = parser.parse_args()
@@ -419,13 +440,16 @@ def main() -> None:
     width, layers = (1024, 32) if not args.quick else (512, 20)
     scratch = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     cfg = {"strategy": args.strategy, "width": width, "layers": layers, "dir": str(scratch),
-           "repeats": args.repeats or (3 if args.quick else 5), "load_before": os.getloadavg(),
+           "repeats": args.repeats or (3 if args.quick else 5), "only": args.only, "load_before": os.getloadavg(),
            "command": " ".join([".venv/bin/python", "bench/checkpoint_bench.py", *sys.argv[1:]])}  # fmt: skip
     try:
         out = run_distributed(bench_body, 2, cfg, timeout_s=3600, pg_timeout_s=600)[0]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     cfg["load_after"] = os.getloadavg()
+    if args.only == "load":
+        print(render_load(cfg, out))
+        return
     report = render(cfg, out)
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,9 +16,10 @@ process group of the world size it was made at, which an elastic job's warm proc
 outlives, and the thread's write measured no slower on the steps beside it
 (docs/bench-checkpoint.md, "Thread or process").
 
-Loads read each shard file once, verifying its digest on the way, on the ranks that read
-it (`elastrain.checkpoints.dcp.reader`); rank 0 checks the small files while choosing the
-checkpoint, and a shard found corrupt makes every rank fall back to the next older one.
+Loads are DCP's own, each rank verifying the digest of every shard file it reads before
+any byte reaches the state (`elastrain.checkpoints.dcp.reader`); rank 0 checks the small
+files while choosing the checkpoint, and a shard found corrupt makes every rank fall back
+to the next older one.
 """
 
 from __future__ import annotations
@@ -345,16 +346,6 @@ class ShardedCheckpointer:
                 expected=info.manifest.files if self.verify_digests else None,
                 process_group=self._pg,
             )
-            if info.world_size == self.world_size:
-                # This rank's own shard is what its plan will most likely have it verify:
-                # read and hash it while DCP plans (reader.prefetch).
-                reader.prefetch(
-                    [
-                        name
-                        for name in info.manifest.files
-                        if name.startswith(f"__{self.rank}_") and name.endswith(SHARD_SUFFIX)
-                    ]
-                )
             try:
                 dcp.load(
                     state,
@@ -370,8 +361,6 @@ class ShardedCheckpointer:
                 # rank makes this choice; rank 0 picks again without this folder.
                 refused[str(info.path)] = corrupt
                 continue
-            finally:
-                reader.close()
             break
         rank_extra = None
         extra_path = info.path / rank_extra_name(self.rank)

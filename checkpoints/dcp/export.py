@@ -4,8 +4,9 @@
 
 The model's weights are read from the DCP checkpoint as whole tensors in this one
 process (DCP reshards on load: a checkpoint saved by FSDP, tensor parallel or DDP at any
-world size reads the same), verified against the manifest's digests as they are read
-(`elastrain.checkpoints.dcp.reader.VerifyingReader`), without the optimizer state. Then:
+world size reads the same), verified against the manifest's digests before they are
+decoded (`elastrain.checkpoints.dcp.reader.VerifyingReader`), without the optimizer state.
+Then:
 
 - `hf_causal_lm` jobs: the workload's own HF model, its parameter names without the
   wrapper's `lm.` prefix, saved with `save_pretrained` (which drops tied copies);

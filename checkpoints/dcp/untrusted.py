@@ -7,8 +7,8 @@ runs in a child of the API, so that reader made a tenant the operator. Here the 
 is read with an unpickler that resolves only the globals DCP's `Metadata` is made of (its
 dataclasses, `torch.Size`, dtypes, a path): a pickle naming anything else is refused
 before anything is called. The shard files' tensors are decoded by torch's weights-only
-decoder (`elastrain.checkpoints.dcp.reader`), and the plan the export makes holds no
-pickled (byte) item; `UntrustedReader` refuses one all the same.
+decoder (DCP's reader, through `elastrain.checkpoints.dcp.reader`), and the plan the export
+makes holds no pickled (byte) item; `UntrustedReader` refuses one all the same.
 
 Everything else a reader of a job's folder needs, on top of that: the folder is opened
 without following a link at any step below a trusted root (`confined.open_dir`), every
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
 from elastrain.checkpoints.confined import ConfinedFileError, plain_name, read_bounded
 from elastrain.checkpoints.dcp.reader import VerifyingReader
@@ -152,14 +152,8 @@ class UntrustedReader(VerifyingReader):
         self.storage_data = metadata.storage_data
         return metadata
 
-    def _load_item(
-        self,
-        item: ReadItem,
-        record: memoryview,
-        whole: torch.Tensor | None,
-        base: int,
-        planner: LoadPlanner,
-    ) -> None:
-        if item.type == LoadItemType.BYTE_IO:  # torch.load(weights_only=False) in DCP's planner
-            raise UntrustedCheckpoint(f"{item.storage_index.fqn} is a pickled item: not read")
-        super()._load_item(item, record, whole, base, planner)
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        for item in plan.items:  # DCP's planner loads them with torch.load(weights_only=False)
+            if item.type == LoadItemType.BYTE_IO:
+                raise UntrustedCheckpoint(f"{item.storage_index.fqn} is a pickled item: not read")
+        return super().prepare_local_plan(plan)

@@ -1,5 +1,5 @@
-"""Checkpoint digests by name (`checkpoints/digest.py`) and the load that verifies shards
-while it reads them (`checkpoints/dcp/reader.py`):
+"""Checkpoint digests by name (`checkpoints/digest.py`) and the load that verifies the shards
+it reads before it decodes them (`checkpoints/dcp/reader.py`):
 
 - one flipped byte is caught with XXH3-128 and with sha256, the load falls back to the
   previous checkpoint, and a rank whose own files are intact does not touch its state
@@ -133,26 +133,6 @@ def test_a_corrupt_only_checkpoint_leaves_the_state_alone(tmp_path: Path) -> Non
     assert_same(full_state(model, optim), before)  # nothing copied before verification
 
 
-def test_shards_are_decoded_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The load decodes tensors from the mapped file, not via a fresh torch.load per
-    tensor (what makes it one read and one copy): a torch release that moves the
-    private decoder this relies on fails here rather than silently loading slower."""
-    refs = save_two(tmp_path, "xxh3")
-    made: list[reader_module.VerifyingReader] = []
-    original = reader_module.VerifyingReader.__init__
-
-    def spy(self: reader_module.VerifyingReader, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(reader_module.VerifyingReader, "__init__", spy)
-    got = load_into_fresh("plain", str(tmp_path), 1)
-    assert got["step"] == 2
-    assert_same(got["full"], refs[2])
-    assert reader_module.IN_PLACE_DECODE
-    assert len(made) == 1 and made[0].in_place_decodes >= 8  # 4 params + 4 x 2 Adam moments
-
-
 def write_format_1_manifest(folder: Path) -> None:
     """Rewrite a checkpoint's manifest as the code before format 2 wrote it: version 1,
     `{size, sha256}` per file, the digests taken here with hashlib."""
@@ -229,13 +209,13 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
 
 def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     mapped: list[str] = []
-    original = reader_module._mapped_files
+    original = reader_module._mapped
 
-    def record(root: str, names: list[str]) -> Any:
-        mapped.extend(names)
-        return original(root, names)
+    def record(path: str) -> Any:
+        mapped.append(Path(path).name)
+        return original(path)
 
-    reader_module._mapped_files = record
+    reader_module._mapped = record
     model, optim = build("fsdp")
     ckpt = ShardedCheckpointer(Path(root), rank=rank, world_size=world_size, async_save=False)
     refs = {}

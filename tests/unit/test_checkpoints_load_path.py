@@ -1,32 +1,37 @@
-"""The verified load's fast path (`checkpoints/dcp/reader.py`):
+"""The verified load (`checkpoints/dcp/reader.py`): DCP's own reader, over the shard files
+each rank verified first.
 
-- records whose zip entries other than the data are byte for byte those of a record
-  decoded before are viewed from a remembered layout (no pickle), and decode to exactly
-  what torch.load gives, whatever the dtype, strides or storage offset;
-- a corrupt shard is still refused on that path, before any byte reaches the state;
-- on two FSDP ranks each shard is hashed once, by the rank that reads it; the small
-  records a rank reads from another rank's file (DCP stores replicated optimizer values
-  once) come from the rank that verified that file, and a corrupt one makes every rank
-  fall back; a record a rank read itself that is not the bytes the file's hashing rank
-  verified is refused on every rank, the state untouched.
+- a shard corrupt in its last record, truncated, missing, or a link (to an intact copy
+  elsewhere) is refused by the reader before any byte reaches the state;
+- DCP decodes the verified bytes: a file replaced after it was hashed is not what loads;
+- the export's reader refuses a pickled item, and none of it runs;
+- on two FSDP ranks with Adam, a rank reads the replicated optimizer values DCP stored in
+  the other rank's file: a flipped byte in one of those records makes both ranks fall
+  back, and leaves both states untouched when nothing older is left.
 """
 
 from __future__ import annotations
 
-import io
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.fsdp import fully_shard
 
+from elastrain.checkpoints import read_manifest
 from elastrain.checkpoints.dcp import ShardedCheckpointer
 from elastrain.checkpoints.dcp import reader as reader_module
-from elastrain.checkpoints.dcp.records import ZipLayouts
-from elastrain.checkpoints.dcp.writer import without_zip_crc32
+from elastrain.checkpoints.dcp.checkpointer import corrupt_shard_reason
+from elastrain.checkpoints.dcp.untrusted import UntrustedCheckpoint, UntrustedReader
+from elastrain.checkpoints.integrity import describe_files
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (
     FIELDS,
@@ -34,98 +39,114 @@ from tests.unit.test_checkpoints_dcp import (
     build,
     ckpt_state,
     full_state,
+    load_into_fresh,
     train,
 )
 from tests.unit.test_checkpoints_digest import flip_one_byte, save_two
 
 torch.set_num_threads(1)
 
-
-def _record(tensor: torch.Tensor) -> bytes:
-    """A record as DigestingWriter writes it: torch.save without the zip crc32 (with it,
-    every record's directory differs, and only the decode below tells them apart)."""
-    buf = io.BytesIO()
-    with without_zip_crc32():
-        torch.save(tensor, buf)
-    return buf.getvalue()
+SHARD = "__0_0.distcp"
 
 
-def test_remembered_layouts_decode_exactly_what_torch_load_does() -> None:
-    g = torch.Generator().manual_seed(0)
-    kinds = [
-        lambda: torch.randn(3, 4, generator=g),
-        lambda: torch.randn(4, 3, generator=g).t(),  # non-contiguous strides
-        lambda: torch.randn(6, generator=g)[2:5],  # a storage offset (whole storage saved)
-        lambda: torch.randn(5, 2, generator=g).to(torch.bfloat16),
-        lambda: torch.randint(0, 1000, (7,), generator=g),
-        lambda: torch.tensor(3.0),  # a scalar, as Adam's step
-    ]
-    tensors = [make() for make in kinds for _ in range(3)]  # three of each layout
-    records = [_record(t) for t in tensors]
-    # One buffer, records at odd offsets (as in a DCP shard): the data is not aligned.
-    buffer = bytearray()
-    offsets = []
-    for record in records:
-        buffer += b"x" * 3
-        offsets.append(len(buffer))
-        buffer += record
-    reader = reader_module.VerifyingReader("/nonexistent", expected=None, process_group=None)
-    whole = reader_module._as_tensor(memoryview(buffer))
-    for tensor, record, offset in zip(tensors, records, offsets, strict=True):
-        view = memoryview(buffer)[offset : offset + len(record)]
-        got = reader._decode(view, whole, offset)
-        want = torch.load(io.BytesIO(record), weights_only=True)
-        assert got.dtype == want.dtype and got.size() == want.size()
-        assert got.stride() == want.stride() and torch.equal(got, want)
-        assert torch.equal(got, tensor)
-    # The first of each layout went through torch's decoder, the two others did not.
-    assert reader.layout_hits == 2 * len(kinds)
+class _Planted:
+    """A pickle that, unpickled, writes a file: what a job's code could save as an item."""
 
-    # Same layout, other values: same key; another shape: another key.
-    layouts = ZipLayouts()
-    a = layouts.key(memoryview(_record(torch.randn(3, 4))))
-    b = layouts.key(memoryview(_record(torch.randn(3, 4))))
-    c = layouts.key(memoryview(_record(torch.randn(4, 3))))
-    assert a is not None and b is not None and c is not None
-    assert a[0] == b[0] != c[0]
-    assert layouts.key(memoryview(b"not a zip at all, just bytes")) is None
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
 
 
-def test_a_corrupt_shard_is_refused_on_the_fast_path(tmp_path: Path) -> None:
+def _flip_last_record(folder: Path) -> None:
+    shard = folder / SHARD
+    flip_one_byte(shard, at=shard.stat().st_size - 400)
+
+
+def _truncate(folder: Path) -> None:
+    shard = folder / SHARD
+    os.truncate(shard, shard.stat().st_size - 1)
+
+
+def _remove(folder: Path) -> None:
+    (folder / SHARD).unlink()
+
+
+def _link_to_a_copy(folder: Path) -> None:
+    """The same bytes, elsewhere, through a link: only the link is wrong."""
+    elsewhere = folder.parent / "elsewhere.distcp"
+    shutil.move(folder / SHARD, elsewhere)
+    (folder / SHARD).symlink_to(elsewhere)
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (_flip_last_record, f"digest mismatch: {SHARD} xxh3-128"),
+        (_truncate, f"size mismatch: {SHARD}"),
+        (_remove, f"cannot read {SHARD}"),
+        (_link_to_a_copy, f"cannot read {SHARD}"),
+    ],
+)
+def test_the_reader_refuses_a_bad_shard_before_touching_the_state(
+    tmp_path: Path, damage: Callable[[Path], None], reason: str
+) -> None:
+    save_two(tmp_path, "xxh3")
+    folder = tmp_path / "step_000000002-a0"
+    expected = read_manifest(folder).files
+    damage(folder)
+    model, optim = build("plain")
+    train(model, optim, 1, seed=7)
+    before = full_state(model, optim)
+    reader = reader_module.VerifyingReader(folder, expected=expected, process_group=None)
+    with pytest.raises(BaseException) as raised:  # DCP's CheckpointException: a BaseException
+        dcp.load(ckpt_state(model, optim), storage_reader=reader, no_dist=True)
+    found = corrupt_shard_reason(raised.value)
+    assert found is not None and found.startswith(reason), found
+    assert_same(full_state(model, optim), before)  # nothing copied before the verdict
+
+
+def test_a_bad_shard_falls_back_to_the_older_checkpoint(tmp_path: Path) -> None:
     refs = save_two(tmp_path, "xxh3")
-    made: list[reader_module.VerifyingReader] = []
-    original = reader_module.VerifyingReader.__init__
+    _link_to_a_copy(tmp_path / "step_000000002-a0")
+    got = load_into_fresh("plain", str(tmp_path), 1)
+    assert got["step"] == 1
+    assert_same(got["full"], refs[1])
+    assert f"cannot read {SHARD}" in dict(got["skipped"])[str(tmp_path / "step_000000002-a0")]
 
-    def spy(self: reader_module.VerifyingReader, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        made.append(self)
 
-    reader_module.VerifyingReader.__init__ = spy  # type: ignore[method-assign]
-    try:
-        model, optim = build("plain")
-        train(model, optim, 1, seed=7)
-        ckpt = ShardedCheckpointer(tmp_path, rank=0, world_size=1, async_save=False)
-        state = ckpt_state(model, optim)
-        assert ckpt.load_latest(state) is not None
-        set_state_dict(
-            model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
-        assert_same(full_state(model, optim), refs[2])
-        assert made[-1].layout_hits > 0  # the Adam moments share their parameters' layouts
+def test_what_loads_is_the_bytes_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 1's shard is renamed over step 2's once step 2's was hashed: the load still
+    gives step 2, decoded from the map that was hashed, not from a file opened again."""
+    refs = save_two(tmp_path, "xxh3")
+    newest = tmp_path / "step_000000002-a0"
+    agree = reader_module.VerifyingReader._agree
 
-        # A byte of the last record's data (on the fast path: the layout of a parameter
-        # seen before), in the newest checkpoint, and in the only other one.
-        for step in (2, 1):
-            shard = tmp_path / f"step_00000000{step}-a0" / "__0_0.distcp"
-            flip_one_byte(shard, at=shard.stat().st_size - 400)
-        model, optim = build("plain")
-        train(model, optim, 1, seed=7)
-        before = full_state(model, optim)
-        state = ckpt_state(model, optim)
-        assert ckpt.load_latest(state) is None
-        assert_same(full_state(model, optim), before)  # nothing copied before the verdict
-    finally:
-        reader_module.VerifyingReader.__init__ = original  # type: ignore[method-assign]
+    def then_replace(self: reader_module.VerifyingReader, problem: str | None) -> None:
+        agree(self, problem)
+        shutil.copy(tmp_path / "step_000000001-a0" / SHARD, tmp_path / "swap")
+        os.replace(tmp_path / "swap", newest / SHARD)
+
+    monkeypatch.setattr(reader_module.VerifyingReader, "_agree", then_replace)
+    got = load_into_fresh("plain", str(tmp_path), 1)
+    assert got["step"] == 2 and not got["skipped"]
+    assert_same(got["full"], refs[2])
+
+
+def test_the_export_reader_refuses_a_pickled_item_unrun(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    folder = tmp_path / "step"
+    dcp.save({"model": {"obj": _Planted(marker)}}, checkpoint_id=folder, no_dist=True)
+    reader = UntrustedReader(folder, expected=describe_files(folder), process_group=None)
+    with pytest.raises(BaseException) as raised:  # in DCP's CheckpointException
+        dcp.load({"model": {"obj": None}}, storage_reader=reader, no_dist=True)
+    failures = getattr(raised.value, "failures", {0: (raised.value, None)})
+    assert any(
+        isinstance(e, UntrustedCheckpoint) and "model.obj is a pickled item" in str(e)
+        for e, _trace in failures.values()
+    ), raised.value
+    assert not marker.exists()
 
 
 # -- two FSDP ranks, model and optimizer -------------------------------------------------
@@ -135,8 +156,7 @@ WIDTH = 128
 
 def build_wide() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """FSDP layers large enough that the replicated optimizer values (Adam's step, the
-    param groups) are a small part of each shard file, as in real models: a rank then
-    reads them from the other rank's file without hashing it."""
+    param groups) are a small part of each shard file, as in real models."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH))
     for layer in model:
@@ -153,15 +173,24 @@ def train_wide(model: torch.nn.Module, optim: torch.optim.Optimizer, seed: int) 
     optim.step()
 
 
+def _replicated_record(folder: Path) -> tuple[str, int, int]:
+    """(file, offset, length) of one of Adam's replicated `step` records."""
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    for index, info in sorted(metadata.storage_data.items(), key=lambda kv: kv[0].fqn):
+        if index.fqn.startswith("optim.state.") and index.fqn.endswith(".step"):
+            return info.relative_path, info.offset, info.length
+    raise AssertionError("no replicated step record")
+
+
 def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    made: list[reader_module.VerifyingReader] = []
-    original = reader_module.VerifyingReader.__init__
+    mapped: list[str] = []
+    original = reader_module._mapped
 
-    def spy(self: reader_module.VerifyingReader, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        made.append(self)
+    def record(path: str) -> Any:
+        mapped.append(Path(path).name)
+        return original(path)
 
-    reader_module.VerifyingReader.__init__ = spy  # type: ignore[method-assign]
+    reader_module._mapped = record
     model, optim = build_wide()
     ckpt = ShardedCheckpointer(Path(root), rank=rank, world_size=world_size, async_save=False)
     refs = {}
@@ -192,58 +221,27 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
         assert_same(full_state(model, optim), refs[outcome.info.step])
         return outcome.info.step, dict(outcome.skipped), True
 
-    # 1. Intact: each rank hashed its own shard only; records of the other rank's file
-    #    came from that rank.
     out["step"], _, _ = load()
-    reader = made[-1]
-    out["hashed"] = reader.hashed_bytes
-    out["own_size"] = Path(root, "step_000000002-a0", f"__{rank}_0.distcp").stat().st_size
-    out["received"] = sorted(reader.received_records)
-
-    # 2. A byte of one of those records, on disk: every rank falls back to step 1.
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, out["received"])
-    received = sorted({key for keys in gathered for key in keys})
-    if rank == 0 and received:
-        name, offset, length = received[0]
-        flip_one_byte(Path(root, "step_000000002-a0", name), at=offset + length // 2)
-    dist.barrier()
-    out["fallback_step"], out["fallback_skipped"], _ = load()
-
-    # 3. Records read by the rank itself (none sent), and one rank reading bytes that are
-    #    not those its peer verified: refused on both ranks, the state untouched.
-    reader_module.SHIP_BYTES = 0
-    misreader = min(r for r, keys in enumerate(gathered) if keys)
-    out["misreader"] = misreader
-    if rank == misreader:
-        read_foreign = reader_module.VerifyingReader._read_foreign
-
-        def misread(self: reader_module.VerifyingReader, per_file: Any, records: Any) -> Any:
-            problem = read_foreign(self, per_file, records)
-            for key, data in records.items():
-                records[key] = memoryview(bytes(data[:-1]) + bytes([data[-1] ^ 1]))
-            return problem
-
-        reader_module.VerifyingReader._read_foreign = misread  # type: ignore[method-assign,assignment]
-    out["misread_step"], _, out["untouched"] = load()
-    out["misread_self_read"] = sorted(made[-1].self_read_records)
-    reader_module.VerifyingReader.__init__ = original  # type: ignore[method-assign]
+    out["mapped"] = sorted(set(mapped))
+    for step in (2, 1):  # a byte of a replicated record: step 2, then step 1 as well
+        if rank == 0:
+            name, offset, length = _replicated_record(Path(root, f"step_00000000{step}-a0"))
+            flip_one_byte(Path(root, f"step_00000000{step}-a0", name), at=offset + length // 2)
+        dist.barrier()
+        out[f"after_{step}"] = load()
+    reader_module._mapped = original
     return out
 
 
-def test_two_ranks_hash_each_shard_once_and_share_small_records(tmp_path: Path) -> None:
+def test_two_ranks_refuse_a_corrupt_replicated_record(tmp_path: Path) -> None:
     results = run_distributed(_two_ranks, 2, str(tmp_path), timeout_s=300)
-    received = [key for out in results for key in out["received"]]
-    assert received, "the setup this test needs: a rank reads records of the other's file"
-    for rank, out in enumerate(results):
+    # The setup this test needs: a rank read (and so verified) the other rank's file.
+    assert any(set(out["mapped"]) - {f"__{rank}_0.distcp"} for rank, out in enumerate(results)), (
+        results
+    )
+    for out in results:
         assert out["step"] == 2
-        # Its own shard, not a byte more (before: the whole of the other rank's file too).
-        assert out["hashed"] == out["own_size"], rank
-        assert all(name != f"__{rank}_0.distcp" for name, _, _ in out["received"])
-        assert out["fallback_step"] == 1
-        reason = out["fallback_skipped"][str(tmp_path / "step_000000002-a0")]
-        assert "digest mismatch" in reason and "xxh3-128" in reason
-        # Step 2 corrupt, step 1 misread by rank 0: nothing left; both ranks refused it.
-        assert out["misread_step"] is None and out["untouched"] is True
-    misreader = results[0]["misreader"]
-    assert results[misreader]["misread_self_read"]  # it read them itself in part 3
+        step, skipped, _ = out["after_2"]
+        assert step == 1
+        assert "digest mismatch" in skipped[str(tmp_path / "step_000000002-a0")]
+        assert out["after_1"] == (None, {}, True)  # nothing left, the state untouched

@@ -76,9 +76,11 @@ def test_the_file_system_writer_opens_every_file_through_its_fs(tmp_path: Path) 
     assert {"plan", "planner"} <= _params(filesystem.FileSystemWriter.write_data)
 
 
-def test_the_reader_and_planner_hooks_are_where_they_were() -> None:
+def test_the_reader_and_planner_hooks_are_where_they_were(tmp_path: Path) -> None:
     assert {"plan", "planner"} <= _params(filesystem.FileSystemReader.read_data)
-    assert hasattr(filesystem.FileSystemReader, "prepare_global_plan")
+    # The verifying reader hands DCP's read_data its maps through the reader's fs.
+    assert isinstance(filesystem.FileSystemReader(tmp_path).fs, filesystem.FileSystem)
+    assert {"plan"} <= _params(filesystem.FileSystemReader.prepare_local_plan)
     assert {"read_item", "value"} <= _params(DefaultLoadPlanner.load_bytes)
     assert {"read_item"} <= _params(DefaultLoadPlanner.resolve_tensor)
     assert hasattr(torch.serialization, "get_crc32_options")

@@ -104,18 +104,23 @@ def apply_activation_checkpointing(
     """Checkpoint the model's units as `mode` says; returns how many were."""
     if mode is ActivationCheckpointing.none:
         return 0
-    shard_units = getattr(model, "shard_units", None)
-    if not callable(shard_units):
-        raise WorkloadError(
-            "training.activation_checkpointing needs a model with shard_units() (the "
-            "blocks to recompute); this workload's model has none"
-        )
-    units: list[nn.Module] = list(shard_units())
+    units = model_units(model, "training.activation_checkpointing")
     every = 2 if mode is ActivationCheckpointing.selective else 1
     chosen = units[::every]
     for unit in chosen:
         unit.forward = _checkpointed(unit.forward, meter)
     return len(chosen)
+
+
+def model_units(model: nn.Module, field: str) -> list[nn.Module]:
+    """The model's blocks (`model.shard_units()`), which `field` acts on one by one."""
+    shard_units = getattr(model, "shard_units", None)
+    if not callable(shard_units):
+        raise WorkloadError(
+            f"{field} acts on the model's blocks, and this workload's model has no "
+            f"shard_units() naming them; add one, or leave {field} at its default"
+        )
+    return list(shard_units())
 
 
 def _checkpointed(forward: Callable[..., Any], meter: ActivationMeter) -> Callable[..., Any]:

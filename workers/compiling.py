@@ -20,18 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from elastrain.workers.workloads import WorkloadError
+from elastrain.workers.activation import model_units
 
 
 def compile_units(model: nn.Module) -> int:
     """Compile each of the model's units in place; returns how many."""
-    shard_units = getattr(model, "shard_units", None)
-    if not callable(shard_units):
-        raise WorkloadError(
-            "training.compile compiles the model's blocks, and this workload's model has "
-            "no shard_units() naming them; add one, or set training.compile: false"
-        )
-    units: list[nn.Module] = list(shard_units())
+    units = model_units(model, "training.compile")
     for unit in units:
         # The forward, not the module's whole call (`nn.Module.compile`): the hooks the
         # strategies put on a unit (FSDP2's all-gather and reshard) then run as they are,

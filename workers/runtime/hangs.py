@@ -70,19 +70,10 @@ def find_hang(seen: dict[int, RankSeen], now: float, hang_after_s: float | None)
         return None  # before the first step: not watched
     limit = threshold_s(seen, hang_after_s)
     assert limit is not None
-    silent = {
-        rank: now - s.unanswered_since
-        for rank, s in seen.items()
-        if s.unanswered_since is not None and now - s.unanswered_since >= limit
-    }
+    silent = _unanswered(seen, now, limit)
     if silent:
-        return Hang(
-            ranks=tuple(sorted(silent)),
-            threshold_s=limit,
-            why="; ".join(
-                f"rank {r}: its process has not answered for {silent[r]:.0f}s"
-                for r in sorted(silent)
-            ),
+        return _hang(
+            limit, {r: f"its process has not answered for {s:.0f}s" for r, s in silent.items()}
         )
     answered = {r: s.progress for r, s in seen.items() if s.progress is not None}
     if not answered:
@@ -92,29 +83,36 @@ def find_hang(seen: dict[int, RankSeen], now: float, hang_after_s: float | None)
         return None
     # Stalled. A process answers within milliseconds even while its rank waits in a
     # collective (another thread answers): one that does not is the cause.
-    quiet = {
-        rank: now - s.unanswered_since
-        for rank, s in seen.items()
-        if s.unanswered_since is not None and now - s.unanswered_since >= QUIET_S
-    }
+    quiet = _unanswered(seen, now, QUIET_S)
     if quiet:
-        return Hang(
-            ranks=tuple(sorted(quiet)),
-            threshold_s=limit,
-            why="; ".join(
-                f"rank {r}: no step finished for {now - last:.0f}s and its process has not "
-                f"answered for {quiet[r]:.0f}s"
-                for r in sorted(quiet)
-            ),
+        stalled = f"no step finished for {now - last:.0f}s"
+        return _hang(
+            limit,
+            {
+                r: f"{stalled} and its process has not answered for {s:.0f}s"
+                for r, s in quiet.items()
+            },
         )
     phases = Counter(p.phase for p in answered.values())
     usual = phases.most_common(1)[0][0]
     odd = sorted(r for r, p in answered.items() if p.phase != usual)
     named = odd if odd and len(odd) < len(answered) else sorted(answered)
+    return _hang(limit, {r: _describe(answered[r], now) for r in named})
+
+
+def _unanswered(seen: dict[int, RankSeen], now: float, at_least: float) -> dict[int, float]:
+    """Ranks whose poll has been out at least `at_least` seconds, and for how long."""
+    return {
+        rank: now - s.unanswered_since
+        for rank, s in seen.items()
+        if s.unanswered_since is not None and now - s.unanswered_since >= at_least
+    }
+
+
+def _hang(threshold: float, why: dict[int, str]) -> Hang:
+    ranks = tuple(sorted(why))
     return Hang(
-        ranks=tuple(named),
-        threshold_s=limit,
-        why="; ".join(_describe(r, answered[r], now) for r in named),
+        ranks=ranks, threshold_s=threshold, why="; ".join(f"rank {r}: {why[r]}" for r in ranks)
     )
 
 
@@ -122,9 +120,9 @@ def _stepped(s: RankSeen) -> bool:
     return s.progress is not None and s.progress.steps_done > 0
 
 
-def _describe(rank: int, p: RankProgress, now: float) -> str:
+def _describe(p: RankProgress, now: float) -> str:
     where = f" at {p.where}" if p.where else ""
     return (
-        f"rank {rank}: no step finished for {now - p.last_step_at:.0f}s after step {p.step}, "
+        f"no step finished for {now - p.last_step_at:.0f}s after step {p.step}, "
         f"in {p.phase} for {now - p.phase_since:.0f}s{where}"
     )

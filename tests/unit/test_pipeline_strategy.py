@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elastrain.contracts.spec import JobSpec
+from elastrain.contracts.spec import JobSpec, MixedPrecision
 from elastrain.workers.api import TrainContext, Workload
 from elastrain.workers.strategies.base import Layout
 from elastrain.workers.strategies.pipeline import (
@@ -228,7 +228,34 @@ def _pair_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     state = strategy.state_dict_for_checkpoint()
     dcp.save(state, checkpoint_id=str(Path(root) / "ckpt"))
     results["saved"] = _state_to_plain(state)
+    results["bf16"] = _bf16_curve(rank, world_size, root, x, y)
     return results
+
+
+def _bf16_curve(
+    rank: int, world_size: int, root: str, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, Any]:
+    """The same 20 steps with `mixed_precision: bf16` (CPU autocast: the spec refuses bf16
+    without a GPU at submit, so it is set here past the check): the losses, the dtypes the
+    stage's linears computed in, and the parameters'."""
+    spec = make_spec("1f1b", 4)
+    spec = spec.model_copy(
+        update={
+            "strategy": spec.strategy.model_copy(update={"mixed_precision": MixedPrecision.bf16})
+        }
+    )
+    strategy = PipelineStrategy()
+    strategy.setup(make_workload(seed=0), _ctx(rank, world_size, root), spec)
+    computed: set[torch.dtype] = set()
+    for module in strategy.model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda _m, _i, out: computed.add(out.dtype))
+    losses = []
+    for _ in range(20):
+        out = strategy.step(loop_share(x, y, 0, ((8, 8),)), loss_scale=1 / 16, lr=LR)
+        losses.append(out.loss_sum / 16)
+    params = {p.dtype for p in strategy.model.parameters()}
+    return {"losses": losses, "computed": computed, "params": params}
 
 
 def _quad_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -379,6 +406,18 @@ def _assert_state_equal(actual: dict[str, Any], expected: dict[str, Any]) -> Non
             assert value == expected[key], key
 
 
+def test_stages_train_in_bf16_on_the_fp32_curve(pair: list[dict[str, Any]]) -> None:
+    """bf16: each stage's linears compute in bf16, the parameters stay fp32, and the curve
+    follows fp32's within bf16's precision."""
+    fp32, bf16 = pair[1]["losses"], pair[1]["bf16"]
+    assert pair[0]["bf16"]["losses"] == bf16["losses"]  # both stages hold the same loss
+    assert all(torch.bfloat16 in r["bf16"]["computed"] for r in pair)
+    assert all(r["bf16"]["params"] == {torch.float32} for r in pair)
+    assert bf16["losses"][-1] < 0.5 * bf16["losses"][0]
+    for a, b in zip(fp32, bf16["losses"], strict=True):
+        assert b == pytest.approx(a, rel=0.05)
+
+
 def test_checkpoint_reshards_to_two_replicas_and_four_stages(
     pair: list[dict[str, Any]], quad: list[dict[str, Any]]
 ) -> None:
@@ -441,11 +480,15 @@ def test_spec_defaults_and_errors() -> None:
         "strategy": {"kind": "pipeline", "mixed_precision": "bf16"},
         "scaling": {"use_gpu": True, "gpus_per_worker": 1},
     }
-    with pytest.raises(ValueError, match=r"strategy\.mixed_precision: not supported"):
-        JobSpec.model_validate(gpu)  # refused at submit
+    assert PipelineOptions.from_spec(JobSpec.model_validate(gpu)).stages == 2  # bf16 trains
+    fp16 = {**gpu, "strategy": {"kind": "pipeline", "mixed_precision": "fp16"}}
+    with pytest.raises(
+        ValueError, match=r"strategy\.mixed_precision: pipeline stages train in bf16"
+    ):
+        JobSpec.model_validate(fp16)  # refused at submit
     # One stored before that rule is a configuration error on the workers (not retried).
     with pytest.raises(WorkloadError, match="mixed_precision"):
-        PipelineOptions.from_spec(JobSpec.from_stored(gpu))
+        PipelineOptions.from_spec(JobSpec.from_stored(fp16))
 
 
 def test_model_without_pipeline_stage_is_rejected() -> None:

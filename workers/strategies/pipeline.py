@@ -52,7 +52,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import EllipsisType
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -62,9 +62,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.utils._pytree import tree_map_only
 
 from elastrain.contracts.messages import Control
-from elastrain.contracts.spec import JobSpec, PipelineSchedule
+from elastrain.contracts.spec import JobSpec, MixedPrecision, PipelineSchedule
 from elastrain.workers.agreement import StepAgreement
 from elastrain.workers.api import TrainContext, Workload
 from elastrain.workers.strategies.base import (
@@ -121,9 +122,9 @@ class PipelineOptions:
     def from_spec(cls, spec: JobSpec) -> PipelineOptions:
         """The spec's pipeline settings, its defaults filled in."""
         strategy = spec.strategy
-        if strategy.mixed_precision is not None:
-            # Not wired into the stages yet; failing beats silently training in fp32.
-            raise WorkloadError("strategy.mixed_precision is not supported with pipeline yet")
+        if strategy.mixed_precision is MixedPrecision.fp16:
+            # fp16 needs loss scaling inside the schedule's backward; bf16 has fp32's range.
+            raise WorkloadError("strategy.mixed_precision: pipeline stages train in bf16, not fp16")
         return cls(
             stages=strategy.stages,
             microbatches=strategy.n_microbatches,
@@ -170,6 +171,13 @@ class PipelineStrategy(Strategy):
         build_stage = cast(Callable[[int, int], nn.Module], workload.model.pipeline_stage)
         stage_module = build_stage(self.layout.pp_rank, opts.stages)
         self.model = stage_module.to(self.device)
+        # bf16: each stage's forward (and the last one's loss) under autocast, parameters in
+        # fp32, as DDP and tp do; stage-to-stage activations stay fp32 (`_autocast_stage`).
+        self._autocast_dtype = torch.bfloat16 if spec.strategy.mixed_precision else None
+        if self._autocast_dtype is not None:
+            _autocast_stage(
+                self.model, self.device.type, last=self.layout.pp_rank == opts.stages - 1
+            )
         if self.layout.tp > 1:
             from elastrain.workers.strategies.tensor_parallel import parallelize
 
@@ -226,8 +234,13 @@ class PipelineStrategy(Strategy):
         return schedule
 
     def _sum_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's summed per-sample loss (the workload's loss is a mean)."""
-        return self._workload_loss(output, target) * target.shape[0]
+        """The micro-batch's summed per-sample loss (the workload's loss is a mean), under
+        autocast with bf16 as a DDP rank's loss is (its cross-entropy in fp32)."""
+        with torch.autocast(
+            self.device.type, dtype=self._autocast_dtype or torch.bfloat16,
+            enabled=self._autocast_dtype is not None,
+        ):  # fmt: skip
+            return self._workload_loss(output, target) * target.shape[0]
 
     # -- training ----------------------------------------------------------------------
 
@@ -372,3 +385,22 @@ class PipelineStrategy(Strategy):
         return groups
 
     # -- checkpoints -------------------------------------------------------------------
+
+
+def _autocast_stage(stage: nn.Module, device_type: str, *, last: bool) -> None:
+    """Run `stage`'s forward under bf16 autocast (on the instance: parameter names do not
+    change). A stage that sends its output on gets it back in fp32 where autocast left
+    bf16: the next stage's buffers are made from a forward without autocast (the
+    schedule's shape inference), so what is sent keeps the dtype they expect."""
+    forward = stage.forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            out = forward(*args, **kwargs)
+        if last:
+            return out
+        return tree_map_only(
+            torch.Tensor, lambda t: t.float() if t.dtype == torch.bfloat16 else t, out
+        )
+
+    stage.forward = run

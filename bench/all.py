@@ -87,7 +87,8 @@ PARTS = (
          ("--runs", "1", "--seconds", "2", "--warmup", "1", "--jobs", "20", "--header-mb", "8",
           "--half-open", "200")),
     Part("host-overhead", "Ops the step dispatches vs plain torchrun (CPU proxy of a GPU step)",
-         "step_host_overhead.py", (), ("--steps", "3", "--warmup", "1", "--precisions", "fp32")),
+         "step_host_overhead.py", ("--gate",),
+         ("--steps", "3", "--warmup", "1", "--precisions", "fp32", "--gate")),
     Part("peer-restore", "Peer memory: refresh cost, hand-over vs broadcast, node loss per strategy",
          "peer_restore_bench.py", ("--repeats", "5"), ("--quick",)),
 )  # fmt: skip

@@ -110,7 +110,8 @@ class RankProgress:
     """Steps finished in this attempt."""
     phase: str
     """What the rank is doing now: `data` (its batch), `step` (forward, backward, the
-    gradient collectives and the update), `checkpoint`, `eval`, `start`."""
+    gradient collectives and the update), `memory` (peer memory's refresh), `checkpoint`,
+    `eval`, `start`."""
     phase_since: float
     median_step_s: float | None
     """The median of its recent steps' wall time (None before its first)."""

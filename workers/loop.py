@@ -205,6 +205,7 @@ def _train(
             # A STOP or LEAVE (resize, drain) hands the state on as it is now: refresh at
             # this step (LEAVE saves no checkpoint: the state goes on in memory alone).
             if done < max_steps:
+                progress.mark("memory")  # (a refresh of a large state may take a while)
                 peers.after_step(memory.copies, strategy, done, step_time,
                                  final=control in _STOPS)  # fmt: skip
             if saving:

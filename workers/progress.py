@@ -40,7 +40,7 @@ class Progress:
         self.mark("start")
 
     def mark(self, phase: str) -> None:
-        """The rank now does `phase` (`data`, `step`, `checkpoint`, `eval`)."""
+        """The rank now does `phase` (`data`, `step`, `memory`, `checkpoint`, `eval`)."""
         self.phase, self.phase_since = phase, time.time()
 
     def stepped(self, step: int) -> None:

@@ -13,13 +13,15 @@ NOW = 10_000.0
 
 def rank(
     *, ago: float = 0.5, phase: str = "step", steps: int = 5, median: float | None = 0.1,
-    silent: float | None = None,
+    silent: float | None = None, since: float | None = None,
 ) -> RankSeen:  # fmt: skip
-    """A rank that finished its last step `ago` seconds before NOW, doing `phase` since,
-    whose poll has been out `silent` seconds (None: answered)."""
+    """A rank that finished its last step `ago` seconds before NOW, doing `phase` for
+    `since` seconds (default: since then), whose poll has been out `silent` seconds (None:
+    answered)."""
     progress = RankProgress(
         step=steps, last_step_at=NOW - ago, steps_done=steps, phase=phase,
-        phase_since=NOW - ago, median_step_s=median, where="stall.py:30 in __getitem__",
+        phase_since=NOW - (ago if since is None else since), median_step_s=median,
+        where="stall.py:30 in __getitem__",
     )  # fmt: skip
     return RankSeen(progress, unanswered_since=None if silent is None else NOW - silent)
 
@@ -53,6 +55,17 @@ def rank(
          "rank 1: no step finished for 4s and its process has not answered for 2s"),
         # a poll out for a moment while steps go on: nothing
         ({0: rank(), 1: rank(silent=1.5)}, 3.0, None, ""),
+        # a long checkpoint or evaluation is no hang; a silent process still is
+        ({0: rank(ago=60, phase="checkpoint"), 1: rank(ago=60, phase="checkpoint")}, None,
+         None, ""),
+        ({0: rank(ago=60, phase="eval"), 1: rank(ago=60, phase="step")}, None, None, ""),
+        ({0: rank(ago=60, phase="checkpoint"), 1: rank(ago=60, silent=12)}, None, (1,),
+         "rank 1: its process has not answered"),
+        # the first step after a long checkpoint: the clock starts at the phase's start
+        ({0: rank(ago=60, phase="step", since=2), 1: rank(ago=60, phase="data", since=2)},
+         None, None, ""),
+        ({0: rank(ago=60, phase="step", since=11), 1: rank(ago=60, phase="data", since=12)},
+         None, (1,), "rank 1: no step finished for 60s after step 5, in data for 12s"),
     ],
 )  # fmt: skip
 def test_find_hang(

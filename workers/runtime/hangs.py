@@ -16,7 +16,8 @@ by default max(10 s, 5x the median step time)):
   (a collective that never returns, or user code stuck inside the step): all are named.
 
 Not watched before the attempt's first step (a first step may compile, or warm up, for
-minutes) nor for ranks whose process reports no loop (`workload.command` scripts).
+minutes) nor for ranks whose process reports no loop (`workload.command` scripts); while a
+rank checkpoints or evaluates (which may take long), only a silent process is a hang.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ DEFAULT_FLOOR_S = 10.0
 MEDIAN_STEPS = 5.0
 #: A poll unanswered this long, while no rank steps, marks its rank as the cause.
 QUIET_S = 1.0
+#: The phases a rank is expected to leave within the threshold; in any other (a
+#: checkpoint, an evaluation, the start) only a silent process is a hang.
+WATCHED_PHASES = frozenset({"data", "step"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +80,10 @@ def find_hang(seen: dict[int, RankSeen], now: float, hang_after_s: float | None)
             limit, {r: f"its process has not answered for {s:.0f}s" for r, s in silent.items()}
         )
     answered = {r: s.progress for r, s in seen.items() if s.progress is not None}
-    if not answered:
-        return None
-    last = max(p.last_step_at for p in answered.values())
+    if not answered or any(p.phase not in WATCHED_PHASES for p in answered.values()):
+        return None  # a checkpoint or an evaluation may take long: only silence counts then
+    # The last sign of progress: a step finished, or a rank moving on to its next phase.
+    last = max(max(p.last_step_at, p.phase_since) for p in answered.values())
     if now - last < limit:
         return None
     # Stalled. A process answers within milliseconds even while its rank waits in a

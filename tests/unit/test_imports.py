@@ -92,7 +92,7 @@ def test_service_does_not_load_torch() -> None:
     assert loaded == ["elastrain.workers", "elastrain.workers.export_task", "elastrain.workers.runtime", "elastrain.workers.runtime.actor",
                       "elastrain.workers.runtime.attempts", "elastrain.workers.runtime.collect",
                       "elastrain.workers.runtime.driver", "elastrain.workers.runtime.guard",
-                      "elastrain.workers.runtime.layout",
+                      "elastrain.workers.runtime.hangs", "elastrain.workers.runtime.layout",
                       "elastrain.workers.runtime.liveness",
                       "elastrain.workers.runtime.notice", "elastrain.workers.runtime.ordering",
                       "elastrain.workers.runtime.phases", "elastrain.workers.runtime.placement",

@@ -74,9 +74,9 @@ class ServerHandle:
     _factory: sessionmaker[Session] | None = field(default=None, repr=False)
 
     # --- talking to it -------------------------------------------------------------
-    def http(self, **kwargs: Any) -> httpx.Client:
+    def http(self, *, timeout: float = 30, **kwargs: Any) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=30, **kwargs)
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout, **kwargs)
 
     def submit(self, spec: Mapping[str, Any]) -> dict[str, Any]:
         """POST /v1/jobs; returns the job (raises on anything but 201)."""

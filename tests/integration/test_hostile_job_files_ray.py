@@ -52,7 +52,9 @@ def test_planted_folders_links_and_pickles_are_never_adopted_followed_or_run(
     storage = tmp_path / "srv" / "storage"
     marker = tmp_path / "pwned"
     try:
-        with server.http() as client:
+        # An export converts on the cluster (a Ray task starting a worker, then a child
+        # importing torch and transformers): minutes on CI's busy cores, as the CLI allows.
+        with server.http(timeout=300) as client:
             # Planted by some job's code before job 1 exists: weights of "step 900".
             planted = JobStorage.of(storage, 1).checkpoints / step_dir_name(900, 1)
             planted.mkdir(parents=True)

@@ -253,17 +253,28 @@ def tokenizer_problems(
         real = resolve_data_path(path, storage_root, owner)
     except DataPathError as exc:
         return [f"{where}: {exc}"]
-    found = tokenizer_file(real)
+    try:
+        # The file in a folder goes through the same rules: a link there resolved, then
+        # confined to the areas the job may read.
+        found = (
+            resolve_data_path(str(Path(path) / TOKENIZER_FILE), storage_root, owner)
+            if real.is_dir()
+            else real
+        )
+    except DataPathError as exc:
+        return [f"{where}: {exc}"]
     if not found.is_file():
         return [
             f"{where}: {path!r} is not a {TOKENIZER_FILE} nor a folder holding one in your "
             f"data area ({_WHERE}); save it with tokenizer.save_pretrained(folder) and copy it"
         ]
-    if found.stat().st_size > MAX_TOKENIZER_BYTES:
-        return [f"{where}: {path!r} is larger than {MAX_TOKENIZER_BYTES} bytes"]
     try:
-        vocab = tokenizer_vocab_size(found.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
+        with found.open("rb") as f:
+            data = f.read(MAX_TOKENIZER_BYTES + 1)
+        if len(data) > MAX_TOKENIZER_BYTES:
+            return [f"{where}: {path!r} is larger than {MAX_TOKENIZER_BYTES} bytes"]
+        vocab = tokenizer_vocab_size(data)
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
         return [f"{where}: {path!r} is not a Hugging Face {TOKENIZER_FILE} ({exc})"]
     model_vocab = (
         params.config.get("vocab_size")

@@ -130,3 +130,12 @@ def test_a_broken_tokenizer_file_is_a_configuration_error(area: Path) -> None:
     (area / "tok" / "tokenizer.json").write_text('{"model": "broken"}')
     with pytest.raises(WorkloadError, match=r"workload.params.tokenizer: cannot load"):
         _gpt(area, data_path="corpus.txt", tokenizer="tok")
+
+
+def test_a_link_in_the_tokenizer_folder_is_resolved_then_confined(area: Path) -> None:
+    theirs = area.parent / "other" / "tok"
+    theirs.mkdir(parents=True)
+    (area / "tok" / "tokenizer.json").rename(theirs / "tokenizer.json")
+    (area / "tok" / "tokenizer.json").symlink_to(theirs / "tokenizer.json")
+    problems = _problems(area, GptParams)
+    assert problems and "tokenizer.json" in problems[0] and "outside" in problems[0], problems

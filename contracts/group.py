@@ -117,3 +117,6 @@ class RankProgress:
     """The median of its recent steps' wall time (None before its first)."""
     where: str = ""
     """The innermost frames of its training thread's stack, `file:line in function`."""
+    local: tuple[tuple[int, float], ...] = ()
+    """(step, seconds) of its recent steps' local work: its batch and its update, the
+    part of a step no peer paces (`elastrain.workers.local_work`)."""

@@ -41,6 +41,7 @@ class EventKind(str, Enum):
     TRACKING = "tracking"  # forwarding to an experiment tracker failed (or recovered)
     FOLDER_SET_ASIDE = "folder_set_aside"  # something at the job's path predated the job
     LIMIT = "limit"  # a job put more into shared state than a limit allows: the rest dropped
+    STRAGGLER = "straggler"  # a rank's local work is slower than its peers' (failure.stragglers)
 
 
 class DriverStatus(str, Enum):
@@ -537,6 +538,8 @@ class DriverReport:
     stopping: bool = False
     """The driver has been asked to stop (and passes it on to the workers at their next
     step). False also when the driver did not answer: the scheduler then asks again."""
+    slow_nodes: tuple[str, ...] = ()
+    """Nodes of the attempt's stragglers now (`elastrain.workers.runtime.stragglers`)."""
 
     @property
     def metrics(self) -> list[StepMetrics]:

@@ -498,6 +498,11 @@ class CheckpointSpec(_Strict):
     )
 
 
+class StragglerAction(str, Enum):
+    report = "report"
+    evict = "evict"
+
+
 class FailureSpec(_Strict):
     max_restarts: int = Field(default=5, ge=0, le=1000)
     hang_after_s: float | None = Field(
@@ -509,6 +514,24 @@ class FailureSpec(_Strict):
         "aborted and retried as a failure. null: max(10 s, 5x the attempt's median step "
         "time). Watched from an attempt's first step on (a first step may compile or "
         "warm up for minutes); not for workload.command scripts",
+    )
+    stragglers: StragglerAction = Field(
+        default=StragglerAction.report,
+        description="a rank whose local work per step (its batch and its update: the part "
+        "of a step no peer paces) stays above the ranks' median by more than "
+        "straggler_threshold over straggler_window steps is a straggler. report: an event, "
+        "a mark on the job page and a Prometheus gauge. evict: also leave its node at the "
+        "next step boundary, as a drain would (state in memory, no restart counted), keep "
+        "off it for straggler_cooldown_s, then grow back onto it",
+    )
+    straggler_threshold: float = Field(
+        default=0.25, gt=0, le=10, description="how far above the median (0.25: 25 %)"
+    )
+    straggler_window: int = Field(
+        default=20, ge=5, le=200, description="steps a rank must stay above it"
+    )
+    straggler_cooldown_s: float = Field(
+        default=600, ge=0, le=7 * 86_400, description="evict: how long the job keeps off the node"
     )
 
 

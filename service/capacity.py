@@ -39,6 +39,7 @@ class DrainSource(str, Enum):
     ADMIN = "admin"  # `elastrain drain` / POST /v1/cluster/nodes/{id}/drain
     RAY = "ray"  # Ray's drain API: the autoscaler, KubeRay scale-down, `ray drain-node`
     PREEMPTION = "preemption"  # a cloud's preemption notice reached the node
+    STRAGGLER = "straggler"  # one job keeps off it for a while: its rank there was slow
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -53,6 +53,7 @@ from elastrain.contracts.spec import JobSpec, StrategyKind
 from elastrain.service.capacity import (
     Allocation,
     ClusterCapacity,
+    DrainSource,
     NodeDrain,
     WorkerShape,
     target_world_size,
@@ -433,7 +434,8 @@ def _on_drain(
         noted: list[Action] = [
             RecordEvent(
                 kind=EventKind.NODE_DRAINING,
-                reason=f"node {node[:12]} draining (ranks {ranks}): leaving it after step {step}",
+                reason=f"node {node[:12]} {_going(facts.draining[node])} (ranks {ranks}): "
+                f"leaving it after step {step}",
                 details={
                     "node_id": node,
                     "ranks": ranks,
@@ -450,7 +452,8 @@ def _on_drain(
             SendControl(control=Control.LEAVE),
             Transition(
                 to=JobState.RESIZING,
-                reason=f"node {names} draining: leaving it, {attempt.world_size} -> {size} workers",
+                reason=f"node {names} {_going(*(facts.draining[n] for n in draining))}: "
+                f"leaving it, {attempt.world_size} -> {size} workers",
                 world_size=size,
             ),
             MarkSpare(since=None),
@@ -700,6 +703,13 @@ def lost_ranks(nodes: Sequence[str], alive: frozenset[str]) -> dict[str, list[in
         if node not in alive:
             lost.setdefault(node, []).append(rank)
     return lost
+
+
+def _going(*drains: NodeDrain) -> str:
+    """How a node the job leaves is going away: draining, or kept off by this job alone."""
+    if all(d.source == DrainSource.STRAGGLER for d in drains):
+        return "kept off (a straggler ran there: failure.stragglers evict)"
+    return "draining"
 
 
 def draining_ranks(nodes: Sequence[str], draining: Mapping[str, NodeDrain]) -> dict[str, list[int]]:

@@ -6,13 +6,14 @@ leave it (`decisions._on_drain`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from elastrain.contracts.spec import FailureSpec, StragglerAction
 from elastrain.service.capacity import ClusterCapacity, DrainSource, NodeDrain
 from elastrain.service.models import NodeDrainRow, as_utc
 
@@ -90,3 +91,33 @@ def resolve(node_id: str, known: Sequence[str]) -> str | list[str]:
         return node_id
     matches = [n for n in known if len(node_id) >= 6 and n.startswith(node_id)]
     return matches[0] if len(matches) == 1 else matches
+
+
+def keep_off(
+    failure: FailureSpec, slow_nodes: Iterable[str], kept: Mapping[str, float], *, now: float
+) -> dict[str, float]:
+    """The nodes a job keeps off now, each until when: those whose cooldown still runs,
+    and, when the job evicts stragglers, the nodes of its stragglers now (from now on for
+    `failure.straggler_cooldown_s`). Pure."""
+    still = {node: until for node, until in kept.items() if until > now}
+    if failure.stragglers != StragglerAction.evict:
+        return still
+    until = now + failure.straggler_cooldown_s
+    return {**{node: until for node in slow_nodes}, **still}
+
+
+def kept_off_drains(kept: Mapping[str, float]) -> list[NodeDrain]:
+    """The nodes one job keeps off, as drains of that job's own: it leaves them at a step
+    boundary (state in memory, no restart counted) and is placed elsewhere until then."""
+    return [
+        NodeDrain(
+            node_id=node,
+            reason=f"a straggler ran there: kept off until {_clock(until)}",
+            source=DrainSource.STRAGGLER,
+        )
+        for node, until in sorted(kept.items())
+    ]
+
+
+def _clock(at: float) -> str:
+    return datetime.fromtimestamp(at, timezone.utc).strftime("%H:%M:%S UTC")

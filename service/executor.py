@@ -79,6 +79,9 @@ class Timers:
 
     relaunch_not_before: dict[int, float] = field(default_factory=dict)
     spare_since: dict[int, float] = field(default_factory=dict)
+    kept_off: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Job -> node -> until when the job keeps off it (`failure.stragglers: evict`): a
+    restart forgets it, and the job may then grow back onto the node sooner."""
 
 
 # -- effects: what happens once the DB has committed ---------------------------------------

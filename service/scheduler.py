@@ -48,6 +48,7 @@ from elastrain.service.capacity import (
     ClusterCapacity,
     NodeDrain,
     WorkerShape,
+    target_world_size,
 )
 from elastrain.service.db import session_scope
 from elastrain.service.decisions import Action, Facts, JobView, PersistReport, Policy
@@ -137,6 +138,8 @@ class Scheduler:
         for job_id, reason in unreadable.items():
             self._give_up(job_id, reason)
         self.executor.buckets.keep_only(job.id for job in active)
+        ids = {job.id for job in active}
+        self.timers.kept_off = {j: k for j, k in self.timers.kept_off.items() if j in ids}
         if self.executor.metric_budgets is not None:
             self.executor.metric_budgets.keep_only(job.id for job in active)
         polled = self._reconcile(active, pending, observed_at)
@@ -247,14 +250,31 @@ class Scheduler:
         if report is not None and report.status in (DriverStatus.FAILED, DriverStatus.LOST):
             with session_scope(self.sessions) as s:  # read only when a failure needs it
                 job = replace(job, failures=observe.failure_history(s, job.id))
+        limit = quotas.limit_for(job, ledger)
+        kept = self._kept_off(job, ledger, report, limit)
         facts = self._facts(
-            job,
-            ledger,
-            report=report,
-            others_waiting=others_waiting,
-            worker_limit=quotas.limit_for(job, ledger),
-        )
+            job, ledger, report=report, others_waiting=others_waiting, worker_limit=limit,
+            kept_off=kept,
+        )  # fmt: skip
         return decisions.decide(job, facts)
+
+    def _kept_off(
+        self, job: JobView, ledger: CapacityLedger, report: DriverReport | None, limit: int | None
+    ) -> dict[str, float]:
+        """The nodes the job keeps off now (`failure.stragglers: evict`): a straggler's node
+        is left only where the job still holds its min workers without it."""
+        before = self.timers.kept_off.get(job.id, {})
+        slow = report.slow_nodes if report is not None else ()
+        kept = drains.keep_off(job.spec.failure, slow, before, now=self.clock())
+        if kept.keys() - before.keys():
+            without, _ = drains.effective(ledger.free_for(job.id), drains.kept_off_drains(kept))
+            if target_world_size(job.spec, without, limit=limit) < job.spec.min_world_size:
+                kept = {n: t for n, t in kept.items() if n in before}  # stays: nowhere else
+        if kept:
+            self.timers.kept_off[job.id] = kept
+        else:
+            self.timers.kept_off.pop(job.id, None)
+        return kept
 
     def _facts(
         self,
@@ -266,14 +286,19 @@ class Scheduler:
         admission: int | None = None,
         waiting_reason: str | None = None,
         worker_limit: int | None = None,
+        kept_off: dict[str, float] | None = None,
     ) -> Facts:
+        free, draining = ledger.free_for(job.id), self._draining
+        if kept_off:  # this job's own drains: it leaves those nodes, and is placed elsewhere
+            free, own = drains.effective(free, drains.kept_off_drains(kept_off))
+            draining = {**draining, **own}
         # Built once with every field (not copied with `replace` for the last ones): a pass
         # builds the facts of every queued job.
         return Facts(
             now=self.clock(),
             policy=self.policy,
             alive_nodes=ledger.cluster.alive_ids(),
-            free=ledger.free_for(job.id),
+            free=free,
             report=report,
             relaunch_not_before=self.timers.relaunch_not_before.get(job.id, 0.0),
             spare_since=self.timers.spare_since.get(job.id),
@@ -282,7 +307,7 @@ class Scheduler:
             waiting_reason=waiting_reason,
             worker_limit=worker_limit,
             worker_memory_bytes=self._worker_memory(job.spec, ledger.cluster),
-            draining=self._draining,
+            draining=draining,
         )
 
     def _worker_memory(self, spec: JobSpec, capacity: ClusterCapacity) -> int | None:

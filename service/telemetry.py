@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 from elastrain.contracts.messages import (
     CheckpointCommitted,
     DriverReport,
+    EventKind,
     Phase,
     SavedTraining,
     StepMetrics,
@@ -43,7 +44,7 @@ from elastrain.service.decisions import (
     PersistReport,
     Transition,
 )
-from elastrain.service.models import Job, as_utc, utcnow
+from elastrain.service.models import Event, Job, as_utc, utcnow
 from elastrain.service.models import Metric as MetricRow
 from elastrain.service.states import ACTIVE, JobState
 
@@ -240,6 +241,11 @@ class DatabaseCollector(Collector):
                 "elastrain_job_goodput_ratio",
                 "Share of the job's wall time spent on training steps it kept.", labels=labels,
             ),
+            "stragglers": GaugeMetricFamily(
+                "elastrain_job_stragglers",
+                "Ranks of the job's current attempt found slower than their peers "
+                "(failure.stragglers).", labels=labels,
+            ),
         }  # fmt: skip
         rows = self.session.execute(
             select(Job, MetricRow.values)
@@ -248,8 +254,10 @@ class DatabaseCollector(Collector):
             .order_by(Job.id.desc())
             .limit(MAX_JOB_SERIES)
         ).all()
+        stragglers = self._stragglers([job.id for job, _ in rows])
         for job, values in rows:
             key = [str(job.id), job.owner]
+            families["stragglers"].add_metric(key, stragglers.get(job.id, 0))
             values = values or {}
             step_time = values.get("step_time_s")
             if isinstance(step_time, int | float) and step_time > 0:
@@ -262,6 +270,16 @@ class DatabaseCollector(Collector):
             if ratio is not None:
                 families["goodput"].add_metric(key, ratio)
         yield from families.values()
+
+    def _stragglers(self, job_ids: list[int]) -> dict[int, int]:
+        """Straggler events of each job's current attempt (one per rank found)."""
+        rows = self.session.execute(
+            select(Event.job_id, func.count())
+            .join(Job, and_(Job.id == Event.job_id, Job.attempt == Event.attempt))
+            .where(Event.kind == EventKind.STRAGGLER.value, Event.job_id.in_(job_ids))
+            .group_by(Event.job_id)
+        ).all()
+        return {job_id: count for job_id, count in rows}
 
 
 def exposition(session_factory: Callable[[], Session]) -> bytes:

@@ -50,6 +50,7 @@ class FakeDriver:
     placement: dict[int, str] = field(default_factory=dict)
     checkpoint_requests: int = 0
     stop_requested: bool = False
+    slow_nodes: tuple[str, ...] = ()  # the straggler watch's nodes (the real driver's)
     killed: bool = False
     outbox: list[tuple[int, WorkerMessage]] = field(default_factory=list)
     seq: int = 0
@@ -120,6 +121,7 @@ class FakeDriver:
             placement=Placement(nodes=dict(self.placement)) if self.placement else None,
             resumed_from_step=self.resumed_from_step,
             stopping=self.stop_requested,
+            slow_nodes=self.slow_nodes,
         )
 
 

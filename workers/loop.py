@@ -37,6 +37,7 @@ from elastrain.workers.checkpointing import (
 )
 from elastrain.workers.compiling import compile_units
 from elastrain.workers.errors import configuration_errors
+from elastrain.workers.local_work import LocalWork
 from elastrain.workers.lr_schedule import lr_at
 from elastrain.workers.memory import ReplicaMemory
 from elastrain.workers.memory.snapshots import PeerRefresher
@@ -147,7 +148,13 @@ def _train(
     # The runtime's hang watch reads this rank's progress from it (`workers/progress.py`).
     progress = ctx.progress if ctx.progress is not None else Progress()
     progress.started(start_step)
-    with stops_when_superseded(ctx, fence), settles_staging(checkpointer):
+    # ... and its straggler watch the seconds of each step no peer paces (`local_work`).
+    local = LocalWork(strategy.optimizer, ctx.device)
+    with (
+        stops_when_superseded(ctx, fence),
+        settles_staging(checkpointer),
+        contextlib.closing(local),
+    ):
         for step in range(start_step, max_steps):
             if ctx.abort is not None and ctx.abort.is_set():
                 raise AttemptAborted(f"attempt {ctx.attempt} released at step {step}")
@@ -169,7 +176,9 @@ def _train(
             # updates its weights, so all act on a control at the same step.
             with first_use:
                 progress.mark("data")
+                fetched = time.perf_counter()
                 batches = [collate(mb) for mb in ids]
+                local.data(time.perf_counter() - fetched)
                 progress.mark("step")
                 result = strategy.step(
                     batches,
@@ -179,7 +188,7 @@ def _train(
                     wait_staged=checkpointer.wait_staged,
                 )
             done = ctx.step = memory.step = step + 1
-            progress.stepped(done)
+            progress.stepped(done, local.take())
             step_time = time.perf_counter() - t0
             loss, control = result.loss_sum / global_batch, result.control
             eval_loss = None

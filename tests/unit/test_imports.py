@@ -98,6 +98,7 @@ def test_service_does_not_load_torch() -> None:
                       "elastrain.workers.runtime.phases", "elastrain.workers.runtime.placement",
                       "elastrain.workers.runtime.pool",
                       "elastrain.workers.runtime.reconcile",
+                      "elastrain.workers.runtime.stragglers",
                       "elastrain.workers.runtime.verdict"]  # fmt: skip
 
 

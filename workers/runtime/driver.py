@@ -38,6 +38,7 @@ from elastrain.contracts.messages import (
     DriverReport,
     DriverStatus,
     ErrorKind,
+    EventKind,
     Phase,
     Placement,
     Resumed,
@@ -45,6 +46,7 @@ from elastrain.contracts.messages import (
     Timeline,
     TimelineMark,
     WorkerError,
+    WorkerEvent,
     WorkerFailed,
     WorkerMessage,
 )
@@ -66,6 +68,7 @@ from elastrain.workers.runtime.placement import (
     take_processes,
 )
 from elastrain.workers.runtime.pool import PooledWorker, WorkerPool
+from elastrain.workers.runtime.stragglers import Straggler, find_stragglers
 from elastrain.workers.runtime.verdict import verdict
 
 log = logging.getLogger("elastrain.driver")
@@ -133,6 +136,8 @@ class AttemptDriver:
         self._seen: dict[int, RankSeen] = {}
         self._polls: dict[int, tuple[Future[Any], float]] = {}
         self._hang: Hang | None = None
+        # RUN: the straggler watch, over the same answers: the slow ranks now, by rank.
+        self._slow: dict[int, Straggler] = {}
         detected = request.detected_at or time.time()
         self._mark(Phase.DETECTED, at=detected, detail=request.cause)
 
@@ -221,6 +226,7 @@ class AttemptDriver:
                 placement=self._placement,
                 resumed_from_step=self._resumed_from,
                 stopping=self._stopping,
+                slow_nodes=tuple(sorted({self.workers[r].node_id for r in self._slow})),
             )
 
     def release(self) -> None:
@@ -333,7 +339,44 @@ class AttemptDriver:
             seen[rank] = replace(last, unanswered_since=poll[1]) if poll is not None else last
         after = self.request.spec.failure.hang_after_s
         self._hang = find_hang(seen, time.time(), after)
+        self._watch_stragglers()
         return self._hang is not None
+
+    def _watch_stragglers(self) -> None:
+        """Which ranks are slow now (`stragglers`); an event for each newly found."""
+        failure = self.request.spec.failure
+        local = {r: s.progress.local for r, s in self._seen.items() if s.progress is not None}
+        if len(local) < len(self.workers):
+            return  # a rank not heard from yet: nothing to compare it with
+        found = find_stragglers(
+            local, threshold=failure.straggler_threshold, window=failure.straggler_window
+        )
+        slow = {s.rank: s for s in found}
+        with self._lock:
+            for rank in sorted(slow.keys() - self._slow.keys()):
+                self._append(self._straggler_event(slow[rank]))
+            self._slow = slow
+
+    def _straggler_event(self, straggler: Straggler) -> WorkerEvent:
+        rank, node = straggler.rank, self.workers[straggler.rank].node_id
+        progress = self._seen[rank].progress
+        step = progress.step if progress is not None else None
+        action = self.request.spec.failure.stragglers.value
+        return WorkerEvent(
+            event=EventKind.STRAGGLER,
+            reason=f"rank {rank} on node {node[:12]} is a straggler: its local work takes "
+            f"{straggler.ratio:.1f}x the other ranks' ({straggler.local_s * 1000:.1f} ms vs "
+            f"{straggler.others_s * 1000:.1f} ms per step) at step {step} ({action})",
+            details={
+                "rank": rank,
+                "node_id": node,
+                "step": step,
+                "ratio": round(straggler.ratio, 3),
+                "local_ms": round(straggler.local_s * 1000, 3),
+                "others_ms": round(straggler.others_s * 1000, 3),
+                "action": action,
+            },
+        )
 
     def _processes_up(self) -> bool:
         """Whether every chosen process answered once (one that failed to start raises)."""

@@ -11,6 +11,7 @@ export function classifyEvent(ev) {
   const nodeLoss = /node[\s_-]*(lost|loss|died|dead|down|removed|failure|failed)|lost (a )?node/;
   // Before the reason tests: a timeline's reason names its cause ("node lost -> ...").
   if (kind === "timeline") return "first_step";
+  if (kind === "straggler") return "straggler";
   if (kind !== "transition") {
     if (nodeLoss.test(kind) || nodeLoss.test(reason)) return "node_lost";
     if (/resiz|scale|grow|shrink/.test(kind)) return "resize";
@@ -27,6 +28,10 @@ export function classifyEvent(ev) {
 export const MARKERS = {
   node_lost: { label: "node lost", cssVar: "--c-bad" },
   failure: { label: "worker failure", cssVar: "--c-warn-strong" },
+  straggler: {
+    label: "straggler", cssVar: "--c-warn-strong", ring: true,
+    hint: "A rank slower than its peers (failure.stragglers): the event names it and its node",
+  },
   resize: { label: "resize", cssVar: "--c-warn" },
   resume: { label: "resume", cssVar: "--c-good" },
   checkpoint: { label: "checkpoint", cssVar: "--c-info" },
@@ -207,7 +212,7 @@ function num(v) {
 
 /**
  * World size over wall-clock time, stepped, with a points-only series per marker type
- * (node lost, failure, resize, resume, checkpoint, first step) so each has a legend entry
+ * (node lost, failure, straggler, resize, resume, checkpoint, first step) so each has a legend entry
  * and hover value.
  */
 export class WorldSizeChart {

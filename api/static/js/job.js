@@ -317,7 +317,7 @@ class JobView {
     this.events = events;
     // Markers on the step charts: where training was interrupted, resized or resumed.
     // One line per step, the most severe kind winning (a node loss outranks the resume).
-    const rank = ["node_lost", "failure", "resize", "resume"];
+    const rank = ["node_lost", "failure", "straggler", "resize", "resume"];
     const byStep = new Map();
     for (const e of events) {
       const type = classifyEvent(e);

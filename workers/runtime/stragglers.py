@@ -1,0 +1,58 @@
+"""The straggler watch: which ranks of a running attempt are slow, from the local work
+per step their processes report to the runtime's poll (`elastrain.workers.local_work`).
+Pure: table-tested in tests/unit/test_stragglers.py; the driver polls, reports and the
+control plane decides what to do (`failure.stragglers`).
+
+A synchronous job steps at its slowest rank's pace, so every rank's step takes the same
+wall time; the local work (its batch and its update) is what differs. A rank is a
+straggler when its mean local work over the last `window` steps that every rank reported
+exceeds the median of the OTHER ranks' means by more than `threshold` (0.25: 25 %), and by
+at least `MIN_EXCESS_S`, so that jitter of a few hundred microseconds on tiny updates is
+not a straggler. The means over a window, not step by step: a process slowed from
+outside in bursts (a throttled CPU, another job's spikes) is slow on average, not on
+every step. The median of the others, not of all: with two ranks the median of all would
+sit halfway between them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+#: Below this excess over the others' median (seconds per step), no rank is a straggler.
+MIN_EXCESS_S = 0.0005
+
+
+@dataclass(frozen=True, slots=True)
+class Straggler:
+    rank: int
+    local_s: float
+    """Its mean local work per step over the window."""
+    others_s: float
+    """The median of the other ranks' means."""
+
+    @property
+    def ratio(self) -> float:
+        return self.local_s / self.others_s if self.others_s > 0 else float("inf")
+
+
+def find_stragglers(
+    local: Mapping[int, Sequence[tuple[int, float]]], *, threshold: float, window: int
+) -> list[Straggler]:
+    """The stragglers among ranks reporting (step, local seconds) pairs; none until every
+    rank reported the same `window` steps."""
+    if len(local) < 2:
+        return []
+    per_rank = {rank: dict(pairs) for rank, pairs in local.items()}
+    common = set.intersection(*(set(steps) for steps in per_rank.values()))
+    if len(common) < window:
+        return []
+    steps = sorted(common)[-window:]
+    means = {rank: statistics.fmean(seen[s] for s in steps) for rank, seen in per_rank.items()}
+    found = []
+    for rank, mean in sorted(means.items()):
+        others = statistics.median(m for r, m in means.items() if r != rank)
+        if mean > others * (1 + threshold) and mean - others >= MIN_EXCESS_S:
+            found.append(Straggler(rank=rank, local_s=mean, others_s=others))
+    return found

@@ -614,16 +614,26 @@ def _enter_recovery(job: JobView, facts: Facts, *, reason: str) -> list[Action]:
     if job.state == JobState.RECOVERING:  # a relaunched attempt failed in turn
         first: Action = SetReason(reason=reason)
     else:
-        target = facts.target(job.spec)
+        target = _relaunch_size(job, facts)
         first = Transition(to=JobState.RECOVERING, reason=reason, world_size=target or None)
     return [first, *_relaunch(replace(job, state=JobState.RECOVERING), facts)]
 
 
+def _relaunch_size(job: JobView, facts: Facts) -> int:
+    """The size the next attempt starts at: the largest that fits on nodes whose warm
+    processes are up, when that holds the job's min (a node that joined a moment ago, such
+    as a lost one's replacement, would hold the recovery for its process's start: the job
+    resumes without it and grows onto it once it is warm), else the largest that fits."""
+    warm = facts.warm_target(job.spec)
+    return warm if warm >= job.spec.min_world_size else facts.target(job.spec)
+
+
 def _relaunch(job: JobView, facts: Facts) -> list[Action]:
-    """Start the next attempt at the largest size that fits, or wait below min."""
+    """Start the next attempt at the largest size that fits (`_relaunch_size`), or wait
+    below min."""
     if facts.now < facts.relaunch_not_before:
         return []
-    size = facts.target(job.spec)
+    size = _relaunch_size(job, facts)
     if size == 0:
         return _wait_below_min(job, facts)
     actions: list[Action] = []

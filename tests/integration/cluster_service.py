@@ -3,6 +3,11 @@ on top, so that node loss is real: removing a node kills its raylet and its work
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -68,3 +73,30 @@ def multi_node_service(
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@contextmanager
+def slowed(pid: int, period_s: float = 0.004) -> Iterator[None]:
+    """A process made about 2x slower from outside: stopped and resumed in turns, half
+    of every `period_s` stopped (as `cpulimit` does), finely enough that any piece of its
+    work longer than a few milliseconds takes about twice as long, as on a slower device.
+    Stopped relative to itself, so the slowdown holds however busy the machine is."""
+    done = threading.Event()
+
+    def cycle() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            while not done.is_set():
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(period_s / 2)
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(period_s / 2)
+
+    thread = threading.Thread(target=cycle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)

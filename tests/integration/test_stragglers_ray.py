@@ -1,15 +1,11 @@
 """A straggler on a real multi-node Ray cluster (issue 44, item 2): rank 1's process is
-slowed from outside (stopped and resumed in turns, as `cpulimit` does), the runtime's
+slowed from outside (stopped and resumed in turns, finely, as `cpulimit` does), the runtime's
 straggler watch names it from the local work per step the ranks report, and the job
 (`failure.stragglers: evict`) leaves its node at a step boundary without a restart, trains
 on at the smaller size, and grows back onto the node after the cooldown."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.factories import a_zip
-from tests.integration.cluster_service import multi_node_service
+from tests.integration.cluster_service import multi_node_service, slowed
 from tests.integration.ray_service import wait_for, wait_terminal
 
 pytestmark = pytest.mark.ray
@@ -49,7 +45,7 @@ def build() -> Workload:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     return Workload(model=model, dataset=Samples(), loss_fn=nn.functional.mse_loss)
 """
-STEPS = 1500
+STEPS = 1_000_000  # cancelled once grown back
 
 
 def spec(digest: str) -> dict[str, Any]:
@@ -67,36 +63,9 @@ def spec(digest: str) -> dict[str, Any]:
             "max_restarts": 0,  # an eviction is no failure: one would fail the job
             "stragglers": "evict",
             "straggler_window": 10,
-            "straggler_cooldown_s": 8,
+            "straggler_cooldown_s": 5,
         },
     }
-
-
-class SlowedFromOutside:
-    """Stops and resumes a process in turns (half the time stopped: about 2x slower)."""
-
-    def __init__(self, pid: int, period_s: float = 0.02) -> None:
-        self.pid, self.period_s = pid, period_s
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> SlowedFromOutside:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.done.set()
-        self.thread.join()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGCONT)
-
-    def _run(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            while not self.done.is_set():
-                os.kill(self.pid, signal.SIGSTOP)
-                time.sleep(self.period_s / 2)
-                os.kill(self.pid, signal.SIGCONT)
-                time.sleep(self.period_s / 2)
 
 
 def events(client: Any, job_id: int, kind: str) -> list[dict[str, Any]]:
@@ -117,7 +86,7 @@ def test_a_rank_slowed_from_outside_is_evicted_and_the_job_grows_back(tmp_path: 
                  what="step 5", timeout=180)  # fmt: skip
         placement = events(client, job_id, "placement")[0]["details"]
         slow_node = placement["ranks"]["1"]
-        with SlowedFromOutside(int(placement["pids"]["1"])):
+        with slowed(int(placement["pids"]["1"])):
             slowed_at = time.monotonic()
             left = wait_for(client, job_id, lambda j: j["attempt"] == 2, what="evicted",
                             timeout=90)  # fmt: skip
@@ -133,7 +102,9 @@ def test_a_rank_slowed_from_outside_is_evicted_and_the_job_grows_back(tmp_path: 
         grown = wait_for(client, job_id, lambda j: j["world_size"] == 2 and j["attempt"] >= 3,
                          what="grown back", timeout=120)  # fmt: skip
         assert grown["restarts"] == 0
-        job = wait_terminal(client, job_id, timeout=300)
-        assert job["state"] == "SUCCEEDED", job
+        assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
+        job = wait_terminal(client, job_id, timeout=120)
+        assert job["state"] == "CANCELLED" and job["restarts"] == 0, job
+        # Every step once, none lost over the eviction and the grow.
         steps = [p["step"] for p in client.get(f"/v1/jobs/{job_id}/metrics").json()]
-        assert sorted(set(steps)) == list(range(1, STEPS + 1))
+        assert sorted(set(steps)) == list(range(1, max(steps) + 1))

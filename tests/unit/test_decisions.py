@@ -251,6 +251,24 @@ ROWS: list[Any] = [
         id="running+node-lost+relaunch-on-what-is-left",
     ),
     pytest.param(
+        job(S.RUNNING),
+        facts(nodes("a", "c", "d", warming=("d",)), alive=("a", "c", "d"), report=report()),
+        relaunched_after_b_lost,
+        id="running+node-lost+replacement-warming: resumes on the warm nodes, not waiting",
+    ),
+    pytest.param(
+        job(S.RUNNING, spec=MIN2),
+        facts(nodes("a", "c", warming=("c",)), alive=("a", "c"), report=report()),
+        [
+            node_b_lost,
+            EndAttempt(outcome=AttemptOutcome.NODE_LOST, step=30),
+            Transition(to=S.RECOVERING, reason="node lost (b)", world_size=2),
+            StartAttempt(world_size=2),
+            MarkSpare(since=None),
+        ],
+        id="running+node-lost+min-needs-the-warming-node: waits for its process",
+    ),
+    pytest.param(
         job(S.RUNNING, spec=MIN2),
         facts(nodes("a"), alive=("a",), report=report()),
         [

@@ -19,8 +19,13 @@ def steady(seconds: float, steps: range = range(1, 31)) -> list[tuple[int, float
     return [(s, seconds) for s in steps]
 
 
+def mostly(slow: float, fast: float, steps: range = range(1, 31)) -> list[tuple[int, float]]:
+    """Slow on three steps of every four."""
+    return [(s, fast if s % 4 == 0 else slow) for s in steps]
+
+
 def bursty(fast: float, slow: float, steps: range = range(1, 31)) -> list[tuple[int, float]]:
-    """Slow on every other step: a process stopped and resumed from outside."""
+    """Slow on every other step: noise on a busy machine."""
     return [(s, slow if s % 2 else fast) for s in steps]
 
 
@@ -30,8 +35,10 @@ def bursty(fast: float, slow: float, steps: range = range(1, 31)) -> list[tuple[
         # one rank twice as slow as the rest: found, at any world size from two
         ({0: steady(0.010), 1: steady(0.020)}, 0.25, 20, [1]),
         ({0: steady(0.010), 1: steady(0.010), 2: steady(0.010), 3: steady(0.02)}, 0.25, 20, [3]),
-        # slow in bursts: slow on average, found
-        ({0: steady(0.010), 1: bursty(0.010, 0.030)}, 0.25, 20, [1]),
+        # slow on every other step (noise, bursts): slow on average, not on most steps
+        ({0: steady(0.010), 1: bursty(0.010, 0.030)}, 0.25, 20, []),
+        # slow on three steps of four: stays above
+        ({0: steady(0.010), 1: mostly(0.030, 0.010)}, 0.25, 20, [1]),
         # within the threshold: not a straggler
         ({0: steady(0.010), 1: steady(0.012)}, 0.25, 20, []),
         # a lower threshold finds it

@@ -5,13 +5,13 @@ control plane decides what to do (`failure.stragglers`).
 
 A synchronous job steps at its slowest rank's pace, so every rank's step takes the same
 wall time; the local work (its batch and its update) is what differs. A rank is a
-straggler when its mean local work over the last `window` steps that every rank reported
-exceeds the median of the OTHER ranks' means by more than `threshold` (0.25: 25 %), and by
-at least `MIN_EXCESS_S`, so that jitter of a few hundred microseconds on tiny updates is
-not a straggler. The means over a window, not step by step: a process slowed from
-outside in bursts (a throttled CPU, another job's spikes) is slow on average, not on
-every step. The median of the others, not of all: with two ranks the median of all would
-sit halfway between them.
+straggler when, over the last `window` steps that every rank reported, its local work
+stays above the median of the OTHER ranks' by more than `threshold` (0.25: 25 %): on at
+least `STAYS_ABOVE` of those steps (a slower device is slower on nearly every step; noise
+on a busy machine makes single steps slow, not most), and on average, by at least
+`MIN_EXCESS_S` (jitter of a few hundred microseconds on tiny updates is no straggler).
+The median of the others, not of all: with two ranks the median of all would sit halfway
+between them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 #: Below this excess over the others' median (seconds per step), no rank is a straggler.
 MIN_EXCESS_S = 0.0005
+#: The share of the window's steps a straggler's local work is above the threshold on.
+STAYS_ABOVE = 0.75
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,16 @@ def find_stragglers(
     found = []
     for rank, mean in sorted(means.items()):
         others = statistics.median(m for r, m in means.items() if r != rank)
-        if mean > others * (1 + threshold) and mean - others >= MIN_EXCESS_S:
+        above = sum(
+            per_rank[rank][s] > (1 + threshold) * statistics.median(
+                seen[s] for r, seen in per_rank.items() if r != rank
+            )
+            for s in steps
+        )  # fmt: skip
+        if (
+            above >= STAYS_ABOVE * len(steps)
+            and mean > others * (1 + threshold)
+            and mean - others >= MIN_EXCESS_S
+        ):
             found.append(Straggler(rank=rank, local_s=mean, others_s=others))
     return found

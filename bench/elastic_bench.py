@@ -9,7 +9,8 @@ added back. Measured per trial (times end at the wall clock of an optimizer step
   job submitted right after the previous one ended);
 - node removed -> the first step after the resume (at world size 2);
 - node added -> the first step at world size 3; node joined (its raylet registered) -> the
-  grow decision; and the decision -> the first step at world size 3;
+  first step at world size 3 and -> the grow decision; and the decision -> the first step at
+  world size 3;
 - steps recomputed per node loss: the last step done before the loss minus the step the
   resume started from (0 when the state came from the survivors' memory);
 - node drained (`POST /v1/cluster/nodes/{id}/drain`, deadline 30 s, on the grown job's
@@ -18,7 +19,8 @@ added back. Measured per trial (times end at the wall clock of an optimizer step
   same drain from Ray's own drain API (reason preemption, as the autoscaler, KubeRay or a
   preemption notice sends it), and the node goes at the deadline;
 - the timeline of every start (detected, old group stopped, placed, processes up, process
-  group formed, state restored, first step), from the job's events.
+  group formed, state restored, first step; a grow's from its node joined and process warm),
+  from the job's events.
 
 The Ray Train baseline runs the very same training loop (`elastrain.workers.loop.train`, same
 checkpoints) under `TorchTrainer` with `ScalingConfig(num_workers=(1, 3))` and
@@ -70,6 +72,8 @@ SPEC = tiny_gpt_spec(
     failure={"max_restarts": 3},
 )
 PHASES = [p.value for p in Phase]
+#: What started each attempt of a trial's job (its timeline's column).
+ATTEMPT_CAUSES = {1: "submitted", 2: "node lost", 3: "node back", 4: "drained"}
 #: The service's settings. Its API answers only the Host names it is configured for
 #: (ELASTRAIN_ALLOWED_HOSTS), as a user's server is told its own; Starlette's TestClient
 #: sends `Host: testserver`.
@@ -153,11 +157,14 @@ def elastrain_trial(
     resumed_event = next(e["details"] for e in events if e["kind"] == "resumed")
     resumed_step = resumed_event["step"]
     t_decision = next(_epoch(e["at"]) for e in events if e["to_state"] == "RESIZING")
+    # Each phase's seconds since the previous mark; the first mark (where the clock starts:
+    # the decision, or the node's join for a grow) has none. By attempt: the grow and the
+    # drain are both a "resize".
     timelines = {
-        e["details"]["cause"]: {p["phase"]: p["seconds"] for p in e["details"]["phases"]}
+        ATTEMPT_CAUSES[e["attempt"]]: {p["phase"]: p["seconds"] for p in e["details"]["phases"][1:]}
         | {"total": e["details"]["total_s"]}
         for e in events
-        if e["kind"] == "timeline"
+        if e["kind"] == "timeline" and e["attempt"] in ATTEMPT_CAUSES
     }
     trial = {
         "submit_to_step_s": started["wall_time"] - t_submit,
@@ -165,6 +172,7 @@ def elastrain_trial(
         "join_to_decision_s": t_decision - t_joined,
         "decision_to_step_s": grown["wall_time"] - t_decision,
         "add_to_step_s": grown["wall_time"] - t_add,
+        "join_to_step_s": grown["wall_time"] - t_joined,
         "recomputed_steps": max(0, lost_step - resumed_step),
         "restored_from_peer": float(resumed_event["source"] == "peer"),
         "world_after_loss": resumed["world_size"],
@@ -440,9 +448,9 @@ def shown(value: float, fmt: str) -> str:
 
 def timeline_table(timelines: list[dict[str, dict[str, float]]]) -> list[str]:
     """Median seconds of each phase, per cause (columns), over the trials."""
-    causes = ["submitted", "node lost", "resize"]
+    causes = list(ATTEMPT_CAUSES.values())
     rows = ["| phase | " + " | ".join(causes) + " |", "| --- |" + " ---: |" * len(causes)]
-    for phase in [*PHASES[1:], "total"]:
+    for phase in [*(p for p in PHASES if p != Phase.NODE_JOINED.value), "total"]:
         cells = []
         for cause in causes:
             values = [t[cause][phase] for t in timelines if cause in t and phase in t[cause]]
@@ -565,6 +573,7 @@ def report(
         row("submit -> first optimizer step (s)", "submit_to_step_s", torchrun=True),
         row("node removed -> first step after resume (s)", "loss_to_step_s"),
         row("node added -> first step at the bigger size (s)", "add_to_step_s"),
+        row("node joined -> first step at the bigger size (s)", "join_to_step_s", ray_train=False),
         row("node joined -> grow decision (s)", "join_to_decision_s", ray_train=False),
         row(
             "grow decision -> first step at the bigger size (s)",
@@ -598,7 +607,9 @@ def report(
         "",
         "Each phase's seconds since the previous one, from the `timeline` event every attempt",
         "records (`elastrain timeline JOB`). A start's clock starts at submission, a recovery's",
-        "when the scheduler saw the node gone, a resize's at the grow decision.",
+        "when the scheduler saw the node gone, a grow's (node back) when the control plane",
+        "first saw the node joined (then its first process warm, then the grow decision), a",
+        "drain's at the decision to leave.",
         "",
         *timeline_table(timelines),
     ]

@@ -46,6 +46,8 @@ class WorkerInfo:
     own_code_of: JobRef | None = None
     """The job whose own code this process ran, if any (`elastrain.workers.runtime.pool.runs_own_code`):
     a runtime that adopts the process after a restart lends it to that job alone."""
+    warm_at: float = 0.0
+    """When its start's imports were done (its wall clock; 0: not known)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -442,6 +442,9 @@ class Finished:
 class Phase(str, Enum):
     """The phases of a start, recovery or resize, in the order they happen."""
 
+    # A grow onto a node that joined: its timeline starts there (`JOIN_PHASES`).
+    NODE_JOINED = "node_joined"  # the control plane first saw the node alive
+    PROCESS_WARM = "process_warm"  # its first pool process had its imports done
     DETECTED = "detected"  # the control plane decided: submitted, node lost, failed, resize
     OLD_GROUP_STOPPED = "old_group_stopped"  # the previous attempt's processes let go
     PLACED = "placed"  # resources reserved, a process chosen for every rank
@@ -449,6 +452,10 @@ class Phase(str, Enum):
     GROUP_FORMED = "group_formed"  # torch.distributed process group initialised
     STATE_RESTORED = "state_restored"  # from peer memory, a checkpoint, or a fresh start
     FIRST_STEP = "first_step"  # the first optimizer step of the attempt is done
+
+
+#: The phases before the decision that only a grow onto a newly joined node has.
+JOIN_PHASES = (Phase.NODE_JOINED, Phase.PROCESS_WARM)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -478,7 +485,8 @@ class Timeline:
         return self.marks[-1].at - self.marks[0].at if self.marks else 0.0
 
     def phases(self) -> list[dict[str, Any]]:
-        """Each phase with its seconds since the previous one and since detection."""
+        """Each phase with its seconds since the previous one and since the first mark (the
+        decision; a grow onto a node that joined: the join)."""
         if not self.marks:
             return []
         start = self.marks[0].at

@@ -64,6 +64,11 @@ class LaunchRequest:
     """Why this attempt starts: "submitted", "node lost", "failed", "resize"."""
     detected_at: float = 0.0
     """When the control plane decided it (wall clock; 0: now): where its timeline starts."""
+    joined_at: float = 0.0
+    """A grow onto a node that joined during the previous attempt: when the node joined
+    (wall clock; 0: none). Its timeline starts there instead (`Phase.NODE_JOINED`)."""
+    warm_at: float = 0.0
+    """That grow: when the joined node's first process was warm (0: not known)."""
     avoid_nodes: tuple[str, ...] = ()
     """Ray node ids of draining nodes: no rank of this attempt is placed on them."""
     tenant: str = ""
@@ -128,6 +133,9 @@ class Reconciled:
     """The alive nodes (as of the pool's last upkeep) where a rank can start without
     waiting for a process to start: one of the pool's has answered there, or the pool keeps
     none there. None: not known (an older runtime)."""
+    warm_at: dict[str, float] = field(default_factory=dict)
+    """Of the ready nodes where a pool process answered: when the first of those there had
+    its imports done (the process's wall clock)."""
 
 
 #: Where a node's preemption notice is kept in Ray's KV store (namespace, key prefix): the

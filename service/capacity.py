@@ -33,6 +33,11 @@ class NodeCapacity:
     placed there now waits for a process to start and import torch. Its capacity counts
     (a start or recovery would wait for it anyway), but a running job does not stop to
     grow onto it yet (`elastrain.service.decisions`)."""
+    joined_at: float | None = None
+    """When the control plane first saw it alive (epoch seconds; None: not known)."""
+    warm_at: float | None = None
+    """When its first pool process had its imports done (epoch seconds; None: not yet, or
+    not known): with `joined_at`, where the timeline of a grow onto it starts."""
 
 
 class DrainSource(str, Enum):
@@ -305,3 +310,38 @@ def warming_nodes(
     if ready is None:
         return frozenset()
     return frozenset(n for n in alive if n not in ready and now - first_seen.get(n, now) < wait_s)
+
+
+#: `grow_joins` keys: a grow's RESIZING event carries them, its attempt's timeline marks them.
+NODE_JOINED_AT = "node_joined_at"
+PROCESS_WARM_AT = "process_warm_at"
+
+
+def grow_joins(
+    nodes: Iterable[NodeCapacity], *, used: Iterable[str], attempt_started: float, now: float
+) -> dict[str, float]:
+    """Where the timeline of a grow decided `now` starts: when the nodes that joined while
+    the job's attempt ran (started at `attempt_started`, on the nodes `used`) joined (the
+    first of them) and had a warm process (the last: the grow waited for it), clamped into
+    joined <= warm <= now (the process's clock is another machine's). Nodes still warming
+    are not grown onto. Empty when none joined then: capacity another job gave back is no
+    join."""
+    held = set(used)
+    joined = [
+        n
+        for n in nodes
+        if n.alive
+        and not n.draining
+        and not n.warming
+        and n.node_id not in held
+        and n.joined_at is not None
+        and n.joined_at > attempt_started
+    ]
+    if not joined:
+        return {}
+    first = min(min(n.joined_at for n in joined if n.joined_at is not None), now)
+    found = {NODE_JOINED_AT: first}
+    warm = [n.warm_at for n in joined if n.warm_at is not None]
+    if warm:  # else grown onto before any process there was warm (`grow_warm_wait_s`)
+        found[PROCESS_WARM_AT] = min(max(max(warm), first), now)
+    return found

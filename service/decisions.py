@@ -56,6 +56,7 @@ from elastrain.service.capacity import (
     DrainSource,
     NodeDrain,
     WorkerShape,
+    grow_joins,
     target_world_size,
 )
 from elastrain.service.states import JobState
@@ -78,6 +79,8 @@ class AttemptView:
     """The last driver message persisted."""
     name: str = ""
     """`elastrain.contracts.runtime.attempt_name`: what the runtime knows the attempt by."""
+    started_at: float = 0.0
+    """When it was launched (epoch seconds)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -184,6 +187,8 @@ class Transition:
     reason: str
     world_size: int | None = None
     """The world size after the move (None: unchanged)."""
+    details: Mapping[str, Any] | None = None
+    """Kept with the event (a grow: when the nodes it grows onto joined, `grow_joins`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -560,6 +565,13 @@ def _growth(job: JobView, attempt: AttemptView, facts: Facts) -> list[Action]:
             to=JobState.RESIZING,
             reason=f"capacity for {possible} workers: growing {current} -> {possible}",
             world_size=possible,
+            details=grow_joins(
+                facts.free.nodes,
+                used=attempt.nodes,
+                attempt_started=attempt.started_at,
+                now=facts.now,
+            )
+            or None,
         ),
         MarkSpare(since=None),
     ]

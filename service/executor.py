@@ -43,6 +43,7 @@ from elastrain.contracts.runtime import AttemptKey, LaunchRequest, attempt_name
 from elastrain.contracts.spec import JobSpec
 from elastrain.contracts.storage import JobStorage
 from elastrain.service import identity, jobs, metric_store, observe, reports, telemetry
+from elastrain.service.capacity import NODE_JOINED_AT, PROCESS_WARM_AT
 from elastrain.service.db import session_scope
 from elastrain.service.decisions import (
     Action,
@@ -139,7 +140,12 @@ def apply_to_db(
         key = AttemptKey(job.id, job.attempt)
         if isinstance(action, Transition):
             jobs.set_job_state(
-                session, job, action.to, reason=action.reason, world_size=action.world_size
+                session,
+                job,
+                action.to,
+                reason=action.reason,
+                world_size=action.world_size,
+                details=dict(action.details) if action.details else None,
             )
         elif isinstance(action, SetReason):
             jobs.set_state_reason(job, reason=action.reason)
@@ -155,7 +161,7 @@ def apply_to_db(
             effects.append(PruneCheckpoints(job_id=job.id, root=root, keep_last=action.keep_last))
         elif isinstance(action, StartAttempt):
             name = attempt_name(job.id, job.attempt + 1)
-            cause, detected_at = _start_cause(session, job)
+            cause, detected_at, joined = _start_cause(session, job)
             attempt = jobs.start_attempt(
                 session, job, world_size=action.world_size, driver_name=name
             )
@@ -179,6 +185,8 @@ def apply_to_db(
                         database=identity.database_id(session),
                         cause=cause,
                         detected_at=detected_at,
+                        joined_at=joined.get(NODE_JOINED_AT, 0.0),
+                        warm_at=joined.get(PROCESS_WARM_AT, 0.0),
                         avoid_nodes=action.avoid_nodes,
                         tenant=job.owner,
                     )
@@ -270,17 +278,28 @@ _CAUSES = {
 }
 
 
-def _start_cause(session: Session, job: Job) -> tuple[str, float]:
+def _start_cause(session: Session, job: Job) -> tuple[str, float, dict[str, float]]:
     """Why the job's next attempt starts, and since when (its timeline's first mark): the
-    submission, the end of the previous attempt (node lost, failed), or the grow decision."""
+    submission, the end of the previous attempt (node lost, failed), or the grow decision;
+    for a grow onto nodes that joined, when they joined and were warm (`grow_joins`)."""
     previous = jobs.current_attempt(session, job)
     if previous is None or previous.ended_at is None:
-        return "submitted", _timestamp(job.created_at)
+        return "submitted", _timestamp(job.created_at), {}
     cause = _CAUSES.get(previous.outcome or "", "restart")
+    if cause != "resize":
+        return cause, _timestamp(previous.ended_at), {}
     # A resize starts when it was decided: the old attempt's checkpoint-and-stop is part
-    # of what it costs.
-    decided = jobs.last_entered(session, job, JobState.RESIZING) if cause == "resize" else None
-    return cause, _timestamp(decided or previous.ended_at)
+    # of what it costs; a grow's, when its node joined: the wait for the node's process too.
+    decided = jobs.last_entry(session, job, JobState.RESIZING)
+    if decided is None:
+        return cause, _timestamp(previous.ended_at), {}
+    details = decided.details or {}
+    joined = {
+        k: float(details[k])
+        for k in (NODE_JOINED_AT, PROCESS_WARM_AT)
+        if isinstance(details.get(k), int | float)
+    }
+    return cause, _timestamp(decided.at), joined
 
 
 def _timestamp(moment: datetime) -> float:

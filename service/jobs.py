@@ -400,6 +400,16 @@ def last_entered(session: Session, job: Job, state: JobState) -> datetime | None
     ).first()
 
 
+def last_entry(session: Session, job: Job, state: JobState) -> Event | None:
+    """The event of the job's last move to `state` (None: never)."""
+    return session.scalars(
+        select(Event)
+        .where(Event.job_id == job.id, Event.to_state == state.value)
+        .order_by(Event.id.desc())
+        .limit(1)
+    ).first()
+
+
 def current_attempt(session: Session, job: Job) -> Attempt | None:
     return session.scalars(
         select(Attempt).where(Attempt.job_id == job.id, Attempt.number == job.attempt)

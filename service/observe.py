@@ -72,7 +72,7 @@ _VIEW_COLUMNS = (
     Attempt.number.label("a_number"), Attempt.world_size.label("a_world_size"),
     Attempt.nodes.label("a_nodes"), Attempt.ended_at.label("a_ended_at"),
     Attempt.stop_requested.label("a_stop_requested"), Attempt.report_seq.label("a_report_seq"),
-    Attempt.driver_name.label("a_name"),
+    Attempt.driver_name.label("a_name"), Attempt.started_at.label("a_started_at"),
 )  # fmt: skip
 
 
@@ -125,6 +125,7 @@ def _view_of_row(row: Any, spec: JobSpec) -> JobView:
             stop_requested=row.a_stop_requested,
             report_seq=row.a_report_seq,
             name=row.a_name,
+            started_at=as_utc(row.a_started_at).timestamp(),
         )
     since = row.below_min_since
     return JobView(

@@ -63,6 +63,13 @@ class RuntimeClient:
         self._last_status: dict[AttemptKey, DriverStatus] = {}
         self._ready_nodes: frozenset[str] | None = None  # as the last reconcile said
         self._first_seen: dict[str, float] = {}  # node id -> when capacity() first saw it
+        # The same and when it was first reported ready, as wall clock: where the timeline
+        # of a grow onto the node starts (`elastrain.service.capacity.grow_joins`). Nodes up
+        # before the first capacity() joined at a time not known (None): after a restart of
+        # the control plane they are no join.
+        self._joined_at: dict[str, float | None] = {}
+        self._listed_once = False
+        self._warm_at: dict[str, float] = {}
         self._connect()
 
     def _connect(self) -> None:
@@ -143,12 +150,16 @@ class RuntimeClient:
 
     # -- Launcher -----------------------------------------------------------------------------
     def capacity(self) -> ClusterCapacity:
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         listed = ray.nodes()
         alive = [n["NodeID"] for n in listed if n.get("Alive")]
+        known, self._listed_once = self._listed_once, True
         for node_id in alive:
             self._first_seen.setdefault(node_id, now)
+            self._joined_at.setdefault(node_id, wall if known else None)
         self._first_seen = {n: self._first_seen[n] for n in alive}
+        self._joined_at = {n: self._joined_at[n] for n in alive}
+        self._warm_at = {n: t for n, t in self._warm_at.items() if n in self._joined_at}
         # The longest a running job waits for a new node's warm processes before growing
         # onto it anyway (its attempt then waits for a process there itself).
         wait_s = self.settings.grow_warm_wait_s
@@ -165,6 +176,8 @@ class RuntimeClient:
                     gpus=float(res.get("GPU", 0.0)),
                     memory_bytes=int(res.get("memory", 0)),
                     warming=n["NodeID"] in warming,
+                    joined_at=self._joined_at.get(n["NodeID"]),
+                    warm_at=self._warm_at.get(n["NodeID"]),
                 )
             )
         return ClusterCapacity(
@@ -197,6 +210,11 @@ class RuntimeClient:
             self.runtime = self._runtime()
             return {k: _lost(f"runtime died: {str(exc)[-300:]}") for k in want.attempts}
         self._ready_nodes = answer.ready_nodes
+        seen_at, warm_at = time.time(), getattr(answer, "warm_at", None) or {}  # None: older
+        for node_id in answer.ready_nodes or ():
+            if node_id in self._joined_at:  # alive at the last capacity()
+                # The process's own clock if the runtime said it, else when we heard.
+                self._warm_at.setdefault(node_id, warm_at.get(node_id) or seen_at)
         for name in answer.released:
             log.warning("the runtime released %s: its attempt is not live in the database", name)
         for job_id in answer.forgotten_jobs:

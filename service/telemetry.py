@@ -64,8 +64,9 @@ QUEUE_WAIT = Histogram(
 )  # fmt: skip
 STARTS = Histogram(
     "elastrain_start_seconds",
-    "From what started an attempt (submission, node lost, failure, grow decision) to its "
-    "first step: the recovery time when cause is 'node lost' or 'failed'.",
+    "From what started an attempt (submission, node lost, failure, grow decision; a grow "
+    "onto a node that joined: the join) to its first step: the recovery time when cause is "
+    "'node lost' or 'failed'.",
     ["cause"], buckets=_SECONDS, registry=REGISTRY,
 )  # fmt: skip
 RESTORES = Histogram(

@@ -51,6 +51,7 @@ from elastrain.workers.comm_release import GroupSockets, attempt_groups, release
 from elastrain.workers.progress import Progress
 from elastrain.workers.rank_output import captured_output
 from elastrain.workers.runtime.guard import RefusalLog
+from elastrain.workers.start_priority import imports_first
 
 if TYPE_CHECKING:  # torch is imported when the process starts, not by the runtime
     from torch.distributed import TCPStore
@@ -198,7 +199,14 @@ def run_at_normal_priority() -> None:
 class WorkerProcess:
     """Wrapped with `ray.remote` by the runtime (kept a plain class for readability)."""
 
-    def __init__(self, name: str, gpu: int | None = None, pool_digest: bytes = b"") -> None:
+    def __init__(
+        self,
+        name: str,
+        gpu: int | None = None,
+        pool_digest: bytes = b"",
+        *,
+        imports_ahead: bool = True,
+    ) -> None:
         # Before torch can initialise CUDA: this process sees its own GPU (a GPU process,
         # `gpu` = the node-local index it owns for its lifetime) or none (a CPU process).
         from elastrain.workers.devices import pin_visible_gpu, warm_cuda
@@ -209,20 +217,22 @@ class WorkerProcess:
         # The imports are the point: paid once, when the process starts, not per attempt.
         # torch._dynamo alone takes seconds (docs/bench-elastic.md): DistributedDataParallel
         # imports it lazily, on its first construction, which would otherwise land in the
-        # first attempt.
-        import torch
-        import torch._dynamo
-        import torch.distributed.fsdp
-        import torch.distributed.pipelining
+        # first attempt. Ahead of the ranks training beside it (`imports_first`) when a
+        # rank, or a grow onto this node, waits for this process (the pool says which).
+        with imports_first() if imports_ahead else contextlib.nullcontext():
+            import torch
+            import torch._dynamo
+            import torch.distributed.fsdp
+            import torch.distributed.pipelining
 
-        import elastrain.checkpoints.dcp
-        import elastrain.workers.loop
-        import elastrain.workers.workloads  # noqa: F401
-        from elastrain.workers.memory import ReplicaMemory
-        from elastrain.workers.netif import pin_collectives_to
-        from elastrain.workers.workloads.gpt import load_corpus
+            import elastrain.checkpoints.dcp
+            import elastrain.workers.loop
+            import elastrain.workers.workloads  # noqa: F401
+            from elastrain.workers.memory import ReplicaMemory
+            from elastrain.workers.netif import pin_collectives_to
+            from elastrain.workers.workloads.gpt import load_corpus
 
-        load_corpus()  # the built-in corpus, parsed once per process
+            load_corpus()  # the built-in corpus, parsed once per process
 
         torch.set_num_threads(1)
         self.gpu = gpu
@@ -250,6 +260,7 @@ class WorkerProcess:
         # (one can arrive before the rank it is for has started).
         self._controls: dict[AttemptKey, list[Control]] = {}
         self._hosted_store: TCPStore | None = None  # the next group's, until rank 0 takes it
+        self.warm_at = time.time()  # its imports done: from now on a rank starts at once
 
     def accepts(self, token: str) -> bool:
         """Whether `token` is the pool token this process was made with (a runtime that
@@ -273,6 +284,7 @@ class WorkerProcess:
                 gpu=self.gpu,
                 device=self.device,
                 own_code_of=self._own_code_of,
+                warm_at=self.warm_at,
             )
 
     def _held(self) -> HeldState | None:

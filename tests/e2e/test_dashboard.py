@@ -237,11 +237,11 @@ def test_job_page_shows_starts_and_recoveries(
     )
     assert page.locator("#starts-table tr[data-attempt='3'] td.cause").inner_text() == "resize"
 
-    # A segment per phase after detection, titled, as wide as its seconds.
+    # A segment per phase after the first mark, titled, as wide as its seconds.
     segs = recovery.locator(".phase-bar .seg").evaluate_all(
         "els => els.map(e => [e.title, e.getBoundingClientRect().width])"
     )
-    phases = [p for p in details["phases"] if p["phase"] != "detected"]
+    phases = details["phases"][1:]  # the first mark is where the clock starts
     assert [t.split(":")[0] for t, _ in segs] == [p["phase"].replace("_", " ") for p in phases]
     placed = next(p for p in phases if p["phase"] == "placed")
     assert f"placed: {placed['seconds']:.2f} s — {placed['detail']}" in [t for t, _ in segs]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
 from ray.cluster_utils import Cluster
 
-from elastrain.contracts.messages import Phase
+from elastrain.contracts.messages import JOIN_PHASES, Phase
 from elastrain.service import jobs
 from tests.e2e.server import serve_argv, start_server
 from tests.integration.cluster_service import multi_node_service
@@ -27,6 +28,9 @@ ELASTIC = {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}
 # the relaunch at 3 (tens of seconds: new Ray worker processes) has happened.
 MAX_STEPS = 600  # the grow waits for the new node's warm process: tens of seconds under load
 PHASES = [p.value for p in Phase]
+#: A start's or recovery's timeline starts at the decision; a grow onto a node that joined
+#: at the join (node joined -> process warm -> decided -> ... -> first step).
+DECIDED_PHASES = [p.value for p in Phase if p not in JOIN_PHASES]
 TRAINING = {"global_batch_size": 24, "micro_batch_size": 4, "max_steps": MAX_STEPS}
 #: The uninterrupted run is compared with the interrupted one up to this many steps past
 #: the grow back.
@@ -46,12 +50,13 @@ def transitions(client, job_id: int) -> list[tuple[str, str, str]]:  # type: ign
 
 
 def assert_timelines(events: list[dict], causes: list[str]) -> None:  # type: ignore[type-arg]
-    """One timeline per attempt, with every phase, in order, in time order."""
+    """One timeline per attempt, with every phase, in order, in time order; a grow's from
+    when its node joined."""
     timelines = [e["details"] for e in events if e["kind"] == "timeline"]
     assert [t["cause"] for t in timelines] == causes, timelines
     for t in timelines:
         phases = [p["phase"] for p in t["phases"]]
-        assert phases == list(PHASES), phases
+        assert phases == (PHASES if t["cause"] == "resize" else DECIDED_PHASES), phases
         at = [p["at"] for p in t["phases"]]
         assert at == sorted(at), t
         assert t["total_s"] == pytest.approx(at[-1] - at[0], abs=1e-3)
@@ -90,6 +95,7 @@ def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
             what="resume at 2",
         )
         assert shrunk["world_size"] == 2
+        added = time.time()
         nodes.add(1)
         grown = wait_for(
             client,
@@ -128,6 +134,10 @@ def test_node_loss_shrinks_resumes_and_grows_back(tmp_path: Path) -> None:
         # The job did not stop to grow until the new node's warm process was up: every
         # rank of the grown attempt ran in a process that had already started.
         grow = [e["details"] for e in events if e["kind"] == "timeline"][-1]
+        # Its clock started when the node joined, not at the decision: the wait for the
+        # node's process is part of what growing back cost.
+        joined = grow["phases"][0]
+        assert joined["phase"] == "node_joined" and joined["at"] >= added, grow
         placed = next(p for p in grow["phases"] if p["phase"] == "placed")
         assert placed["detail"].startswith("3 processes: 3 warm"), grow
 

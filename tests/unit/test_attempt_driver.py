@@ -274,3 +274,39 @@ def test_an_ask_not_placed_in_time_is_asked_again_then_anywhere(
         d.advance()
     assert [pg.where for pg in cluster.asked] == [Where.PREFERRED] * 4 + [Where.ANYWHERE]
     assert cluster.removed == cluster.asked[:4]  # each replaced ask was dropped
+
+
+@pytest.mark.parametrize(
+    ("joined", "warm", "expected"),
+    [
+        pytest.param(0.0, 0.0, [(Phase.DETECTED, 100.0)], id="no-join: starts at the decision"),
+        pytest.param(
+            80.0,
+            95.0,
+            [(Phase.NODE_JOINED, 80.0), (Phase.PROCESS_WARM, 95.0), (Phase.DETECTED, 100.0)],
+            id="grow-onto-a-joined-node: starts at the join",
+        ),
+        pytest.param(
+            80.0, 0.0, [(Phase.NODE_JOINED, 80.0), (Phase.DETECTED, 100.0)], id="warm-not-known"
+        ),
+        pytest.param(
+            80.0,
+            101.0,
+            [(Phase.NODE_JOINED, 80.0), (Phase.PROCESS_WARM, 100.0), (Phase.DETECTED, 100.0)],
+            id="another-clock-past-the-decision: clamped",
+        ),
+    ],
+)
+def test_a_grows_timeline_starts_when_its_node_joined(
+    pool: WorkerPool, joined: float, warm: float, expected: list[tuple[Phase, float]]
+) -> None:
+    request = LaunchRequest(
+        job_id=JOB.job_id, attempt=3, world_size=3, name="job-7-3", cause="resize",
+        spec=JobSpec.model_validate(spec_dict()), storage_path="/tmp/x", database=JOB.database,
+        detected_at=100.0, joined_at=joined, warm_at=warm,
+    )  # fmt: skip
+    d = AttemptDriver(request, pool=pool, runtime_name="rt", namespace="ns",
+                      collective_timeout_s=30.0, capability="cap", wake=lambda: None)  # fmt: skip
+    timeline = d._timeline()
+    assert [(m.phase, m.at) for m in timeline.marks] == expected
+    assert timeline.phases()[0]["since_start_s"] == 0.0

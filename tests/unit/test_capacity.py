@@ -8,12 +8,15 @@ import random
 import pytest
 
 from elastrain.service.capacity import (
+    NODE_JOINED_AT,
+    PROCESS_WARM_AT,
     Allocation,
     CapacityLedger,
     ClusterCapacity,
     NodeCapacity,
     WorkerShape,
     free_capacity,
+    grow_joins,
     warming_nodes,
 )
 
@@ -99,6 +102,62 @@ def test_warming_nodes(
 ) -> None:
     got = warming_nodes(["a", "b"], ready, first_seen, now=100.0, wait_s=60.0)
     assert got == expected
+
+
+def _node(name: str, joined: float | None, warm: float | None, **kw: bool) -> NodeCapacity:
+    return NodeCapacity(node_id=name, cpus=1, joined_at=joined, warm_at=warm, **kw)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "expected"),
+    [
+        pytest.param(
+            [_node("a", 10, 12), _node("c", 60, 70)],
+            {NODE_JOINED_AT: 60, PROCESS_WARM_AT: 70},
+            id="one-node-joined-during-the-attempt",
+        ),
+        pytest.param(
+            [_node("a", 10, 12), _node("c", 20, 25)], {}, id="joined-before-it: capacity given back"
+        ),
+        pytest.param([_node("a", 60, 70)], {}, id="a-node-it-runs-on-already"),
+        pytest.param(
+            [_node("c", 60, 70), _node("d", 65, 80)],
+            {NODE_JOINED_AT: 60, PROCESS_WARM_AT: 80},
+            id="two-joined: the first join, the last warm",
+        ),
+        pytest.param(
+            [_node("c", 60, 70), _node("d", 55, None, warming=True)],
+            {NODE_JOINED_AT: 60, PROCESS_WARM_AT: 70},
+            id="a-node-still-warming-is-not-grown-onto",
+        ),
+        pytest.param(
+            [
+                _node("c", 60, 70),
+                _node("d", 55, 58, draining=True),
+                _node("e", 50, 52, alive=False),
+            ],
+            {NODE_JOINED_AT: 60, PROCESS_WARM_AT: 70},
+            id="draining-and-dead-nodes-left-out",
+        ),
+        pytest.param(
+            [_node("c", 60, None)], {NODE_JOINED_AT: 60}, id="grown-onto-before-its-process-warmed"
+        ),
+        pytest.param(
+            [_node("c", 60, 55)],
+            {NODE_JOINED_AT: 60, PROCESS_WARM_AT: 60},
+            id="warm-before-the-join-by-another-clock: clamped",
+        ),
+        pytest.param(
+            [_node("c", 60, 120)],
+            {NODE_JOINED_AT: 60, PROCESS_WARM_AT: 100},
+            id="warm-after-the-decision-by-another-clock: clamped",
+        ),
+        pytest.param([_node("c", None, None)], {}, id="join-not-known"),
+    ],
+)
+def test_grow_joins(nodes: list[NodeCapacity], expected: dict[str, float]) -> None:
+    # The attempt runs on a and b since t=30; decided at t=100.
+    assert grow_joins(nodes, used=["a", "b"], attempt_started=30.0, now=100.0) == expected
 
 
 def test_warming_nodes_count_for_starts_but_not_for_the_warm_size() -> None:

@@ -28,6 +28,8 @@ from elastrain.contracts.messages import (
 )
 from elastrain.contracts.spec import JobSpec
 from elastrain.service.capacity import (
+    NODE_JOINED_AT,
+    PROCESS_WARM_AT,
     Allocation,
     CapacityLedger,
     ClusterCapacity,
@@ -397,6 +399,31 @@ ROWS: list[Any] = [
             MarkSpare(since=None),
         ],
         id="running+grow",
+    ),
+    pytest.param(
+        job(S.RUNNING, attempt=running_attempt(started_at=NOW - 60)),
+        facts(
+            ClusterCapacity(
+                nodes=(
+                    NodeCapacity(node_id="a", cpus=1, joined_at=NOW - 600, warm_at=NOW - 590),
+                    NodeCapacity(node_id="b", cpus=1, joined_at=NOW - 600, warm_at=NOW - 590),
+                    NodeCapacity(node_id="c", cpus=1, joined_at=NOW - 12, warm_at=NOW - 4),
+                )
+            ),
+            report=report(),
+            spare_since=NOW - 10,
+        ),
+        [
+            SendControl(control=Control.STOP),
+            Transition(
+                to=S.RESIZING,
+                reason="capacity for 3 workers: growing 2 -> 3",
+                world_size=3,
+                details={NODE_JOINED_AT: NOW - 12, PROCESS_WARM_AT: NOW - 4},
+            ),
+            MarkSpare(since=None),
+        ],
+        id="running+grow-onto-a-node-that-joined-starts-its-timeline-at-the-join",
     ),
     pytest.param(
         job(S.RUNNING),

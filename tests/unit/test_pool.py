@@ -3,6 +3,7 @@ error explains a failed attempt."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from elastrain.workers.runtime.pool import (
     WorkerPool,
     choose_worker,
     gpus_to_start,
+    spares_to_start,
     surplus_gpu_workers,
     warm_target,
 )
@@ -144,6 +146,31 @@ def test_gpus_to_start(node_gpus: float, owners: list[PooledWorker], expected: l
 )  # fmt: skip
 def test_surplus_gpu_workers(owners: list[PooledWorker], expected: list[str]) -> None:
     assert [w.name for w in surplus_gpu_workers(owners)] == expected
+
+
+def _cpu(*, busy: bool = False, started: bool = True, private: bool = False) -> PooledWorker:
+    return worker("w", busy=busy, started=started, private=private)
+
+
+@pytest.mark.parametrize(
+    ("procs", "expected"),
+    [
+        pytest.param([], 2, id="a-new-node: up to the warm target"),
+        pytest.param([_cpu(started=False)], 1, id="one-starting-for-nobody: the other"),
+        pytest.param([_cpu(busy=True), _cpu()], 0, id="one-lent-one-idle: at the target"),
+        pytest.param([_cpu(busy=True), _cpu(busy=True)], 1, id="both-lent: the one spare"),
+        pytest.param(
+            [_cpu(busy=True, started=False), _cpu(busy=True)],
+            0,
+            id="a-rank-waits-for-one-starting: no spare beside it yet",
+        ),
+        pytest.param(
+            [_cpu(busy=True, started=False, private=True)], 0, id="a-private-one-starting"
+        ),
+    ],
+)
+def test_spares_to_start(procs: list[PooledWorker], expected: int) -> None:
+    assert spares_to_start(procs, node_cpus=2, per_node=2) == expected
 
 
 @pytest.mark.parametrize(
@@ -310,3 +337,63 @@ def test_a_node_is_ready_once_a_process_answered_there(
     assert workers.ready_nodes() == {"cpu-up", "gpu-up"}
     workers.warm_per_node = 0  # no warm processes kept: nothing to wait for on CPU nodes
     assert workers.ready_nodes() == {"cpu-new", "cpu-up", "gpu-up"}
+
+
+class _Starting:
+    """A started process's handle: its first answer arrives when the test says so."""
+
+    def __init__(self) -> None:
+        self.answer: Future[WorkerInfo] = Future()
+        self.describe = self
+
+    def remote(self) -> Any:
+        return self
+
+    def future(self) -> Future[WorkerInfo]:
+        return self.answer
+
+
+class _Class:
+    """`ray.remote(WorkerProcess)`: what each start asked for."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[_Starting, bool]] = []
+
+    def options(self, **_: Any) -> _Class:
+        return self
+
+    def remote(self, name: str, gpu: int | None, digest: bytes, *, imports_ahead: bool) -> Any:
+        self.started.append((_Starting(), imports_ahead))
+        return self.started[-1][0]
+
+
+def test_a_process_is_noticed_when_it_answers_taken_while_starting_and_spares_import_last(
+    pool: tuple[WorkerPool, list[Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workers, _ = pool
+    monkeypatch.setattr("elastrain.workers.runtime.pool.NodeAffinitySchedulingStrategy",
+                        lambda node, soft: node)  # fmt: skip
+    workers._cls = cls = _Class()
+    first = workers.start("n1", spare=True)  # the node's first: a grow waits for it
+    assert cls.started[-1][1] is True and workers.ready_nodes() == frozenset()
+    assert workers.spare_cpu_worker("n1", []) is first  # a rank takes it, starts no other
+    assert len(cls.started) == 1
+    workers.node_gpus = {"n1": 0.0}
+    cls.started[0][0].answer.set_result(
+        WorkerInfo(name=first.name, node_id="n1", pid=1, address="a", busy=False, warm_at=42.0)
+    )  # noticed at once, not at the next upkeep pass
+    assert first.idle and workers.ready_nodes() == {"n1"} and workers.warm_at() == {"n1": 42.0}
+    workers.start("n1", spare=True)  # a spare beside a warm one: nothing waits for it
+    assert cls.started[-1][1] is False
+    workers.start("n1")  # a rank waits for it
+    assert cls.started[-1][1] is True
+    workers.take(first, AttemptKey(7, 1), JOB_A)
+    assert workers.spare_cpu_worker("n1", []).info is None  # one still starting there
+    assert len(cls.started) == 3
+    for _ in range(2):  # the two still starting
+        workers.take(workers.spare_cpu_worker("n1", []), AttemptKey(7, 1), JOB_A)
+    workers.spare_cpu_worker("n1", [])  # every process there is lent: a new one
+    assert len(cls.started) == 4 and cls.started[-1][1] is True
+    failed = workers.start("n2", spare=True)
+    cls.started[-1][0].answer.set_exception(RuntimeError("died in its imports"))
+    assert failed.info is None  # left to the upkeep pass, which says why and forgets it

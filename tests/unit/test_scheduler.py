@@ -6,6 +6,7 @@ Real DB (SQLite file), no Ray: each test runs in milliseconds.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -147,8 +148,12 @@ def test_node_loss_recovers_smaller_then_grows_back(env) -> None:
     assert any("node" in r and "lost" in r for _, _, r in evs)
     assert ("RUNNING", "RECOVERING") in [(f, t) for f, t, _ in evs]
     assert any("resumed from step 20 at world size 2" in r for _, _, r in evs)
-    # The node comes back: grow after the hysteresis interval, not before.
+    # The node comes back: grow after the hysteresis interval, not before. The grow's
+    # timeline starts when it joined (after attempt 2 started), then its process was warm.
     launcher.add_node("n4", 1)
+    joined = time.time()
+    launcher.nodes["n4"] = replace(launcher.nodes["n4"], joined_at=joined, warm_at=joined + 0.001)
+    time.sleep(0.002)  # the decision's event is stamped with the real time
     sched.run_pass()
     assert job(factory, jid).state == JobState.RUNNING
     clock.t += 6
@@ -177,6 +182,11 @@ def test_node_loss_recovers_smaller_then_grows_back(env) -> None:
         resizing = jobs.last_entered(s, jobs.get_job(s, jid), JobState.RESIZING)
     assert resizing is not None and causes[2][1] == _epoch(resizing) < _epoch(ended[2])
     assert causes[1][1] == _epoch(ended[1])
+    grow = launcher.launches[2]
+    assert (grow.joined_at, grow.warm_at) == (joined, joined + 0.001) and grow.warm_at < causes[2][
+        1
+    ]
+    assert [(r.joined_at, r.warm_at) for r in launcher.launches[:2]] == [(0.0, 0.0)] * 2
     assert [final for _, final in launcher.releases] == [False, False]
 
 

@@ -156,6 +156,7 @@ class Runtime:
             forgotten_jobs=tuple(forgotten),
             removed_groups=tuple(removed),
             ready_nodes=self.pool.ready_nodes(),
+            warm_at=self.pool.warm_at(),
         )
 
     def request(self, token: str, key: AttemptKey, control: Control) -> None:

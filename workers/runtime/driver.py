@@ -139,6 +139,11 @@ class AttemptDriver:
         # RUN: the straggler watch, over the same answers: the slow ranks now, by rank.
         self._slow: dict[int, Straggler] = {}
         detected = request.detected_at or time.time()
+        if request.joined_at:  # a grow onto a node that joined: its timeline starts there
+            self._mark(Phase.NODE_JOINED, at=min(request.joined_at, detected))
+        if request.warm_at:
+            warm = min(max(request.warm_at, request.joined_at), detected)
+            self._mark(Phase.PROCESS_WARM, at=warm)
         self._mark(Phase.DETECTED, at=detected, detail=request.cause)
 
     # -- called by rank 0 of the worker group -------------------------------------------------

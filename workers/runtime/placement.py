@@ -145,7 +145,7 @@ def warm_worker(
     chosen = choose_worker(candidates, job, gpu=gpu)
     if chosen is not None:
         return chosen
-    return pool.spare_gpu_worker(node, taken) if gpu else pool.start(node)
+    return pool.spare_gpu_worker(node, taken) if gpu else pool.spare_cpu_worker(node, taken)
 
 
 def private_worker_options(spec: JobSpec) -> dict[str, Any] | None:

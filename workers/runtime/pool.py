@@ -146,6 +146,18 @@ def warm_target(*, node_cpus: float, busy: int, per_node: int) -> int:
     return min(per_node, max(1, math.ceil(node_cpus) - busy))
 
 
+def spares_to_start(cpu_procs: Sequence[PooledWorker], *, node_cpus: float, per_node: int) -> int:
+    """CPU processes the upkeep starts on a node now (`cpu_procs`: the node's CPU processes
+    in any state): up to `warm_target` idle or starting ones free to serve any job, but
+    none while a rank waits for a process still starting there (its imports and a new
+    spare's would share the node's cores; the spare comes once it answered)."""
+    if any(w.busy and w.info is None for w in cpu_procs):
+        return 0
+    busy = sum(1 for w in cpu_procs if w.busy)
+    spare = sum(1 for w in cpu_procs if not w.busy and not w.private and w.dedicated_to is None)
+    return max(0, warm_target(node_cpus=node_cpus, busy=busy, per_node=per_node) - spare)
+
+
 @dataclass
 class WorkerPool:
     namespace: str
@@ -196,10 +208,21 @@ class WorkerPool:
             log.info("adopted %d worker processes", len(self.workers))
 
     def start(
-        self, node_id: str, *, gpu: int | None = None, private: bool = False, **options: Any
+        self,
+        node_id: str,
+        *,
+        gpu: int | None = None,
+        private: bool = False,
+        spare: bool = False,
+        **options: Any,
     ) -> PooledWorker:
         """Start a process on `node_id` (it answers when its imports are done), owning the
-        node's GPU of index `gpu` if one is given."""
+        node's GPU of index `gpu` if one is given. Its imports run ahead of the ranks
+        training beside it (`elastrain.workers.start_priority`) when something waits for
+        it: a rank (not `spare`: the upkeep's top-up), or a grow onto its node (the
+        node's first process)."""
+        with self.lock:
+            ahead = not spare or not any(w.node_id == node_id for w in self.workers.values())
         kind = "" if gpu is None else f"gpu{gpu}-"
         name = f"{WORKER_PREFIX}{node_id[:8]}-{kind}{next(self._counter)}-{uuid.uuid4().hex[:4]}"
         if "scheduling_strategy" not in options:
@@ -211,12 +234,46 @@ class WorkerPool:
             max_restarts=0,
             max_concurrency=8,
             **{"num_cpus": 0, "num_gpus": 0, **options},
-        ).remote(name, gpu, token_digest(self.token))
+        ).remote(name, gpu, token_digest(self.token), imports_ahead=ahead)
         worker = PooledWorker(name=name, handle=handle, node_id=node_id, private=private, gpu=gpu)
         worker.ready_ref = handle.describe.remote()
         with self.lock:
             self.workers[name] = worker
+        # Noticed the moment it answers (Ray's core worker calls back), not at the next
+        # upkeep pass: a job waiting to grow onto its node hears of it one pass sooner.
+        worker.ready_ref.future().add_done_callback(lambda done: self._answered(worker, done))
         return worker
+
+    def _answered(self, worker: PooledWorker, done: Any) -> None:
+        """A starting process's first answer arrived (an error is left to `top_up`). Runs
+        on Ray's callback thread, which must not wait: no lock taken. Nothing reads a
+        starting process's `info` but to see that it is set (one assignment, the answer
+        `top_up` would set), and none is lent before it is."""
+        try:
+            info = done.result()
+        except Exception:
+            return
+        if worker.info is None:
+            worker.info = info
+
+    def spare_cpu_worker(self, node_id: str, exclude: Sequence[PooledWorker]) -> PooledWorker:
+        """A CPU process on `node_id` for a rank when no idle one is left (call with `lock`
+        held): one of the pool's still starting there, else a new one. Taking a starting
+        one rather than starting another: on a fresh service the first job's ranks waited
+        for new processes of their own while the pool's started too, all importing torch
+        at once on the same cores (docs/bench-elastic.md)."""
+        starting = [
+            w
+            for w in self.workers.values()
+            if w.node_id == node_id
+            and w.info is None
+            and w.gpu is None
+            and not w.busy
+            and not w.private
+            and w.dedicated_to is None
+            and w not in exclude
+        ]
+        return starting[0] if starting else self.start(node_id)
 
     def gpu_slots(self, node_id: str) -> int:
         """GPU processes on `node_id` a rank could take now or soon: idle or starting ones,
@@ -362,6 +419,15 @@ class WorkerPool:
                 or (gpus <= 0 and self.warm_per_node <= 0)
             )
 
+    def warm_at(self) -> dict[str, float]:
+        """Node -> when the first of its answered processes had its imports done."""
+        with self.lock:
+            found: dict[str, float] = {}
+            for w in self.workers.values():
+                if w.info is not None and w.info.warm_at > 0:
+                    found[w.node_id] = min(found.get(w.node_id, w.info.warm_at), w.info.warm_at)
+            return found
+
     # -- upkeep --------------------------------------------------------------------------------
     def top_up(self, nodes: Sequence[dict[str, Any]]) -> None:
         """One upkeep pass: forget processes on dead nodes, notice started ones, keep
@@ -395,7 +461,8 @@ class WorkerPool:
                 for index in gpus_to_start(
                     gpus.get(node_id, 0.0), _owners(by_node.get(node_id, []))
                 ):
-                    by_node.setdefault(node_id, []).append(self.start(node_id, gpu=index))
+                    started = self.start(node_id, gpu=index, spare=True)
+                    by_node.setdefault(node_id, []).append(started)
         for w in surplus:
             log.info("stopping %s: a second process on GPU %s", w.name, w.gpu)
             ray.kill(w.handle)
@@ -405,15 +472,8 @@ class WorkerPool:
             if cpus <= 0:
                 continue
             cpu_procs = [w for w in mine if w.gpu is None]
-            busy = sum(1 for w in cpu_procs if w.busy)
-            # Idle or starting, and free to serve any job.
-            spare = sum(
-                1 for w in cpu_procs if not w.busy and not w.private and w.dedicated_to is None
-            )
-            for _ in range(
-                warm_target(node_cpus=cpus, busy=busy, per_node=self.warm_per_node) - spare
-            ):
-                self.start(node_id)
+            for _ in range(spares_to_start(cpu_procs, node_cpus=cpus, per_node=self.warm_per_node)):
+                self.start(node_id, spare=True)
 
     def check_idle(self) -> None:
         """Ping idle processes, and busy ones no driver collects (adopted from a runtime

@@ -16,8 +16,10 @@ const POLL_DONE_MS = 10000;
 // Points per metrics request: about one per pixel of a wide chart, twice over.
 const MAX_POINTS = 2000;
 const LOG_KEEP_CHARS = 256 * 1024;
-// The phases of a start after its detection (contracts.messages.Phase), in order.
-const PHASES = ["old_group_stopped", "placed", "processes_up", "group_formed", "state_restored", "first_step"];
+// The phases of a start after its first mark (contracts.messages.Phase), in order: a grow
+// onto a node that joined starts there (its process warm, then the decision), others at
+// the decision.
+const PHASES = ["process_warm", "detected", "old_group_stopped", "placed", "processes_up", "group_formed", "state_restored", "first_step"];
 
 export function mount(main, { match }) {
   const id = Number(match[1]);
@@ -359,7 +361,7 @@ class JobView {
     const scale = Math.max(...timelines.map((e) => Number(e.details?.total_s) || 0)) || 1;
     this.startsBody.replaceChildren(...[...timelines].reverse().map((e) => {
       const d = e.details || {};
-      const phases = (d.phases || []).filter((p) => p.phase !== "detected");
+      const phases = (d.phases || []).slice(1); // the first mark is where the clock starts
       const said = (p) => `${phaseName(p.phase)}: ${Number(p.seconds).toFixed(2)} s${p.detail ? ` — ${p.detail}` : ""}`;
       const restored = phases.find((p) => p.phase === "state_restored");
       return h("tr", { "data-attempt": d.attempt ?? e.attempt },

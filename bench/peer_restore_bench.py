@@ -3,7 +3,7 @@ buys when a node is lost.
 
 1. Hand-over throughput: the state a new group takes from a survivor's memory, streamed
    by `elastrain.workers.memory` (DCP's load planner over an in-memory checkpoint, raw bytes in
-   32 MB buckets, `elastrain.workers.memory.in_memory.PeerReader`) vs a plain `torch.distributed`
+   32 MB buckets, `elastrain.workers.memory.peer_reader.PeerReader`) vs a plain `torch.distributed`
    broadcast of the same bytes as one flat tensor, and vs the pickled
    `broadcast_object_list` the hand-over used before. Two gloo processes on this host;
    the state: a gpt-shaped set of fp32 tensors (parameters and AdamW's two moments).
@@ -79,7 +79,6 @@ def handover_body(rank: int, world_size: int, total_bytes: int, repeats: int) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict_saver
 
-    from elastrain.workers.memory.handover import GroupTransport
     from elastrain.workers.memory.in_memory import MemoryWriter
     from elastrain.workers.memory.peer_reader import PeerReader
 
@@ -89,7 +88,7 @@ def handover_body(rank: int, world_size: int, total_bytes: int, repeats: int) ->
     flat = torch.empty(nbytes, dtype=torch.uint8)
     times: dict[str, list[float]] = {"broadcast": [], "handover": [], "pickled": []}
     # Rank 0 holds the state (a survivor); rank 1 is a fresh process of the new group.
-    writer = MemoryWriter(copy=False)
+    writer = MemoryWriter()
     metadata = None
     if rank == 0:
         metadata = state_dict_saver.save(source, storage_writer=writer, no_dist=True)
@@ -106,7 +105,7 @@ def handover_body(rank: int, world_size: int, total_bytes: int, repeats: int) ->
         dist.barrier(group=group)
         t0 = time.perf_counter()
         reader = PeerReader(box[0], holder={0: 0}, local={0: writer.blob} if rank == 0 else {},
-                            transport=GroupTransport(group))  # fmt: skip
+                            group=group)  # fmt: skip
         dcp.load(target, storage_reader=reader, process_group=group)
         times["handover"].append(time.perf_counter() - t0)
 

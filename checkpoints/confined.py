@@ -19,6 +19,7 @@ import contextlib
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
@@ -59,9 +60,9 @@ def open_dir(trusted_root: Path, folder: Path) -> int:
     return fd
 
 
-def read_bounded(name: str, limit: int, *, dir_fd: int | None = None) -> bytes:
-    """The bytes of regular file `name` (in folder `dir_fd`, or a path), never through a
-    link, never more than `limit` bytes. FileNotFoundError when there is none."""
+def open_regular(name: str, *, dir_fd: int | None = None) -> BinaryIO:
+    """Regular file `name` (in folder `dir_fd`, or a path) open for reading, never through
+    a link (nor a FIFO: opened without blocking). FileNotFoundError when there is none."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -70,10 +71,18 @@ def read_bounded(name: str, limit: int, *, dir_fd: int | None = None) -> bytes:
         raise ConfinedFileError(
             f"cannot read {Path(name).name}: {exc.strerror} (a link is never followed)"
         ) from None
-    with os.fdopen(fd, "rb") as f:
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise ConfinedFileError(f"{Path(name).name} is not a regular file")
+    return f
+
+
+def read_bounded(name: str, limit: int, *, dir_fd: int | None = None) -> bytes:
+    """The bytes of regular file `name` (in folder `dir_fd`, or a path), never through a
+    link, never more than `limit` bytes. FileNotFoundError when there is none."""
+    with open_regular(name, dir_fd=dir_fd) as f:
         found = os.fstat(f.fileno())
-        if not stat.S_ISREG(found.st_mode):
-            raise ConfinedFileError(f"{Path(name).name} is not a regular file")
         if found.st_size > limit:
             raise ConfinedFileError(
                 f"{Path(name).name} is {found.st_size} bytes, more than the {limit} it may be"

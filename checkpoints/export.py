@@ -18,17 +18,16 @@ import contextlib
 import json
 import os
 import re
-import stat
 import subprocess
 import sys
 import tarfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from elastrain.checkpoints.catalog import CheckpointInfo, list_committed
-from elastrain.checkpoints.confined import ConfinedFileError, open_dir, remove_tree_at
+from elastrain.checkpoints.confined import ConfinedFileError, open_dir, open_regular, remove_tree_at
 
 #: Formats an export writes.
 FORMATS = ("hf",)
@@ -148,7 +147,13 @@ def pack_export(trusted_root: Path, folder: Path, archive: Path, *, max_bytes: i
             for name in names:
                 if not _EXPORTED_NAME.fullmatch(name):
                     raise ExportError(f"the export wrote {name!r}: not a JSON or safetensors file")
-                with _open_regular(name, fd) as f:
+                try:
+                    opened = open_regular(name, dir_fd=fd)
+                except ConfinedFileError as exc:
+                    raise ExportError(str(exc)) from None
+                except FileNotFoundError:
+                    raise ExportError(f"{name} went away while it was read") from None
+                with opened as f:
                     size = os.fstat(f.fileno()).st_size
                     total += size
                     if total > max_bytes:
@@ -175,17 +180,3 @@ def remove_export(trusted_root: Path, folder: Path) -> None:
             remove_tree_at(fd, folder.name)
         finally:
             os.close(fd)
-
-
-def _open_regular(name: str, dir_fd: int) -> BinaryIO:
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError as exc:
-        raise ExportError(
-            f"cannot read {name}: {exc.strerror} (a link is never followed)"
-        ) from None
-    f = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
-        raise ExportError(f"{name} is not a regular file")
-    return f

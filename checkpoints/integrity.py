@@ -1,10 +1,10 @@
 """Digests and verification of committed checkpoints. Pure Python.
 
 Verification is cheap-first: names and sizes (a stat per file, catches truncation and
-missing shards) before a digest of every byte (catches bit rot and overwritten data), the
-files read and hashed in parallel threads. Each file is checked with the algorithm its
-manifest entry names (`elastrain.checkpoints.digest`). At save time the shards' digests are taken
-while they are written (`elastrain.checkpoints.dcp.writer`); only files without one are read back.
+missing shards) before a digest of every byte (catches bit rot and overwritten data).
+Each file is checked with the algorithm its manifest entry names
+(`elastrain.checkpoints.digest`). At save time the shards' digests are taken while they
+are written (`elastrain.checkpoints.dcp.writer`); only files without one are read back.
 At load time the shards are checked by the ranks that read them, while they read them
 (`elastrain.checkpoints.dcp.reader`), so the DCP loader leaves them out here (`digests_of`).
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
@@ -29,9 +28,6 @@ from elastrain.checkpoints.manifest import FileEntry, Manifest, ManifestError, r
 # training memory. hashlib and xxhash release the GIL for buffers this size, so a
 # background digest does not stall the training thread.
 CHUNK_BYTES = 8 * 1024 * 1024
-# Files are verified in parallel: reads and digests both release the GIL, so a checkpoint
-# of several shard files is read and hashed at the speed of several cores (and disk queues).
-MAX_DIGEST_THREADS = 8
 
 
 class CorruptCheckpoint(Exception):
@@ -73,16 +69,11 @@ def checkpoint_files(ckpt_dir: str | os.PathLike[str]) -> list[str]:
 
 
 def digest_files(root: Path, algorithms: Mapping[str, str]) -> dict[str, str]:
-    """Hex digest of each named file under root by its algorithm (name -> algorithm),
-    several files at once, largest first (so the longest one does not start last)."""
-    names = list(algorithms)
-    if len(names) <= 1:
-        return {name: digest_file(root / name, algorithms[name]) for name in names}
-    by_size = sorted(names, key=lambda n: (root / n).stat().st_size, reverse=True)
-    workers = min(len(names), MAX_DIGEST_THREADS, max(2, os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="digest") as pool:
-        digests = list(pool.map(lambda n: digest_file(root / n, algorithms[n]), by_size))
-    return dict(zip(by_size, digests, strict=True))
+    """Hex digest of each named file under root by its algorithm (name -> algorithm). One
+    after another: the shards are hashed as they are written and as they are read
+    (`elastrain.checkpoints.dcp`), so what is hashed here is small (`.metadata`, the rank
+    extras) unless a streamed digest was given up."""
+    return {name: digest_file(root / name, algorithm) for name, algorithm in algorithms.items()}
 
 
 def describe_files(

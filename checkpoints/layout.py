@@ -27,7 +27,6 @@ DCP_METADATA_NAME = ".metadata"
 TMP_MARKER = ".tmp"
 
 _STEP_DIR_RE = re.compile(r"^step_(\d{9,})-a(\d+)$")
-_RANK_EXTRA_RE = re.compile(r"^rank_(\d+)\.extra\.pt$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +67,6 @@ def parse_step_dir_name(name: str) -> tuple[int, int] | None:
 
 def rank_extra_name(rank: int) -> str:
     return f"rank_{rank}.extra.pt"
-
-
-def parse_rank_extra_name(name: str) -> int | None:
-    match = _RANK_EXTRA_RE.match(name)
-    return int(match.group(1)) if match else None
 
 
 def is_temporary(name: str) -> bool:

@@ -491,8 +491,7 @@ class CheckpointSpec(_Strict):
             "steps between refreshes of each rank's state and its buddy's copy in host "
             "memory (sharded strategies; ddp survivors hold whole replicas anyway). null: "
             "every step when that costs <= 5% of step time as measured, else the smallest "
-            "interval that does, lengthened (at most doubled) to one that meets the "
-            "checkpoint steps; 0: off (node loss resumes from the checkpoint). Refreshes "
+            "interval that does; 0: off (node loss resumes from the checkpoint). Refreshes "
             "fall on the interval's multiples"
         ),
     )

@@ -234,8 +234,8 @@ def _train(
     stopped = control in _STOPS and done < max_steps
     if is_rank0:
         log.info("%s at step %d", "stopped" if stopped else "finished", done)
-        if peers.stats.refreshes:
-            log.info("peer memory: %s", peers.stats.describe())
+        if peers.pacer.refreshes:
+            log.info("peer memory: %s", peers.describe(memory.copies))
     return TrainResult(
         final_step=done,
         stopped_early=stopped,

@@ -130,7 +130,7 @@ def resume(
 
 
 def newest_checkpoint_step(root: Path) -> int | None:
-    from elastrain.checkpoints import list_committed
+    from elastrain.checkpoints.catalog import list_committed
 
     committed = list_committed(root) if root.exists() else []
     return committed[0].step if committed else None

@@ -96,7 +96,6 @@ class ShardedCheckpointer:
         world_size: int,
         async_save: bool,
         process_group: dist.ProcessGroup | None = None,
-        verify_digests: bool = True,
         owner: str = "",
         digest: str = DEFAULT_ALGORITHM,
     ) -> None:
@@ -117,7 +116,6 @@ class ShardedCheckpointer:
         self.rank = rank
         self.world_size = world_size
         self.async_save = async_save
-        self.verify_digests = verify_digests
         self.digest_algorithm = algorithm_for_setting(digest)
         self.owner = owner  # the database whose job this is: commits check the fence names it
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -332,7 +330,6 @@ class ShardedCheckpointer:
             if self._coordinator:
                 choice[0] = find_latest_good(
                     self.root,
-                    verify_digests=self.verify_digests,
                     digest_here=lambda name: not name.endswith(SHARD_SUFFIX),
                     refused=refused,
                 )
@@ -343,7 +340,7 @@ class ShardedCheckpointer:
                 return None
             reader = VerifyingReader(
                 info.path,
-                expected=info.manifest.files if self.verify_digests else None,
+                expected=info.manifest.files,
                 process_group=self._pg,
             )
             try:

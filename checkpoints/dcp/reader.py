@@ -45,8 +45,8 @@ class VerifyingReader(FileSystemReader):
     """FileSystemReader that verifies every file its plan reads, on every rank, before
     DCP copies a byte of any into the state.
 
-    `expected`: the manifest's entries (file name -> size, digest, algorithm); None loads
-    without hashing. `process_group`: the group every rank of the load is in (the
+    `expected`: the manifest's entries (file name -> size, digest, algorithm).
+    `process_group`: the group every rank of the load is in (the
     agreement of step 2); None for a load without torch.distributed.
     """
 
@@ -54,7 +54,7 @@ class VerifyingReader(FileSystemReader):
         self,
         path: str | os.PathLike[str],
         *,
-        expected: Mapping[str, FileEntry] | None,
+        expected: Mapping[str, FileEntry],
         process_group: dist.ProcessGroup | None,
     ) -> None:
         super().__init__(path)
@@ -70,14 +70,11 @@ class VerifyingReader(FileSystemReader):
             try:
                 for name in names:
                     view = maps.enter_context(_mapped(os.path.join(self.path, name)))
-                    if self.expected is not None:
-                        problem = self._problem(name, view)
-                        if problem is not None:
-                            break
+                    problem = self._problem(name, view)
+                    if problem is not None:
+                        break
                     self._verified.maps[str(self.fs.concat_path(self.path, name))] = view
             except Exception as e:
-                if self.expected is None:
-                    raise  # not verifying: reported as DCP's own reader would
                 # A problem found, not raised: the peers wait for this rank's verdict.
                 problem = (
                     f"cannot read {name}: {e}"
@@ -85,15 +82,13 @@ class VerifyingReader(FileSystemReader):
                     else f"verification failed: {e!r}"
                 )
             try:
-                if self.expected is not None:
-                    self._agree(problem)
+                self._agree(problem)
                 return super().read_data(plan, planner)
             finally:
                 self._verified.maps.clear()
 
     def _problem(self, name: str, data: memoryview) -> str | None:
         """Why one mapped file is not what the manifest says, or None."""
-        assert self.expected is not None
         entry = self.expected.get(name)
         if entry is None:
             return f"{name} is not in the manifest"

@@ -197,8 +197,9 @@ def without_zip_crc32() -> Generator[None, None, None]:
     """torch.save without the zip format's per-record crc32 while a shard is written.
 
     DCP writes every tensor with torch.save, whose zip writer computes a crc32 of each
-    record by default: a large share of the CPU of writing a shard (docs/bench-checkpoint.md),
-    on top of the digest the manifest already holds for the whole file.
+    record by default: a third of the CPU of writing a shard (torch.save of 64 MB of fp32
+    into memory: 51 ms with it, 36 ms without, on the 2-core bench machine), on top of the
+    digest the manifest already holds for the whole file.
     torch.load never checks that crc32 (same load time with or without it), so dropping
     it loses no check a load makes. The flag is process-wide in torch; a torch.save
     elsewhere in the process during a shard write also goes without crc32, which nothing

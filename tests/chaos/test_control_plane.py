@@ -19,7 +19,7 @@ import pytest
 from ray.cluster_utils import Cluster
 from sqlalchemy import make_url
 
-from elastrain.checkpoints import list_committed
+from elastrain.checkpoints.catalog import list_committed
 from elastrain.contracts.storage import JobStorage
 from tests.conftest import PG_ADMIN_URL
 from tests.e2e.server import ServerHandle, serve_argv, start_server

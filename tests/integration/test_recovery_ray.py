@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from elastrain.checkpoints import list_committed
+from elastrain.checkpoints.catalog import list_committed
 from tests.integration.ray_service import (
     ray_service,
     submit,

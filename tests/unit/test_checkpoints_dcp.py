@@ -27,14 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastrain.checkpoints import (
-    delete_checkpoints,
-    find_latest_good,
-    list_committed,
-    read_manifest,
-    retention_plan,
-)
+from elastrain.checkpoints.catalog import find_latest_good, list_committed
 from elastrain.checkpoints.dcp import CheckpointSaveError, ShardedCheckpointer, checkpointer
+from elastrain.checkpoints.manifest import read_manifest
+from elastrain.checkpoints.retention import delete_checkpoints, retention_plan
 from tests.unit.dist_utils import run_distributed
 
 torch.set_num_threads(1)

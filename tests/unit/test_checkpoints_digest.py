@@ -22,7 +22,7 @@ import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from elastrain.checkpoints import ManifestError, find_latest_good, read_manifest, verify
+from elastrain.checkpoints.catalog import find_latest_good
 from elastrain.checkpoints.dcp import ShardedCheckpointer
 from elastrain.checkpoints.dcp import reader as reader_module
 from elastrain.checkpoints.digest import (
@@ -31,7 +31,8 @@ from elastrain.checkpoints.digest import (
     algorithm_for_setting,
     new_hasher,
 )
-from elastrain.checkpoints.integrity import CorruptCheckpoint, digest_file
+from elastrain.checkpoints.integrity import CorruptCheckpoint, digest_file, verify
+from elastrain.checkpoints.manifest import ManifestError, read_manifest
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (
     FIELDS,

@@ -26,12 +26,12 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from elastrain.checkpoints import read_manifest
 from elastrain.checkpoints.dcp import ShardedCheckpointer
 from elastrain.checkpoints.dcp import reader as reader_module
 from elastrain.checkpoints.dcp.checkpointer import corrupt_shard_reason
 from elastrain.checkpoints.dcp.untrusted import UntrustedCheckpoint, UntrustedReader
 from elastrain.checkpoints.integrity import describe_files
+from elastrain.checkpoints.manifest import read_manifest
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (
     FIELDS,

@@ -14,32 +14,29 @@ from pathlib import Path
 
 import pytest
 
-from elastrain.checkpoints import (
-    CorruptCheckpoint,
-    Manifest,
-    ManifestError,
-    ManifestMissing,
-    delete_checkpoints,
-    find_latest_good,
-    list_committed,
-    plan_retention,
-    read_manifest,
-    retention_plan,
-    scan,
-    step_dir,
-    verify,
-    write_manifest,
-)
-from elastrain.checkpoints.integrity import describe_files, digest_file
+from elastrain.checkpoints.catalog import find_latest_good, list_committed, scan
+from elastrain.checkpoints.integrity import CorruptCheckpoint, describe_files, digest_file, verify
 from elastrain.checkpoints.layout import (
     StepDir,
     iter_step_dirs,
-    parse_rank_extra_name,
     parse_step_dir_name,
     rank_extra_name,
+    step_dir,
     step_dir_name,
 )
-from elastrain.checkpoints.retention import delete_checkpoint
+from elastrain.checkpoints.manifest import (
+    Manifest,
+    ManifestError,
+    ManifestMissing,
+    read_manifest,
+    write_manifest,
+)
+from elastrain.checkpoints.retention import (
+    delete_checkpoint,
+    delete_checkpoints,
+    plan_retention,
+    retention_plan,
+)
 
 
 def make_checkpoint(
@@ -80,7 +77,7 @@ def test_step_dir_names_round_trip() -> None:
     assert parse_step_dir_name(step_dir_name(10**10, 0)) == (10**10, 0)  # > 9 digits
     for junk in ("step_42-a3", "step_000000042", "step_000000042-a", "x", "step_000000042-a3x"):
         assert parse_step_dir_name(junk) is None
-    assert parse_rank_extra_name(rank_extra_name(7)) == 7
+    assert rank_extra_name(7) == "rank_7.extra.pt"
     with pytest.raises(ValueError):
         step_dir_name(-1, 0)
 

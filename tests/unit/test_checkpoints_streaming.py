@@ -24,10 +24,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict_saver
 
 import elastrain.checkpoints.integrity as integrity
-from elastrain.checkpoints import find_latest_good, list_committed, read_manifest
+from elastrain.checkpoints.catalog import find_latest_good, list_committed
 from elastrain.checkpoints.dcp import ShardedCheckpointer
 from elastrain.checkpoints.dcp.writer import DigestingFileSystem, DigestingStream
 from elastrain.checkpoints.digest import DEFAULT_ALGORITHM
+from elastrain.checkpoints.manifest import read_manifest
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (
     FIELDS,

@@ -87,6 +87,28 @@ def test_the_reader_and_planner_hooks_are_where_they_were(tmp_path: Path) -> Non
     assert hasattr(torch.serialization, "set_crc32_options")
 
 
+def test_the_in_memory_checkpoint_hooks_are_where_they_were() -> None:
+    # Peer memory (`elastrain.workers.memory`): a snapshot resolves a plan's items against
+    # the live state through the save planner, and the peer reader serves DCP's read items.
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    assert {"state_dict", "storage_meta", "is_coordinator"} <= _params(
+        DefaultSavePlanner.set_up_planner
+    )
+    assert {"write_item"} <= _params(DefaultSavePlanner.resolve_data)
+    assert {"index"} <= _params(DefaultSavePlanner.lookup_object)
+    assert {"read_item", "tensor"} <= _params(DefaultLoadPlanner.commit_tensor)
+    assert {"storage_index", "storage_offsets", "lengths", "type"} <= set(
+        planner.ReadItem.__dataclass_fields__
+    )
+    assert {"index", "type", "tensor_data"} <= set(planner.WriteItem.__dataclass_fields__)
+    assert {"storage_writer", "process_group", "no_dist"} <= _params(state_dict_saver.save)
+    assert torch.equal(narrow_tensor_by_index(torch.arange(6), [2], [3]), torch.arange(2, 5))
+    targets = [torch.zeros(3)]
+    torch._foreach_copy_(targets, [torch.ones(3)], non_blocking=False)
+    assert torch.equal(targets[0], torch.ones(3))
+
+
 def test_a_save_and_an_async_save_through_them_round_trip(tmp_path: Path) -> None:
     from elastrain.checkpoints.dcp import ShardedCheckpointer
 

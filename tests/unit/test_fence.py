@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from elastrain.checkpoints import find_latest_good, list_committed
+from elastrain.checkpoints.catalog import find_latest_good, list_committed
 from elastrain.checkpoints.fence import (
     Fence,
     FenceUnreadable,

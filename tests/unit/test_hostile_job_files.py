@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elastrain.checkpoints import ManifestError, read_manifest, retention_plan
 from elastrain.checkpoints.catalog import list_committed
 from elastrain.checkpoints.confined import ConfinedFileError, read_bounded
 from elastrain.checkpoints.dcp.untrusted import UntrustedCheckpoint, load_metadata
@@ -32,9 +31,9 @@ from elastrain.checkpoints.export import (
 )
 from elastrain.checkpoints.fence import FenceUnreadable, read_fence
 from elastrain.checkpoints.layout import step_dir_name
-from elastrain.checkpoints.manifest import MAX_MANIFEST_BYTES
+from elastrain.checkpoints.manifest import MAX_MANIFEST_BYTES, ManifestError, read_manifest
 from elastrain.checkpoints.owner import claim_job_folder
-from elastrain.checkpoints.retention import delete_checkpoints
+from elastrain.checkpoints.retention import delete_checkpoints, retention_plan
 from elastrain.contracts.runtime import ExportRequest
 from elastrain.workers.export_task import run_export
 from tests.unit.test_checkpoints_pure import make_checkpoint

@@ -1,5 +1,5 @@
 """The restore from peers' memory: DCP's load, reading an in-memory checkpoint that the
-survivors hold (`elastrain.workers.memory.in_memory.PeerReader`), so the new group re-shards it to
+survivors hold (`elastrain.workers.memory.peer_reader.PeerReader`), so the new group re-shards it to
 its own size and layout by the same rules as a checkpoint on disk.
 
 Either a generation of snapshots (`sources.Source.SNAPSHOT`: each survivor serves the
@@ -12,11 +12,9 @@ in buckets, never pickled.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_saver
@@ -26,29 +24,7 @@ from elastrain.workers.memory.in_memory import Blob, MemoryWriter
 from elastrain.workers.memory.peer_reader import PeerReader
 from elastrain.workers.memory.replica import ReplicaMemory
 from elastrain.workers.memory.sources import RestorePlan, Source
-from elastrain.workers.memory.transfer import stream
 from elastrain.workers.strategies import Strategy
-
-
-class GroupTransport:
-    """`elastrain.workers.memory.in_memory.Transport` over a torch.distributed (gloo) group."""
-
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def stream(
-        self,
-        sends: Mapping[int, Sequence[torch.Tensor]],
-        recvs: Mapping[int, Sequence[torch.Tensor]],
-    ) -> int:
-        return stream(sends, recvs, self.group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,15 +45,14 @@ def load_from_peers(
 ) -> HandedOver:
     """Every rank of the new group calls it: load `plan`'s state into `strategy` (set up
     for the new group) from the survivors' memory."""
-    transport = GroupTransport(group)
-    me = transport.rank
+    me = dist.get_rank(group)
     donor = min(plan.holder.values())  # it holds the generation: metadata from there
     local: dict[int, Blob] = {}
     box: list[Any] = [None]
     if plan.source == Source.REPLICA:
         if me == donor:
             assert memory.strategy is not None
-            writer = MemoryWriter(copy=False)
+            writer = MemoryWriter()
             metadata = state_dict_saver.save(
                 memory.strategy.state_dict_for_checkpoint(), storage_writer=writer, no_dist=True
             )
@@ -97,7 +72,7 @@ def load_from_peers(
     metadata, saved_world_size, saved_attempt, points = box[0]
 
     state = strategy.state_dict_for_checkpoint()
-    reader = PeerReader(metadata, holder=plan.holder, local=local, transport=transport)
+    reader = PeerReader(metadata, holder=plan.holder, local=local, group=group)
     dcp.load(state, storage_reader=reader, process_group=group)
     strategy.load_checkpoint_state(state)
     return HandedOver(

@@ -1,12 +1,10 @@
 """How often peer memory is refreshed: every step when that costs at most a budget (5 %)
 of the step time, as measured while the job runs, else the smallest interval that does.
 
-`choose_interval` is the pure rule and `aligned_interval` rounds its answer so that refreshes
-meet the checkpoint steps (a checkpoint of a step peer memory copied is written from that
-copy, with no staging copy of its own); `RefreshPacer` feeds them measurements that every
-rank of the group agrees on (the slowest rank's, all-reduced by the caller), so all ranks
+`choose_interval` is the pure rule; `RefreshPacer` feeds it measurements that every rank
+of the group agrees on (the slowest rank's, all-reduced by the caller), so all ranks
 refresh at the same steps: a refresh is a collective exchange. Refreshes fall on the
-multiples of the interval, as checkpoints fall on the multiples of `every_steps`.
+multiples of the interval.
 """
 
 from __future__ import annotations
@@ -18,9 +16,6 @@ from dataclasses import dataclass, field
 OVERHEAD_BUDGET = 0.05
 #: Measurements are smoothed so one slow step does not swing the interval.
 SMOOTHING = 0.5
-#: After the first few, the group agrees on its measurements (an all-reduce) only every
-#: this many refreshes: a round trip less on the others, the interval revised all the same.
-AGREE_EVERY = 8
 
 
 def choose_interval(refresh_s: float, step_s: float, budget: float = OVERHEAD_BUDGET) -> int:
@@ -34,22 +29,6 @@ def choose_interval(refresh_s: float, step_s: float, budget: float = OVERHEAD_BU
     return max(1, math.ceil(refresh_s / (budget * step_s) * (1 - 1e-9)))
 
 
-def aligned_interval(every: int, checkpoint_every: int | None) -> int:
-    """`every` (>= 1) rounded up to an interval whose multiples meet the multiples of
-    `checkpoint_every`: a multiple of it when `every` is at least as long, else the
-    smallest divisor of it that is >= `every`. Never shorter, so never over the budget;
-    `every` as it is when aligning would more than double it (the steps a node loss
-    recomputes grow with the interval)."""
-    if every < 1:
-        raise ValueError(f"every must be >= 1, got {every}")
-    if checkpoint_every is None or checkpoint_every <= 1:
-        return every
-    if every >= checkpoint_every:
-        return math.ceil(every / checkpoint_every) * checkpoint_every  # < every + C <= 2 * every
-    divisor = next(d for d in range(every, checkpoint_every + 1) if checkpoint_every % d == 0)
-    return divisor if divisor <= 2 * every else every
-
-
 def overhead(refresh_s: float, step_s: float, every: int) -> float:
     """The share of training time refreshes take at one refresh every `every` steps."""
     return refresh_s / (every * step_s) if step_s > 0 else 0.0
@@ -60,12 +39,10 @@ class RefreshPacer:
     """When to refresh. `fixed`: the spec's `checkpoint.memory_every` (0: never); None:
     measured. The first refresh of an attempt plans its layout (a collective DCP plan) and
     allocates its buffers, so it does not count; the interval is chosen from the second
-    on, aligned with `checkpoint_every` (`aligned_interval`), and revised after every
-    refresh. Refreshes after the first fall on the interval's multiples."""
+    on and revised after every refresh. Refreshes after the first fall on the interval's
+    multiples."""
 
     fixed: int | None = None
-    checkpoint_every: int | None = None
-    """The job's `checkpoint.every_steps`: a measured interval is aligned with it."""
     every: int = 1
     last: int | None = None
     """The step of the last refresh in this attempt."""
@@ -77,6 +54,11 @@ class RefreshPacer:
     @property
     def enabled(self) -> bool:
         return self.fixed != 0
+
+    @property
+    def measured(self) -> bool:
+        """Whether the interval is chosen from measurements (which the caller agrees on)."""
+        return self.fixed is None
 
     def due(self, step: int, *, final: bool = False) -> bool:
         """Whether to refresh after optimizer step `step` (`final`: the group is about to
@@ -97,13 +79,6 @@ class RefreshPacer:
         times = self._step_times
         return sum(times) / len(times) if times else 0.0
 
-    def measures_next(self) -> bool:
-        """Whether the refresh about to be recorded comes with agreed measurements (the
-        same answer on every rank: it depends on the count of refreshes alone)."""
-        if self.fixed is not None:
-            return False
-        return self.refreshes < 4 or self.refreshes % AGREE_EVERY == 0
-
     def refreshed(
         self, step: int, refresh_s: float | None = None, step_s: float | None = None
     ) -> None:
@@ -112,7 +87,7 @@ class RefreshPacer:
         self.last = step
         self.refreshes += 1
         if refresh_s is None or step_s is None:
-            return  # not measured this time: the interval stands
+            return  # a fixed interval: nothing to choose
         self._step_times = []
         if self.refreshes == 1:
             return  # planning and allocation: not what later refreshes cost
@@ -120,8 +95,7 @@ class RefreshPacer:
         if step_s > 0:
             self.step_s = _smooth(self.step_s, step_s)
         if self.fixed is None and self.step_s is not None:
-            measured = choose_interval(self.refresh_s, self.step_s)
-            self.every = aligned_interval(measured, self.checkpoint_every)
+            self.every = choose_interval(self.refresh_s, self.step_s)
 
 
 def _smooth(old: float | None, new: float) -> float:

@@ -60,12 +60,6 @@ class ReplicaMemory:
         self.job_id, self.strategy, self.step, self.recent = None, None, NOTHING, ()
         self.copies = []
 
-    def step_for(self, job_id: int) -> int:
-        """The step of a full replica of `job_id`'s state held here, or NOTHING."""
-        if self.job_id != job_id or self.strategy is None or not self.strategy.full_replica:
-            return NOTHING
-        return self.step
-
     def offer(self, job_id: int) -> Offer:
         """What this process can give a new group of `job_id` (`elastrain.workers.memory.sources`)."""
         if self.job_id != job_id:

@@ -2,12 +2,14 @@
 its buddy on another node (`elastrain.workers.memory.buddy`), every `checkpoint.memory_every` steps
 (`elastrain.workers.memory.pacing`).
 
-A snapshot is an in-memory DCP checkpoint (`elastrain.workers.memory.in_memory`): the first
-refresh of an attempt plans it collectively with DCP's save planner (the same items,
-deduplication and metadata as a disk checkpoint of the same state); later refreshes reuse
-that plan and only copy, locally. The buddy copy goes over a gloo group of its own,
-point to point, in buckets (`elastrain.workers.memory.transfer`): a small header with the byte
-sizes of the sender's items, then the items' raw bytes.
+A snapshot is an in-memory DCP checkpoint (`elastrain.workers.memory.in_memory`): the
+items DCP's save planner says this rank writes, which is what an async save of the same
+state stages, item for item, into host buffers (pinned where a device copies into them).
+The first refresh of an attempt plans it collectively (the same items, deduplication and
+metadata as a disk checkpoint of the same state); later refreshes reuse that plan and only
+copy, locally. The buddy copy goes over a gloo group of its own, point to point, in
+buckets (`elastrain.workers.memory.transfer`): a small header with the byte sizes of the
+sender's pickled items, then every item's raw bytes.
 
 Two generations are kept. A refresh writes into the buffers of the older one and keeps
 the newest whole one: a refresh torn by a failure leaves that one whole on every rank (each
@@ -24,7 +26,6 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,13 +39,14 @@ from elastrain.workers.api import TrainContext
 from elastrain.workers.comm_release import group_forming
 from elastrain.workers.memory.buddy import buddies, wards
 from elastrain.workers.memory.in_memory import (
-    Arena,
     Blob,
+    Layout,
     MemoryWriter,
-    arena_buffer,
-    arena_of,
+    PickleCache,
     as_bytes,
-    keep_items,
+    blob_bytes,
+    held_blob,
+    held_items,
 )
 from elastrain.workers.memory.pacing import RefreshPacer, overhead
 from elastrain.workers.memory.sources import Generation
@@ -55,6 +57,8 @@ log = logging.getLogger("elastrain.workers.memory")
 
 #: Generations kept: the newest whole one, and the one being written.
 KEPT = 2
+#: Tensor items start at multiples of this in their flat buffer.
+ALIGN = 64
 
 
 @dataclass
@@ -65,45 +69,14 @@ class Snapshot:
     generation: Generation
     metadata: Metadata
     blobs: dict[int, Blob]
-    arenas: dict[int, torch.Tensor]
-    """Per rank held, the flat buffer its tensor items are views of (`Arena`)."""
+    flat: dict[int, torch.Tensor]
+    """Per rank whose items it made room for, the buffer its tensor items are views of."""
     whole: bool = True
     """Every ward's copy came in (False: a torn refresh; never kept over a whole one)."""
 
     @property
     def nbytes(self) -> int:
-        pickled = sum(
-            t.numel() for b in self.blobs.values() for t in b.values() if t.dtype == torch.uint8
-        )
-        return sum(a.numel() for a in self.arenas.values()) + pickled
-
-
-@dataclass
-class RefreshStats:
-    refreshes: int = 0
-    every: int = 1
-    refresh_s: float | None = None
-    step_s: float | None = None
-    bytes_sent: int = 0
-    held_bytes: int = 0
-
-    @property
-    def overhead(self) -> float | None:
-        if self.refresh_s is None or self.step_s is None:
-            return None
-        return overhead(self.refresh_s, self.step_s, self.every)
-
-    def describe(self) -> str:
-        share = self.overhead
-        cost = (
-            f", {self.refresh_s * 1e3:.1f} ms each = {share:.1%} of step time"
-            if share is not None and self.refresh_s is not None
-            else ""
-        )
-        return (
-            f"{self.refreshes} refreshes, every {self.every} step(s){cost}, "
-            f"{self.held_bytes / 1e6:.1f} MB held"
-        )
+        return sum(blob_bytes(b) for b in self.blobs.values())
 
 
 @dataclass
@@ -119,14 +92,11 @@ class PeerRefresher:
     periodic: bool = True
     """Whether to refresh every `memory_every` steps; off when all ranks share a node: no
     copy can then outlive a node loss, and a resize STOP refreshes at its step anyway."""
-    stats: RefreshStats = field(default_factory=RefreshStats)
     _items: list[WriteItem] | None = None
     _metadata: Metadata | None = None
-    _arenas: dict[int, Arena] = field(default_factory=dict)
-    _pickled: dict[MetadataIndex, tuple[Any, torch.Tensor]] = field(default_factory=dict)
-    """This rank's pickled items as last made, with their values (`keep_items`)."""
-    _views: dict[tuple[int, int], Blob] = field(default_factory=dict)
-    """Arena views by (rank, buffer address): buffers are recycled, so are their views."""
+    _held: dict[int, list[tuple[MetadataIndex, Layout]]] = field(default_factory=dict)
+    """Per rank whose items this one holds (its own, its wards'), `held_items`."""
+    _pickled: PickleCache = field(default_factory=dict)
 
     @classmethod
     def join(cls, ctx: TrainContext, spec: JobSpec) -> PeerRefresher:
@@ -146,9 +116,7 @@ class PeerRefresher:
             group=group,
             buddy=buddy_of[ctx.rank],
             wards=wards(buddy_of)[ctx.rank],
-            pacer=RefreshPacer(
-                fixed=spec.checkpoint.memory_every, checkpoint_every=spec.checkpoint.every_steps
-            ),
+            pacer=RefreshPacer(fixed=spec.checkpoint.memory_every),
             periodic=any(b is not None for b in buddy_of),
         )
 
@@ -174,18 +142,25 @@ class PeerRefresher:
         started = time.perf_counter()
         snapshot = self.refresh(copies, strategy, step)
         spent = time.perf_counter() - started
-        if self.pacer.measures_next():
+        if self.pacer.measured:
             # Every rank must choose the same interval: the group's slowest figures.
             agreed = torch.tensor([spent, self.pacer.mean_step_s()], dtype=torch.float64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
             self.pacer.refreshed(step, float(agreed[0]), float(agreed[1]))
         else:
             self.pacer.refreshed(step)
-        self.stats.refreshes = self.pacer.refreshes
-        self.stats.every = self.pacer.fixed or self.pacer.every
-        self.stats.refresh_s, self.stats.step_s = self.pacer.refresh_s, self.pacer.step_s
-        self.stats.held_bytes = sum(c.nbytes for c in copies)
         return snapshot
+
+    def describe(self, copies: list[Snapshot]) -> str:
+        """What this attempt's refreshes cost, for the log."""
+        pacer = self.pacer
+        every = pacer.fixed or pacer.every
+        cost = ""
+        if pacer.refresh_s is not None and pacer.step_s is not None:
+            share = overhead(pacer.refresh_s, pacer.step_s, every)
+            cost = f", {pacer.refresh_s * 1e3:.1f} ms each = {share:.1%} of step time"
+        held = sum(c.nbytes for c in copies) / 1e6
+        return f"{pacer.refreshes} refreshes, every {every} step(s){cost}, {held:.1f} MB held"
 
     def refresh(self, copies: list[Snapshot], strategy: Strategy, step: int) -> Snapshot:
         """Copy this rank's shard at `step`, send it to the buddy, receive the wards'."""
@@ -197,61 +172,76 @@ class PeerRefresher:
         state = strategy.state_dict_for_checkpoint()
         if self._items is None:
             # The first refresh of the attempt plans, collectively, what each rank keeps
-            # (by reference: nothing is copied yet) and so where it goes in its arena.
-            writer = MemoryWriter(copy=False)
+            # (by reference: nothing is copied yet).
+            writer = MemoryWriter()
             metadata = state_dict_saver.save(state, storage_writer=writer, process_group=self.group)
             self._items, self._metadata = writer.items, metadata
-            self._arenas = {r: arena_of(metadata, r) for r in (rank, *self.wards)}
+            self._held = {r: held_items(metadata, r) for r in (rank, *self.wards)}
         metadata = self._metadata
         assert metadata is not None
-        arenas = {r: self._buffer(r, old) for r in self._arenas}
+        if old is not None and old.metadata is not metadata:
+            old = None  # another attempt's layout: no buffer of it fits
         planner = DefaultSavePlanner()
         planner.set_up_planner(state, storage_meta=None, is_coordinator=False)
-        own = keep_items(
-            self._items, planner, into=self._views_of(rank, arenas[rank]), pickled=self._pickled
-        )
+        live = held_blob(self._items, planner, self._pickled)
+        flat = {r: self._buffers(r, old) for r in (rank, *self.wards)}
+        own = dict(flat[rank][1])
+        _copy(list(own.values()), [live[i] for i in own])
+        own.update((i, raw) for i, raw in live.items() if i not in own)  # the pickled bytes
         blobs = {rank: own}
         generation = Generation(self.ctx.attempt, step, self.ctx.world_size)
         try:
-            self._exchange(own, arenas, blobs)
+            self._exchange(own, flat, blobs)
         finally:
             # Torn by a peer gone mid-exchange, it keeps what is whole: this rank's own
             # copy and each ward's that came in full. The lost rank's copy may have reached
             # its buddy before it went; the survivors' offers say which generations they
             # cover together (`sources.choose_source`), so this one is used only if whole.
             whole = set(blobs) == {rank, *self.wards}
-            snapshot = Snapshot(generation, metadata, blobs, arenas, whole=whole)
+            buffers = {r: buffer for r, (buffer, _) in flat.items()}
+            snapshot = Snapshot(generation, metadata, blobs, buffers, whole=whole)
             copies.append(snapshot)
             del copies[:-KEPT]
         return snapshot
 
-    def _views_of(self, rank: int, buffer: torch.Tensor) -> Blob:
-        key = (rank, buffer.data_ptr())
-        views = self._views.get(key)
-        if views is None:
-            if len(self._views) > 2 * KEPT * (1 + len(self.wards)):
-                self._views.clear()  # buffers of an old layout: not to be kept alive
-            views = self._views[key] = self._arenas[rank].views(buffer)
-        return views
+    def _buffers(self, rank: int, old: Snapshot | None) -> tuple[torch.Tensor, Blob]:
+        """One flat host buffer for the tensor items rank `rank` of the group holds, and
+        the items as views of it, side by side: a copy of them travels as one message,
+        with no packing (bench/peer_restore_bench.py, a small gpt's fsdp refresh: 27-36 ms
+        so, 47-68 ms with its items packed into buckets, a copy on each side). The older
+        generation's buffer when it fits, else a new one (pinned for this rank's own where
+        a device copies into it, as DCP's stager pins its staging buffers)."""
+        layouts = [(i, layout) for i, layout in self._held[rank] if layout is not None]
+        sizes = [shape.numel() * dtype.itemsize for _, (dtype, shape) in layouts]
+        starts = [0]
+        for size in sizes:  # each item's start aligned for a view of any dtype
+            starts.append(starts[-1] + -(-size // ALIGN) * ALIGN)
+        buffer = old.flat.get(rank) if old is not None else None
+        if buffer is None or buffer.numel() != starts[-1]:
+            pin = rank == self.ctx.rank and self.ctx.device.type != "cpu"
+            buffer = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=pin)
+        views = {
+            index: buffer[start : start + size].view(dtype).view(shape)
+            for (index, (dtype, shape)), start, size in zip(
+                layouts, starts[:-1], sizes, strict=True
+            )
+        }
+        return buffer, views
 
-    def _buffer(self, rank: int, old: Snapshot | None) -> torch.Tensor:
-        """The arena buffer for `rank`'s items: the older snapshot's when it fits."""
-        nbytes = self._arenas[rank].nbytes
-        buffer = old.arenas.get(rank) if old is not None else None
-        if buffer is None or buffer.numel() != nbytes:
-            # Pinned where a device copies into it, as an async save's staging buffers.
-            buffer = arena_buffer(nbytes, pin=self.ctx.device.type != "cpu")
-        return buffer
-
-    def _exchange(self, own: Blob, arenas: dict[int, torch.Tensor], held: dict[int, Blob]) -> None:
+    def _exchange(
+        self, own: Blob, flat: dict[int, tuple[torch.Tensor, Blob]], held: dict[int, Blob]
+    ) -> None:
         """Send `own` to the buddy and receive each ward's items into `held` (those that
         came in whole, even when the exchange then raises): first the sizes of the
-        pickled items (they change), then the tensor arena and the pickled bytes."""
-        rank = self.ctx.rank
-        mine = self._arenas[rank]
-        sizes = torch.tensor([own[i].numel() for i in mine.pickled], dtype=torch.int64)
+        pickled items (they change), then the flat buffer of the tensor items and the
+        pickled items' bytes, in `held_items` order."""
+        mine = self._held[self.ctx.rank]
+        sizes = torch.tensor(
+            [own[i].numel() for i, layout in mine if layout is None], dtype=torch.int64
+        )
         headers = {
-            w: torch.empty(len(self._arenas[w].pickled), dtype=torch.int64) for w in self.wards
+            w: torch.empty(sum(layout is None for _, layout in self._held[w]), dtype=torch.int64)
+            for w in self.wards
         }
         to_buddy = {self.buddy: [as_bytes(sizes)]} if self.buddy is not None else {}
         stream(to_buddy, {w: [as_bytes(h)] for w, h in headers.items()}, self.group)
@@ -259,24 +249,28 @@ class PeerRefresher:
         received: dict[int, Blob] = {}
         recvs: dict[int, list[torch.Tensor]] = {}
         for w in self.wards:
-            arena = self._arenas[w]
-            blob = dict(self._views_of(w, arenas[w]))
-            pickled = [torch.empty(int(n), dtype=torch.uint8) for n in headers[w].tolist()]
-            blob.update(zip(arena.pickled, pickled, strict=True))
-            received[w] = blob
-            recvs[w] = [arenas[w], *pickled]
-        sends = (
-            {self.buddy: [arenas[rank], *(own[i] for i in mine.pickled)]}
-            if self.buddy is not None
-            else {}
-        )
+            pickled = [i for i, layout in self._held[w] if layout is None]
+            bytes_of = [torch.empty(n, dtype=torch.uint8) for n in headers[w].tolist()]
+            received[w] = {**flat[w][1], **dict(zip(pickled, bytes_of, strict=True))}
+            recvs[w] = [flat[w][0], *bytes_of]
+        own_pickled = [own[i] for i, layout in mine if layout is None]
+        sends = {}
+        if self.buddy is not None:
+            sends[self.buddy] = [flat[self.ctx.rank][0], *own_pickled]
         arrived: set[int] = set()
         try:
-            self.stats.bytes_sent += stream(
-                {k: [as_bytes(t) for t in v] for k, v in sends.items()},
-                recvs,
-                self.group,
-                arrived=arrived,
-            )
+            stream(sends, recvs, self.group, arrived=arrived)
         finally:
             held.update((w, received[w]) for w in sorted(arrived))
+
+
+def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each source into its host target in one `torch._foreach_copy_` (one call, the
+    GIL released while it copies: 0.6 ms for 108 items of a small model where a loop of
+    `copy_`, as `_copy_state_dict` makes, took 2.0 ms); from a device, non-blocking on the
+    current stream, then one wait for all."""
+    on_device = any(s.device.type != "cpu" for s in sources)
+    if targets:
+        torch._foreach_copy_(targets, sources, non_blocking=on_device)
+    if on_device:
+        torch.accelerator.synchronize()

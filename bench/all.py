@@ -91,6 +91,8 @@ PARTS = (
          ("--steps", "3", "--warmup", "1", "--precisions", "fp32", "--gate")),
     Part("peer-restore", "Peer memory: refresh cost, hand-over vs broadcast, node loss per strategy",
          "peer_restore_bench.py", ("--repeats", "5"), ("--quick",)),
+    Part("prepare", "elastrain prepare: tokens/s of Ray Data vs one process",
+         "prepare_bench.py", (), ("--quick",)),
 )  # fmt: skip
 BY_NAME = {p.name: p for p in PARTS}
 #: The other files under bench/: helpers the parts' scripts import or start, and a script

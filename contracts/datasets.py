@@ -29,7 +29,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from elastrain.contracts.workload_params import TOKEN_WIDTH, GptParams, HfCausalLmParams
+from elastrain.contracts.workload_params import (
+    TOKEN_WIDTH,
+    GptParams,
+    HfCausalLmParams,
+    PrepareParams,
+)
 
 #: Tenants' own areas: `<storage>/data/<tenant>/`.
 TENANT_DATA_DIR = "data"
@@ -166,6 +171,11 @@ def data_path_problems(
                 f"first ({_WHERE})"
             )
             continue
+        if key == "data_path" and real.is_dir():
+            from elastrain.contracts.prepared import prepared_problems
+
+            problems.extend(prepared_problems(params, path, real))
+            continue
         if not real.is_file():
             problems.append(f"{where}: {path!r} is not a regular file")
             continue
@@ -242,7 +252,7 @@ def tokenizer_vocab_size(data: bytes) -> int:
 
 
 def tokenizer_problems(
-    params: GptParams | HfCausalLmParams, storage_root: Path, owner: str
+    params: GptParams | HfCausalLmParams | PrepareParams, storage_root: Path, owner: str
 ) -> list[str]:
     """What is wrong with the params' `tokenizer`: it must name a tokenizer.json (or a
     folder holding one) in the owner's (or the shared) area, and an hf_causal_lm built

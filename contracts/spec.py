@@ -46,6 +46,8 @@ BUILTIN_WORKLOADS: dict[str, str] = {
     "gpt": "elastrain.workers.workloads.gpt:build",
     "hf_causal_lm": "elastrain.workers.workloads.hf_causal_lm:build",
     "synthetic": "elastrain.workers.workloads.synthetic:build",
+    # Not a model: the worker runs `elastrain.workers.prepare` instead of the training loop.
+    "prepare": "elastrain.workers.prepare:build",
 }
 
 #: pip requirements: a distribution name, optional extras, optional version specifiers.
@@ -637,6 +639,8 @@ class JobSpec(_Strict):
             raise ValueError(f"strategy.pipeline_stages: {why}")
         if self.strategy.tensor_parallel_degree > 1 and (why := self._no_tensor_parallel()):
             raise ValueError(f"strategy.tensor_parallel: {why}")
+        if self.workload.name == "prepare" and (why := self._not_one_preparer()):
+            raise ValueError(why)
         if self.training.compile and self.workload.command is not None:
             raise ValueError(
                 "training.compile: a command job's script compiles its own model; set it "
@@ -688,6 +692,21 @@ class JobSpec(_Strict):
                 "or mixed_precision: null"
             )
         return self
+
+    def _not_one_preparer(self) -> str | None:
+        """Why a `prepare` job's spec cannot run: it is one worker process (Ray Data spreads
+        the tokenizing over the cluster's CPUs), with no model to split or evaluate."""
+        if self.scaling.max_workers != 1 or self.scaling.use_gpu:
+            return (
+                "scaling.max_workers: a prepare job runs on exactly one CPU worker (Ray Data "
+                "spreads its work over the cluster); set min_workers and max_workers to 1 "
+                "and use_gpu false"
+            )
+        if self.strategy != StrategySpec() or self.training.compile:
+            return "strategy: a prepare job trains no model; leave strategy and compile out"
+        if self.training.eval_every is not None:
+            return "training.eval_every: a prepare job trains no model; leave it out"
+        return None
 
     def _group_fields(self) -> str:
         pipeline = self.strategy.kind == StrategyKind.pipeline

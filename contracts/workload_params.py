@@ -189,10 +189,32 @@ class SyntheticParams(_Params):
     data_seed: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = 1234
 
 
+class PrepareParams(_Params):
+    """`elastrain prepare`: text, JSON lines, Parquet or `save_to_disk` data sets in the
+    data area tokenized on the cluster with Ray Data into token shards and an index in
+    the folder `out` (`elastrain.contracts.prepared`), which a gpt or hf_causal_lm's
+    `data_path` names."""
+
+    inputs: Annotated[list[DataPath], Field(min_length=1, max_length=256)]
+    """Files in the data area, globs allowed (`books/*.jsonl`, `wiki/**/*.parquet`), or
+    `save_to_disk` folders."""
+    tokenizer: DataPath
+    """A folder holding `tokenizer.json` (or the file), as the gpt's."""
+    out: Annotated[str, Field(min_length=1, max_length=255)]
+    """The folder to write, in the tenant's own data area."""
+    text_field: Annotated[str, Field(min_length=1, max_length=255)] = "text"
+    """The column (JSON lines, Parquet, save_to_disk) holding each document's text."""
+    eval_fraction: Annotated[float, Field(ge=0, lt=1)] = DEFAULT_EVAL_FRACTION
+    """The share of documents held out (whole documents, evenly spread)."""
+    batch_rows: Annotated[Count, Field(le=65536)] = 256
+    """Documents per tokenizer call in each Ray Data task."""
+
+
 BUILTIN_PARAMS: dict[str, type[_Params]] = {
     "gpt": GptParams,
     "hf_causal_lm": HfCausalLmParams,
     "synthetic": SyntheticParams,
+    "prepare": PrepareParams,
 }
 
 

@@ -39,6 +39,7 @@ from elastrain.contracts.messages import (
     WorkerFailed,
 )
 from elastrain.contracts.os_identity import RunAs
+from elastrain.contracts.prepared import InputError, storage_relative_prepare_paths
 from elastrain.contracts.runtime import AttemptKey, LaunchRequest, attempt_name
 from elastrain.contracts.spec import JobSpec
 from elastrain.contracts.storage import JobStorage
@@ -258,12 +259,18 @@ def launch_spec(spec: JobSpec, storage_path: Path, owner: str) -> JobSpec:
     """The spec the workers get: a built-in gpt's (or hf_causal_lm's) data paths resolved in the owner's data
     area and handed over relative to the storage root, checked again at every launch (the
     files may have become links since the submit)."""
-    if spec.workload.name not in DATA_WORKLOADS:
+    if spec.workload.name == "prepare":
+        try:
+            params = storage_relative_prepare_paths(spec.workload.params, storage_path, owner)
+        except (DataPathError, InputError) as exc:
+            raise SpecRefused(str(exc)) from exc
+    elif spec.workload.name not in DATA_WORKLOADS:
         return spec
-    try:
-        params = storage_relative_data_paths(spec.workload.params, storage_path, owner)
-    except DataPathError as exc:
-        raise SpecRefused(str(exc)) from exc
+    else:
+        try:
+            params = storage_relative_data_paths(spec.workload.params, storage_path, owner)
+        except DataPathError as exc:
+            raise SpecRefused(str(exc)) from exc
     if params == spec.workload.params:
         return spec
     workload = spec.workload.model_copy(update={"params": params})

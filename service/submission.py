@@ -25,8 +25,9 @@ from elastrain.contracts.datasets import data_path_problems
 from elastrain.contracts.os_identity import RunAs
 from elastrain.contracts.packages import OWN_PACKAGES, Manifest, modules_of
 from elastrain.contracts.plan import AUTO_CHOICES, plan, shape_of
+from elastrain.contracts.prepared import prepare_problems
 from elastrain.contracts.spec import JobSpec, StrategyKind
-from elastrain.contracts.workload_params import GptParams, HfCausalLmParams
+from elastrain.contracts.workload_params import GptParams, HfCausalLmParams, PrepareParams
 from elastrain.service import cluster, package_access
 from elastrain.service.auth import Principal
 from elastrain.service.jobs import insert_job, queued_jobs
@@ -225,6 +226,9 @@ def _data_problems(spec: JobSpec, storage_root: pathlib.Path, owner: str) -> lis
         params = GptParams.model_validate(spec.workload.params)
     elif spec.workload.name == "hf_causal_lm":
         params = HfCausalLmParams.model_validate(spec.workload.params)
+    elif spec.workload.name == "prepare":
+        prepare = PrepareParams.model_validate(spec.workload.params)
+        return problems_at_their_fields(prepare_problems(prepare, storage_root, owner))
     else:
         return []
     return problems_at_their_fields(data_path_problems(params, storage_root, owner))

@@ -500,6 +500,33 @@ class WorkerProcess:
         log.error("%s", error.summary())
         return RunOutcome(rank=a.rank, final_step=result.last_step, error=error)
 
+    def _run_prepare(self, a: Assignment) -> RunOutcome:
+        """A prepare job's one rank: Ray Data tokenizes its inputs over the cluster
+        (`elastrain.workers.prepare`) while this process writes the shards and reports."""
+        from elastrain.contracts.workload_params import PrepareParams
+        from elastrain.workers.prepare import Preparation
+        from elastrain.workers.workloads import builtin_params
+
+        key = AttemptKey(a.job_id, a.attempt)
+        runtime = ray.get_actor(a.runtime_name, namespace=a.namespace)
+        hooks = RuntimeHooks(runtime, key, lambda: self._take_control(key), capability=a.capability)
+        hooks.send(TimelineMark(phase=Phase.GROUP_FORMED, at=time.time(), detail="prepare"))
+        steps = [0]
+
+        def report(point: StepMetrics) -> None:
+            steps[0] = point.step
+            hooks.send(point)
+
+        try:
+            params = builtin_params("prepare", a.spec.workload.params)
+            assert isinstance(params, PrepareParams)
+            index = Preparation(params).run(
+                Path(a.storage_path), report, hooks.take_control, self._abort
+            )
+        finally:
+            hooks.flush()
+        return RunOutcome(rank=a.rank, final_step=steps[0], stopped_early=index is None)
+
     def _run(self, a: Assignment) -> RunOutcome:
         if a.spec.workload.command is not None:  # its own output is piped to its log already
             return self._run_attempt(a)
@@ -551,6 +578,8 @@ class WorkerProcess:
                 raise RuntimeError(f"{self.name} owns no GPU: a GPU rank reached a CPU process")
             if a.spec.workload.command is not None:
                 return self._run_command(a, storage, log_path)
+            if a.spec.workload.name == "prepare":
+                return self._run_prepare(a)
             package = self._use_package(a)
             timeout = datetime.timedelta(seconds=a.collective_timeout_s)
             store = self._take_hosted_store(a)

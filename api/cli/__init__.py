@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from elastrain.api.cli import admin, client, nodes, offline, packages, server
+from elastrain.api.cli import admin, client, nodes, offline, packages, prepare, server
 from elastrain.api.cli.connection import DEFAULT_URL, Api, connected
 
 #: Commands that speak no REST: `--url` and `--token` after them stay an error.
@@ -56,6 +56,7 @@ app.command()(client.cancel)
 app.command()(client.checkpoint)
 app.command()(client.logs)
 app.command()(client.plan)
+app.command()(prepare.prepare)
 app.command("prepare-text")(offline.prepare_text)
 app.command()(client.whoami)
 app.command()(nodes.cluster)

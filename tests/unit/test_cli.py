@@ -325,6 +325,7 @@ REST_COMMANDS: dict[str, list[str]] = {
     "packages show": [DIGEST], "packages share": [DIGEST, "--tenant", "t"],
     "packages unshare": [DIGEST, "--tenant", "t"],
     "export": ["1", "--out", "{spec}.model"],
+    "prepare": ["in/*.jsonl", "--tokenizer", "tok", "--out", "prep", "--no-wait"],
 }  # fmt: skip
 
 

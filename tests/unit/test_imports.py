@@ -144,6 +144,7 @@ _EDGES_ALLOWED = {
     ("contracts/spec.py", "elastrain.workers.workloads.gpt"),
     ("contracts/spec.py", "elastrain.workers.workloads.hf_causal_lm"),
     ("contracts/spec.py", "elastrain.workers.workloads.synthetic"),
+    ("contracts/spec.py", "elastrain.workers.prepare"),
     ("contracts/bounds.py", "elastrain.workers.workloads"),
 }
 # A string that names a first-party module ("pkg.mod" or "pkg.mod:attr"): an import by string.

@@ -17,13 +17,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from elastrain.contracts.datasets import split_sizes, tokenizer_file
 from elastrain.workers.workloads import WorkloadError
+
+if TYPE_CHECKING:
+    from elastrain.workers.workloads.prepared_data import VirtualTokens
 
 _NUMPY_DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 #: Token ids checked against vocab_size this many at a time (bounded memory on any file).
@@ -37,7 +40,7 @@ class TokenWindows:
 
     def __init__(
         self,
-        tokens: torch.Tensor | np.ndarray[Any, Any],
+        tokens: torch.Tensor | np.ndarray[Any, Any] | VirtualTokens,
         seq_len: int,
         stride: int | None = None,
         *,
@@ -95,6 +98,8 @@ def load_token_data(
     tokenizer: str | None = None,
 ) -> TokenData:
     """The user's data as training windows and (maybe) held-out windows."""
+    if Path(data_path).is_dir():
+        return _load_prepared(data_path, seq_len, stride)
     tokens: torch.Tensor | np.ndarray[Any, Any]
     held_tokens: torch.Tensor | np.ndarray[Any, Any] | None
     if tokenizer is not None:
@@ -129,6 +134,25 @@ def load_token_data(
     elif held:
         held_out = TokenWindows(tokens, seq_len, stride, start=train_end)
     return TokenData(train=train, held_out=held_out, vocab_size=size)
+
+
+def _load_prepared(folder: str, seq_len: int, stride: int | None) -> TokenData:
+    """A prepared folder's windows: its training documents' stream, and its held-out
+    documents' (`elastrain.workers.workloads.prepared_data`)."""
+    from elastrain.workers.workloads.prepared_data import prepared_streams
+
+    try:
+        index, train_tokens, held_tokens = prepared_streams(Path(folder))
+    except (OSError, ValueError) as exc:
+        raise WorkloadError(f"workload.params.data_path: {folder} ({exc})") from exc
+    train = TokenWindows(train_tokens, seq_len, stride)
+    if len(train) == 0:
+        raise WorkloadError(
+            f"workload.params.data_path: {len(train_tokens)} training tokens, fewer than one "
+            f"window of seq_len + 1 = {seq_len + 1}"
+        )
+    held = TokenWindows(held_tokens, seq_len, stride) if len(held_tokens) else None
+    return TokenData(train=train, held_out=held, vocab_size=index.vocab_size)
 
 
 #: Text is tokenized in pieces of about this many characters, cut after a newline.

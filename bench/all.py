@@ -93,6 +93,10 @@ PARTS = (
          "peer_restore_bench.py", ("--repeats", "5"), ("--quick",)),
     Part("prepare", "elastrain prepare: tokens/s of Ray Data vs one process",
          "prepare_bench.py", (), ("--quick",)),
+    # Quick: three faults on one ddp job, to check the campaign runs end to end.
+    Part("chaos", "Chaos campaign: recovery per kind of fault, curves vs uninterrupted",
+         "chaos_bench.py", ("--faults", "200"),
+         ("--faults", "3", "--strategies", "ddp", "--kinds", "kill9,node_removed,preemption")),
 )  # fmt: skip
 BY_NAME = {p.name: p for p in PARTS}
 #: The other files under bench/: helpers the parts' scripts import or start, and a script

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import ray
 from fastapi.testclient import TestClient
 
@@ -123,3 +124,19 @@ def wait_terminal(
 
 def losses(client: TestClient, job_id: int) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in client.get(f"/v1/jobs/{job_id}/metrics").json()}
+
+
+def run_cli(client: TestClient, monkeypatch: pytest.MonkeyPatch, *args: str) -> Any:
+    """`elastrain ARGS...` against the in-process service `client` talks to."""
+    from typer.testing import CliRunner
+
+    from elastrain.api import cli
+    from elastrain.api.cli.connection import Api
+
+    def connected(url: str, token: str | None) -> Api:
+        made = Api(url, token)
+        made.http = client  # type: ignore[assignment]  # (an httpx.Client underneath)
+        return made
+
+    monkeypatch.setattr(cli, "Api", connected)
+    return CliRunner().invoke(cli.app, list(args))

@@ -12,12 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 from transformers import AutoConfig, AutoModelForCausalLM
-from typer.testing import CliRunner
 
-from elastrain.api import cli
-from elastrain.api.cli.connection import Api
 from elastrain.checkpoints.dcp.export import load_model_weights
 from elastrain.checkpoints.export import pick_checkpoint
 from elastrain.contracts.storage import JobStorage
@@ -26,6 +22,7 @@ from elastrain.workers.workloads.hf_causal_lm import build
 from tests.integration.ray_service import (
     losses,
     ray_service,
+    run_cli,
     submit,
     tiny_gpt_spec,
     wait_terminal,
@@ -50,18 +47,6 @@ def hf_spec(name: str, params: dict[str, Any], strategy: dict[str, Any]) -> dict
         training={"max_steps": STEPS, "learning_rate": 0.01},
         checkpoint={"every_steps": 4},
     )
-
-
-def cli_export(client: TestClient, monkeypatch: pytest.MonkeyPatch, *args: str) -> Any:
-    """`elastrain export ...` against the in-process service."""
-
-    def connected(url: str, token: str | None) -> Api:
-        made = Api(url, token)
-        made.http = client
-        return made
-
-    monkeypatch.setattr(cli, "Api", connected)
-    return CliRunner().invoke(cli.app, ["export", *args])
 
 
 def test_llama_trains_under_each_strategy_and_exports(
@@ -99,7 +84,9 @@ def test_llama_trains_under_each_strategy_and_exports(
 
         for kind, job_id in jobs.items():
             out = tmp_path / f"export-{kind}"
-            done = cli_export(client, monkeypatch, str(job_id), "--format", "hf", "--out", str(out))
+            done = run_cli(
+                client, monkeypatch, "export", str(job_id), "--format", "hf", "--out", str(out)
+            )
             assert done.exit_code == 0, done.output
             assert f"step {STEPS}:" in done.output
             loaded, report = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
@@ -116,7 +103,9 @@ def test_llama_trains_under_each_strategy_and_exports(
         assert got.status_code == 200 and got.headers["x-elastrain-step"] == "4"
         with tarfile.open(fileobj=io.BytesIO(got.content)) as tar:
             assert {"config.json", "model.safetensors"} <= set(tar.getnames())
-        absent = cli_export(client, monkeypatch, str(jobs["ddp"]), "--step", "5", "--out", "o")
+        absent = run_cli(
+            client, monkeypatch, "export", str(jobs["ddp"]), "--step", "5", "--out", "o"
+        )
         assert absent.exit_code != 0 and "step 5" in absent.output and "4, 8" in absent.output
         other = submit(client, tiny_gpt_spec("syn", workload={"name": "synthetic", "params": {}}))
         refused = client.get(f"/v1/jobs/{other}/export")

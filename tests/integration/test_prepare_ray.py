@@ -8,32 +8,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
-from typer.testing import CliRunner
 
-import elastrain.api.cli as cli
-from elastrain.api.cli.connection import Api
 from elastrain.api.cli.prepare import prepare_spec
 from elastrain.contracts.prepared import read_index
-from tests.integration.ray_service import losses, ray_service, submit, tiny_gpt_spec, wait_terminal
+from tests.integration.ray_service import (
+    losses,
+    ray_service,
+    run_cli,
+    submit,
+    tiny_gpt_spec,
+    wait_terminal,
+)
 from tests.unit.test_prepare import DOCS, write_inputs, write_tokenizer
 
 pytestmark = [pytest.mark.ray, pytest.mark.beside]
-
-
-def run_cli(client: TestClient, monkeypatch: pytest.MonkeyPatch, *args: str) -> Any:
-    """`elastrain ...` against the in-process service."""
-
-    def connected(url: str, token: str | None) -> Api:
-        made = Api(url, token)
-        made.http = client
-        return made
-
-    monkeypatch.setattr(cli, "Api", connected)
-    return CliRunner().invoke(cli.app, list(args))
 
 
 def test_prepare_on_the_cluster_then_train_on_it(

@@ -19,13 +19,13 @@ import contextlib
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO
+
+# Reading one file as hostile input lives with the contracts (data areas need it too).
+from elastrain.contracts.files import ConfinedFileError as ConfinedFileError
+from elastrain.contracts.files import open_regular as open_regular
+from elastrain.contracts.files import read_bounded as read_bounded
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-
-
-class ConfinedFileError(ValueError):
-    """A file or folder the control plane refuses to read or enter, and why."""
 
 
 def plain_name(name: str) -> bool:
@@ -58,39 +58,6 @@ def open_dir(trusted_root: Path, folder: Path) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def open_regular(name: str, *, dir_fd: int | None = None) -> BinaryIO:
-    """Regular file `name` (in folder `dir_fd`, or a path) open for reading, never through
-    a link (nor a FIFO: opened without blocking). FileNotFoundError when there is none."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise ConfinedFileError(
-            f"cannot read {Path(name).name}: {exc.strerror} (a link is never followed)"
-        ) from None
-    f = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
-        raise ConfinedFileError(f"{Path(name).name} is not a regular file")
-    return f
-
-
-def read_bounded(name: str, limit: int, *, dir_fd: int | None = None) -> bytes:
-    """The bytes of regular file `name` (in folder `dir_fd`, or a path), never through a
-    link, never more than `limit` bytes. FileNotFoundError when there is none."""
-    with open_regular(name, dir_fd=dir_fd) as f:
-        found = os.fstat(f.fileno())
-        if found.st_size > limit:
-            raise ConfinedFileError(
-                f"{Path(name).name} is {found.st_size} bytes, more than the {limit} it may be"
-            )
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ConfinedFileError(f"{Path(name).name} grew past {limit} bytes while read")
-    return data
 
 
 def is_real_dir(path: Path) -> bool:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from elastrain.contracts.datasets import SHARED_DATA_DIR, TENANT_DATA_DIR
+from elastrain.contracts.files import read_bounded
 
 INDEX_FILE = "index.json"
 SHARDS_DIR = "shards"
@@ -42,6 +43,9 @@ _SUFFIXES = {
 HF_STATE_FILE = "state.json"
 #: The most input files one prepare job takes (each is a shard and a done marker).
 MAX_INPUT_FILES = 100_000
+#: The most a prepared folder's index.json and a save_to_disk folder's state.json may hold.
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+MAX_STATE_BYTES = 1024 * 1024
 
 
 class InputError(ValueError):
@@ -138,8 +142,9 @@ def _files_of(match: Path, pattern: str) -> list[Path]:
     state = real / HF_STATE_FILE
     if real.is_dir() and state.is_file():
         try:
-            files = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
-        except (ValueError, KeyError, TypeError) as exc:
+            state_json = read_bounded(str(state), MAX_STATE_BYTES)  # a job may have written it
+            files = [f["filename"] for f in json.loads(state_json)["_data_files"]]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InputError(f"{_as_given(pattern)!r}: a bad {HF_STATE_FILE} ({exc})") from exc
         return [(real / name).resolve() for name in files]
     if real.is_dir():
@@ -242,7 +247,8 @@ class Index:
 def read_index(folder: Path) -> Index:
     """The index of a prepared folder. Raises ValueError (a missing or bad index.json)."""
     try:
-        return Index.from_json((folder / INDEX_FILE).read_text("utf-8"))
+        # Written by a job: a link, a FIFO or a file of any size is refused, not followed.
+        return Index.from_json(read_bounded(str(folder / INDEX_FILE), MAX_INDEX_BYTES).decode())
     except OSError as exc:
         raise ValueError(f"no readable {INDEX_FILE} ({exc.strerror})") from exc
     except (KeyError, TypeError, UnicodeDecodeError) as exc:

@@ -409,3 +409,29 @@ def test_the_worker_gets_storage_relative_paths_checked_again_at_launch(root: Pa
         storage_relative_prepare_paths(params(inputs=["/etc/*"]).model_dump(), root, TENANT)
     with pytest.raises(DataPathError, match=r"workload\.params\.tokenizer: '/etc' is outside"):
         storage_relative_prepare_paths(params(tokenizer="/etc").model_dump(), root, TENANT)
+
+
+def test_files_a_job_wrote_are_read_as_hostile_input_at_submit(root: Path) -> None:
+    """index.json and state.json are written by jobs: a link there is refused, not
+    followed (it could name another tenant's file), and a FIFO never blocks the API."""
+    import os
+
+    from elastrain.contracts.prepared import InputError, expand_inputs
+
+    prepare(root)
+    folder = root / "data" / TENANT / "prep"
+    elsewhere = root / "elsewhere.json"
+    (folder / "index.json").rename(elsewhere)
+    (folder / "index.json").symlink_to(elsewhere)
+    found = prepared_problems(GptParams(data_path="prep", seq_len=16), "prep", folder)
+    assert found and "a link is never followed" in found[0]
+    (folder / "index.json").unlink()
+    os.mkfifo(folder / "index.json")
+    found = prepared_problems(GptParams(data_path="prep", seq_len=16), "prep", folder)
+    assert found  # refused at once: no reader waits on the FIFO's writer
+
+    hf = root / "data" / TENANT / "hf"
+    hf.mkdir()
+    (hf / "state.json").symlink_to(elsewhere)
+    with pytest.raises(InputError, match=r"a bad state\.json"):
+        expand_inputs([f"data/{TENANT}/hf"], root)

@@ -93,10 +93,14 @@ PARTS = (
          "peer_restore_bench.py", ("--repeats", "5"), ("--quick",)),
     Part("prepare", "elastrain prepare: tokens/s of Ray Data vs one process",
          "prepare_bench.py", (), ("--quick",)),
-    # Quick: three faults on one ddp job, to check the campaign runs end to end.
+    # Quick: four faults on one ddp job, to check the campaign runs end to end.
     Part("chaos", "Chaos campaign: recovery per kind of fault, curves vs uninterrupted",
          "chaos_bench.py", ("--faults", "200"),
-         ("--faults", "3", "--strategies", "ddp", "--kinds", "kill9,node_removed,preemption")),
+         ("--faults", "4", "--strategies", "ddp", "--kinds",
+          "kill9,node_removed,raylet_kill,preemption")),
+    # Quick: one trial with 40-step windows, to check it runs end to end (about a minute).
+    Part("stragglers", "Stragglers: a 2x slow rank evicted, throughput after vs the ranks left alone",
+         "straggler_bench.py", ("--repeats", "3"), ("--quick",)),
 )  # fmt: skip
 BY_NAME = {p.name: p for p in PARTS}
 #: The other files under bench/: helpers the parts' scripts import or start, and a script

@@ -10,7 +10,7 @@ buys when a node is lost.
 2. Refresh overhead per step: for fsdp, tp and pipeline (2 ranks on 2 simulated nodes,
    each the other's buddy), the median optimizer step and the median refresh (the shard
    copied to host memory and sent to the buddy, the wards' received), the interval the
-   measured default chooses (`elastrain.workers.memory.pacing`) and the overhead at that interval;
+   measured default chooses (`elastrain.workers.memory.rules`) and the overhead at that interval;
    ddp refreshes nothing (every survivor holds a whole replica).
 3. Node lost -> first step at the smaller size, per strategy, on a real
    `ray.cluster_utils.Cluster` (CPU-less head; worker nodes a and b of 2 CPUs, c of 1): a
@@ -139,7 +139,7 @@ def bench_spec(strategy: dict[str, Any], params: dict[str, int], steps: int) -> 
 
 def refresh_body(rank: int, world_size: int, params: dict[str, int], steps: int, root: str) -> Any:
     from elastrain.workers.api import TrainContext
-    from elastrain.workers.memory.pacing import choose_interval, overhead
+    from elastrain.workers.memory.rules import choose_interval, overhead
     from elastrain.workers.memory.snapshots import PeerRefresher
     from elastrain.workers.rng import seed_everything
     from elastrain.workers.sampler import ElasticSampler

@@ -1,8 +1,3 @@
-"""Sharded checkpoints with a commit protocol.
-
-Every module here is pure Python (the control plane uses them and must not load torch),
-the commit protocol (`elastrain.checkpoints.commit`) included; import each from its own
-module (`catalog`, `manifest`, `retention`, ...). The torch part, DCP's save and load
-(`ShardedCheckpointer`) and its storage writer, lives in the `elastrain.checkpoints.dcp`
-package and is imported only by workers.
+"""Sharded checkpoints with a commit protocol. Pure Python (the control plane must not
+load torch); the torch part is `elastrain.checkpoints.dcp`, imported only by workers.
 """

@@ -1,23 +1,41 @@
-"""Which checkpoints exist under a job's root, and which one to resume from. Pure Python.
+"""Committing a checkpoint, and which ones exist under a job's root and which to resume
+from. Pure Python. Only committed ones (manifest readable) count; junk (saves in
+progress, crashed or half-deleted, stray files) never makes the listing raise.
 
-Only committed checkpoints (manifest present and readable) count. The listing never raises
-on junk: a save in progress, a crashed one, a half-deleted one, or a stray file are what
-shared storage looks like after node failures.
+The commit protocol, in one step folder per (step, attempt):
+1. every rank writes `rank_{r}.extra.pt` (its RNG states) atomically;
+2. every rank writes its DCP shard, fsynced and digested as written; DCP's coordinator
+   gathers every rank's results and digests, then writes `.metadata`;
+3. rank 0 checks the fence and writes `manifest.json` atomically (`commit`).
+A crash before 3 leaves a folder without a manifest, which the listing ignores.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastrain.checkpoints.fence import read_fence
-from elastrain.checkpoints.integrity import CorruptCheckpoint, verify
+from elastrain.checkpoints.fence import Superseded, read_fence
+from elastrain.checkpoints.integrity import CorruptCheckpoint, describe_files, verify
 from elastrain.checkpoints.layout import StepDir, iter_step_dirs
-from elastrain.checkpoints.manifest import Manifest, ManifestError, ManifestMissing, read_manifest
+from elastrain.checkpoints.manifest import (
+    DEFAULT_ALGORITHM,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    ManifestMissing,
+    read_manifest,
+    write_manifest,
+)
 from elastrain.contracts.messages import CheckpointCommitted
+
+# What a caller may put in a manifest; anything else is a mistake, reported at once.
+MANIFEST_FIELDS = frozenset({"strategy", "layout", "data_position", "extra", "world_size"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,17 +64,6 @@ class CheckpointInfo:
             manifest=manifest,
         )
 
-    def to_commit(self) -> CheckpointCommitted:
-        """The message rank 0 sends the driver for this checkpoint."""
-        return CheckpointCommitted(
-            step=self.step,
-            attempt=self.attempt,
-            world_size=self.world_size,
-            path=str(self.path),
-            bytes=self.total_bytes,
-            manifest=self.manifest.to_dict(),
-        )
-
 
 @dataclass(kw_only=True, slots=True)
 class LoadOutcome:
@@ -66,8 +73,8 @@ class LoadOutcome:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """(path, reason) of newer folders passed over: corrupt, torn or uncommitted."""
     rank_extra: dict[str, Any] | None = None
-    """This rank's extras, only when the checkpoint was saved at the same world size
-    (per-rank RNG states mean nothing after resharding)."""
+    """This rank's extras, only at the saving world size (RNG states mean nothing after
+    resharding)."""
 
 
 @dataclass(slots=True)
@@ -105,52 +112,84 @@ def scan(root: str | os.PathLike[str]) -> Scan:
 
 
 def list_committed(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
-    """Committed checkpoints, newest step first (for one step, the newest attempt first).
-    Not verified: use find_latest_good to pick one to load."""
+    """Committed checkpoints, newest (step, attempt) first; not verified."""
     return scan(root).committed
 
 
 def find_latest_good(
     root: str | os.PathLike[str],
     *,
-    verify_digests: bool = True,
     digest_here: Callable[[str], bool] | None = None,
     refused: Mapping[str, str] | None = None,
 ) -> tuple[CheckpointInfo | None, list[tuple[str, str]]]:
     """The newest committed checkpoint that verifies, and (path, reason) for every newer
-    step folder that was passed over (so the caller can report why it resumed further
-    back than expected).
-
-    `digest_here`: which files' digests to check here (by name; default all), when the
-    loader checks the others as it reads them (`elastrain.checkpoints.dcp.reader`). `refused`: paths
-    already found bad that way (path -> reason), passed over with that reason."""
+    step folder passed over. `digest_here`: which files' digests to check here (default
+    all; the loader checks the others as it reads them); `refused`: path -> reason of
+    those already found bad that way."""
     refused = refused or {}
     found = scan(root)
-    candidates: list[tuple[tuple[int, int], StepDir | CheckpointInfo, str | None]] = []
-    for info in found.committed:
-        candidates.append((info.sort_key, info, None))
-    for d in found.uncommitted:
-        candidates.append((d.sort_key, d, "uncommitted: no manifest.json"))
-    for d, reason in found.unreadable:
-        candidates.append((d.sort_key, d, reason))
-    candidates.sort(key=lambda c: c[0], reverse=True)
-
+    candidates: list[tuple[StepDir | CheckpointInfo, str | None]] = [
+        (info, refused.get(str(info.path))) for info in found.committed
+    ]
+    candidates += [(d, "uncommitted: no manifest.json") for d in found.uncommitted]
+    candidates += found.unreadable
     skipped: list[tuple[str, str]] = []
-    for _key, item, why in candidates:
-        if why is not None:
-            skipped.append((str(item.path), why))
-            continue
-        assert isinstance(item, CheckpointInfo)
-        if str(item.path) in refused:
-            skipped.append((str(item.path), refused[str(item.path)]))
-            continue
-        digests_of = None
-        if digest_here is not None:
-            digests_of = [name for name in item.manifest.files if digest_here(name)]
-        try:
-            verify(item.path, item.manifest, check_digests=verify_digests, digests_of=digests_of)
-        except CorruptCheckpoint as e:
-            skipped.append((str(item.path), e.reason))
-            continue
-        return item, skipped
+    for item, why in sorted(candidates, key=lambda c: c[0].sort_key, reverse=True):
+        if why is None:
+            assert isinstance(item, CheckpointInfo)
+            names = [n for n in item.manifest.files if digest_here is None or digest_here(n)]
+            try:
+                verify(item.path, item.manifest, digests_of=names)
+                return item, skipped
+            except CorruptCheckpoint as e:
+                why = e.reason
+        skipped.append((str(item.path), why))
     return None, skipped
+
+
+def manifest_for(step: int, attempt: int, fields: dict[str, Any], *, world_size: int) -> Manifest:
+    """The manifest a save will commit. ValueError for unknown fields or ones JSON cannot
+    hold, in the caller rather than in a background commit."""
+    unknown = set(fields) - MANIFEST_FIELDS
+    if unknown:
+        raise ValueError(f"unknown manifest_fields {sorted(unknown)}")
+    manifest = Manifest(
+        step=step,
+        attempt=attempt,
+        world_size=int(fields.get("world_size", world_size)),
+        strategy=str(fields.get("strategy", "")),
+        layout=dict(fields.get("layout") or {}),
+        data_position=dict(fields.get("data_position") or {}),
+        extra=dict(fields.get("extra") or {}),
+    )
+    json.dumps(manifest.to_dict())
+    return manifest
+
+
+def commit(
+    root: Path,
+    path: Path,
+    manifest: Manifest,
+    *,
+    streamed: Mapping[str, FileEntry] | None = None,
+    owner: str = "",
+    algorithm: str = DEFAULT_ALGORITHM,
+) -> CheckpointCommitted:
+    """Step 3, on rank 0 once every file in `path` is durable: digests (`streamed`: the
+    shards', taken while writing), then the manifest. Raises Superseded, writing nothing,
+    when the fence says a newer attempt or another database (`owner`) holds the job."""
+    fence = read_fence(root.parent)  # the job's folder (elastrain.contracts.storage)
+    if fence.superseded(manifest.attempt, owner):
+        raise Superseded(manifest.attempt, fence.current)
+    manifest.files = describe_files(path, known=streamed, algorithm=algorithm)
+    manifest.total_bytes = sum(f["size"] for f in manifest.files.values())
+    manifest.created_at = time.time()
+    write_manifest(path, manifest)
+    return CheckpointCommitted(
+        step=manifest.step,
+        attempt=manifest.attempt,
+        world_size=manifest.world_size,
+        path=str(path),
+        bytes=manifest.total_bytes,
+        manifest=manifest.to_dict(),
+    )

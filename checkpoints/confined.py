@@ -1,16 +1,10 @@
-"""File operations of the control plane on folders a job's code can write. Pure Python.
+"""File operations on folders a job's code can write. Pure Python.
 
-A job's code can put anything in its job folder: links to another tenant's data or out of
-the storage root, FIFOs, sparse files of any size. Whatever the control plane (API,
-scheduler, and the export task, which reads it as hostile input too) does there goes through these helpers:
-
-- folders are opened one component at a time from a root the caller trusts, each with
-  `O_NOFOLLOW`, and what is below is reached through the folder's fd (`dir_fd=`), so a
-  link swapped in between a check and a use is never followed (`open_dir`, `walk_dir`);
-- control files (manifests, fences) are read only when they are regular files, through
-  no link, and never past a stated size (`read_bounded`).
-
-The errors name files by their name in the job folder, never by a server path.
+A job's code can put anything there: links to another tenant's data or out of the storage
+root, FIFOs, sparse files. So folders are opened one component at a time from a trusted
+root with `O_NOFOLLOW`, and what is below is reached through the folder's fd: a link
+swapped in between a check and a use is never followed. Errors name files by their name
+in the job folder, never by a server path.
 """
 
 from __future__ import annotations
@@ -20,10 +14,7 @@ import os
 import stat
 from pathlib import Path
 
-# Reading one file as hostile input lives with the contracts (data areas need it too).
-from elastrain.contracts.files import ConfinedFileError as ConfinedFileError
-from elastrain.contracts.files import open_regular as open_regular
-from elastrain.contracts.files import read_bounded as read_bounded
+from elastrain.contracts.files import ConfinedFileError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
@@ -34,9 +25,8 @@ def plain_name(name: str) -> bool:
 
 
 def open_dir(trusted_root: Path, folder: Path) -> int:
-    """An fd of `folder`, opened from `trusted_root` (the caller trusts it: the storage
-    root) one component at a time without following a link at any step below it. The
-    caller closes it."""
+    """An fd (the caller closes it) of `folder`, opened from `trusted_root` one component
+    at a time, through no link."""
     try:
         parts = Path(folder).relative_to(trusted_root).parts
     except ValueError:
@@ -69,9 +59,8 @@ def is_real_dir(path: Path) -> bool:
 
 
 def remove_tree_at(parent_fd: int, name: str) -> None:
-    """Delete `name` in the folder `parent_fd` and everything below it, never through a
-    link: a link is removed itself, its target left alone. Entries already gone are not
-    errors (a concurrent deleter, a crash half-way through an earlier attempt)."""
+    """Delete `name` in the folder `parent_fd` and all below it, never through a link (a
+    link is removed, its target left alone). Entries already gone are not errors."""
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except FileNotFoundError:
@@ -93,3 +82,40 @@ def remove_tree_at(parent_fd: int, name: str) -> None:
         os.close(fd)
     with contextlib.suppress(FileNotFoundError):
         os.rmdir(name, dir_fd=parent_fd)
+
+
+def remove_tree(path: Path) -> None:
+    """`remove_tree_at` by path: the folder `path` itself is not entered through a link."""
+    try:
+        parent = os.open(Path(path).parent, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    try:
+        remove_tree_at(parent, Path(path).name)
+    finally:
+        os.close(parent)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Persist a folder's entries (renames, unlinks); best effort."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so a reader sees the old file, none, or the whole new one."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

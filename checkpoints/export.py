@@ -1,15 +1,10 @@
-"""Exporting a committed checkpoint as a Hugging Face model folder: which checkpoint, the
-conversion run in a child process, and the folder it wrote packed as a tar. Pure Python
-(the API imports it).
+"""Exporting a committed checkpoint as a Hugging Face model folder. Pure Python.
 
-The conversion itself (`elastrain.checkpoints.dcp.export`) needs torch and `transformers`,
-which the control plane never loads, and reads a checkpoint a job's code wrote, which the
-control plane never does: an export task on the cluster (`elastrain.workers.export_task`)
-runs it as `python -m elastrain.checkpoints.dcp.export` in a child process, which also
-hands the memory of the model's weights back to the system when it ends. The child reads
-the job's files as hostile input and holds none of its parent's secrets (`child_env`).
-The API then only copies the JSON and safetensors files the task wrote into a tar
-(`pack_export`), parsing none of them.
+The conversion (`elastrain.checkpoints.dcp.export`) needs torch and `transformers` and
+reads a job's files as hostile input, so an export task (`elastrain.workers.export_task`)
+runs it in a child process holding none of its parent's secrets (`child_env`), whose
+memory goes back to the system when it ends. The API then only packs the JSON and
+safetensors files it wrote into a tar (`pack_export`), parsing none.
 """
 
 from __future__ import annotations
@@ -27,10 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from elastrain.checkpoints.catalog import CheckpointInfo, list_committed
-from elastrain.checkpoints.confined import ConfinedFileError, open_dir, open_regular, remove_tree_at
+from elastrain.checkpoints.confined import open_dir, remove_tree_at
+from elastrain.contracts.files import ConfinedFileError, open_regular
 
-#: Formats an export writes.
-FORMATS = ("hf",)
 #: The workloads a checkpoint can be exported from, as a Hugging Face model.
 EXPORTABLE = ("hf_causal_lm", "gpt")
 #: The child's exit status for an export that cannot be made (its stderr says why).
@@ -42,8 +36,8 @@ class ExportError(ValueError):
 
 
 class ExportFailed(RuntimeError):
-    """The export child failed otherwise (crashed, ran out of time). The message is for
-    the caller and names no server path; `details` (the child's stderr) is for the log."""
+    """The export child failed otherwise (crashed, timed out). The message names no
+    server path; `details` (the child's stderr) is for the log."""
 
     def __init__(self, message: str, details: str = "") -> None:
         super().__init__(message)
@@ -79,10 +73,9 @@ def export_in_child(
     trusted_root: Path | None = None,
     timeout_s: float = 3600.0,
 ) -> None:
-    """Run `elastrain.checkpoints.dcp.export` on `checkpoint` in a child process, writing
-    `out`. `trusted_root`: a folder above `checkpoint` the child may trust (the storage
-    root); below it no link is followed. Raises ExportError with the child's reason when
-    it refuses, ExportFailed when it fails otherwise."""
+    """Run `elastrain.checkpoints.dcp.export` on `checkpoint` in a child, writing `out`.
+    `trusted_root`: a folder above `checkpoint` (the storage root) below which no link is
+    followed. Raises ExportError with the child's reason, ExportFailed otherwise."""
     args = [
         sys.executable, "-m", "elastrain.checkpoints.dcp.export", str(checkpoint), workload,
         json.dumps(dict(params)), str(out), str(model_folder or ""), str(trusted_root or ""),
@@ -109,10 +102,8 @@ def export_in_child(
 
 
 def child_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The export child's environment: `_CHILD_VARIABLES` of `environ`, this package on
-    its path, Hugging Face offline (an export downloads nothing)."""
+    """`_CHILD_VARIABLES` of `environ`, this package on the path, Hugging Face offline."""
     env = {name: environ[name] for name in _CHILD_VARIABLES if name in environ}
-    # The child imports this package from wherever this process did.
     here = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONNOUSERSITE="1")
@@ -127,10 +118,9 @@ MAX_EXPORTED_FILES = 256
 
 
 def pack_export(trusted_root: Path, folder: Path, archive: Path, *, max_bytes: int) -> None:
-    """Write the model folder `folder` (below `trusted_root`, which the caller trusts) as
-    the tar `archive`, reading it as a job's own bytes would be read: entered without
-    following a link, only regular JSON and safetensors files, at most `max_bytes` in
-    all. Nothing is parsed. Raises ExportError naming the file by its name."""
+    """Write the model folder `folder` (below the trusted `trusted_root`) as the tar
+    `archive`, read as a job's bytes are: through no link, only regular JSON and
+    safetensors files, at most `max_bytes` in all, nothing parsed. Raises ExportError."""
     try:
         fd = open_dir(trusted_root, folder)
     except ConfinedFileError as exc:
@@ -172,8 +162,7 @@ def pack_export(trusted_root: Path, folder: Path, archive: Path, *, max_bytes: i
 
 
 def remove_export(trusted_root: Path, folder: Path) -> None:
-    """Delete the export folder `folder` (below `trusted_root`) and all below it, through
-    no link."""
+    """Delete the export folder `folder` (below `trusted_root`), through no link."""
     with contextlib.suppress(FileNotFoundError, ConfinedFileError):
         fd = open_dir(trusted_root, folder.parent)
         try:

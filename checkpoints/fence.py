@@ -1,25 +1,20 @@
 """The attempt fence on shared storage: which attempt of a job is the current one.
 
-The database says which attempt is current, and fences every report by attempt number. But
-an attempt's workers also write to shared storage, and a worker cut off from the control
-plane (a network partition: its node is declared dead, yet its processes live on) can
-still reach the storage. If the whole old worker group sits on such a node it even keeps
-training, and would commit checkpoints that a later attempt might resume from.
+A worker cut off from the control plane (its node declared dead, its processes alive) can
+still reach storage, and would commit checkpoints a later attempt might resume. So before
+launching attempt N the control plane writes `<job>/fence.json` (attempts and when each
+started; it only grows), and writers check it:
 
-So before launching attempt N the control plane writes `<job>/fence.json` (attempt numbers
-with the time each started; it only ever grows). Writers check it:
+- the training loop, every step: a superseded attempt stops;
+- the committer, right before writing a manifest: a superseded attempt commits nothing;
+- the catalogue: a checkpoint committed after a newer attempt started is skipped (closing
+  the race between the committer's check and write; a clock skew can only make it skip a
+  good checkpoint, not accept a bad one, when the skew is behind).
 
-- the training loop, every step: an attempt that is no longer current stops;
-- the checkpoint committer, right before it writes a manifest: a superseded attempt's
-  checkpoint is never committed;
-- the catalogue, when picking a checkpoint to resume from: one committed by an attempt after
-  a newer attempt had started is skipped (this closes the race between the committer's
-  check and its write; it compares the committer's and the control plane's clocks, so a
-  skew only makes it skip a good checkpoint, not accept a bad one, when the skew is behind).
-
-A fence that is there but cannot be read fails closed: every reader raises FenceUnreadable,
-so the loop stops, the committer commits nothing and the catalogue picks nothing, until
-the control plane writes a new fence when it launches the next attempt.
+An unreadable fence fails closed (FenceUnreadable everywhere) until the control plane
+writes a new one. A job's folder is also one database's (`Fence.owner`): job ids restart
+at 1 in every database and storage outlives databases, so the control plane claims the
+folder first (`claim_job_folder`), never resuming from weights another job trained.
 """
 
 from __future__ import annotations
@@ -27,11 +22,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastrain.checkpoints._fs import atomic_write_bytes
-from elastrain.checkpoints.confined import ConfinedFileError, read_bounded
+from elastrain.checkpoints.confined import atomic_write_bytes
+from elastrain.contracts.files import ConfinedFileError, read_bounded
 
 FENCE_NAME = "fence.json"
 #: An attempt's start is ~30 bytes of the fence: 1 MiB is 30,000 attempts.
@@ -45,9 +42,8 @@ class Fence:
     starts: tuple[tuple[int, float], ...] = ()
     """(attempt, when it was launched), in order."""
     owner: str = ""
-    """The database whose job this folder holds (`elastrain.contracts.runtime.JobRef`; "" in a fence
-    written before fences had owners). Job ids restart at 1 in every database: an attempt
-    of another database's job 1 is superseded here whatever its number."""
+    """The database whose job this folder holds ("": an older, ownerless fence); another
+    database's attempt is superseded whatever its number."""
 
     @property
     def current(self) -> int:
@@ -60,7 +56,7 @@ class Fence:
         return self.current > attempt
 
     def replaced_at(self, attempt: int) -> float | None:
-        """When an attempt newer than `attempt` was launched (None: none has been)."""
+        """When an attempt newer than `attempt` was launched, if one was."""
         later = [at for a, at in self.starts if a > attempt]
         return min(later) if later else None
 
@@ -75,9 +71,8 @@ def fence_path(job_root: Path) -> Path:
 
 
 class FenceUnreadable(RuntimeError):
-    """The fence is there but cannot be read (torn, garbage, not ours to read): nobody can
-    tell which attempt is current, so no writer may write. Only the control plane, which
-    knows, writes a new one (`advance_fence`)."""
+    """The fence is there but unreadable: no writer may write until the control plane,
+    which knows the current attempt, writes a new one (`advance_fence`)."""
 
     def __init__(self, path: Path, why: str) -> None:
         super().__init__(f"cannot read the attempt fence {path} ({why}): writing nothing")
@@ -85,9 +80,8 @@ class FenceUnreadable(RuntimeError):
 
 
 def read_fence(job_root: Path) -> Fence:
-    """The job's fence; no file is no fence (no attempt was ever launched with one).
-    Raises FenceUnreadable for a file that cannot be read or parsed: an unreadable fence
-    must never read as no fence, which would let a superseded attempt write."""
+    """The job's fence (no file: no fence). FenceUnreadable for a file that cannot be
+    read or parsed: never read as no fence, which would let a superseded attempt write."""
     path = fence_path(job_root)
     try:
         data = read_bounded(str(path), MAX_FENCE_BYTES)
@@ -106,15 +100,10 @@ def read_fence(job_root: Path) -> Fence:
 
 
 def advance_fence(job_root: Path, attempt: int, at: float, *, owner: str = "") -> Fence:
-    """Record that `attempt` of `owner`'s job starts now (the control plane, before
-    launching it). A folder another database owns is moved aside first
-    (`elastrain.checkpoints.owner.claim_job_folder`): call that before this.
-
-    An unreadable fence is replaced by one that starts at `attempt`: the control plane
-    knows which attempt is current, and every older one stays fenced out. What is lost is
-    when the older attempts were replaced, so the catalogue dates their replacement from
-    now (`Fence.committed_by_zombie`); while the fence was unreadable no attempt could
-    commit, since every commit reads it first."""
+    """Record that `attempt` of `owner`'s job starts now (before launching it, after
+    `claim_job_folder`). An unreadable fence is replaced by one starting at `attempt`:
+    older attempts stay fenced out, their replacement dated now (while it was unreadable
+    no attempt could commit)."""
     try:
         fence = read_fence(job_root)
     except FenceUnreadable as exc:
@@ -140,8 +129,7 @@ class Superseded(RuntimeError):
 
 
 class FenceWatcher:
-    """Checks the fence cheaply enough to do it every step: the file is read again only
-    when its modification time changes."""
+    """Checks the fence every step: the file is read again only when its mtime changes."""
 
     def __init__(self, job_root: Path, attempt: int, owner: str = "") -> None:
         self.path = fence_path(job_root)
@@ -153,7 +141,7 @@ class FenceWatcher:
 
     def check(self) -> None:
         """Raises Superseded once a newer attempt has started, FenceUnreadable when the
-        fence cannot be read (this attempt cannot tell whether it is still current)."""
+        fence cannot be read."""
         try:
             mtime = os.stat(self.path).st_mtime_ns
         except FileNotFoundError:
@@ -165,3 +153,38 @@ class FenceWatcher:
             self._seen = mtime  # only once read: an unreadable fence is read again
         if self._fence.superseded(self.attempt, self.owner):
             raise Superseded(self.attempt, self._fence.current)
+
+
+def claim_job_folder(job_root: Path, owner: str, *, first_attempt: bool = False) -> Path | None:
+    """Make `job_root` free for `owner`'s job; returns where what was there was moved
+    aside (`<id>.<why>`, never deleted: it may be someone's data). At `first_attempt`
+    anything there was not made for this job (planted by another job's code, a link,
+    another database's) is moved. Later, a folder whose fence names another database is
+    moved (its workers then find a foreign owner and write nothing); one with no owner or
+    an unreadable fence stays; a link or a file is moved."""
+    try:
+        found = os.lstat(job_root)
+    except FileNotFoundError:
+        found = None
+    if found is not None and (first_attempt or not stat.S_ISDIR(found.st_mode)):
+        moved = _move_aside(job_root, "set-aside")
+        job_root.mkdir(parents=True, exist_ok=True)
+        return moved
+    if found is None:
+        job_root.mkdir(parents=True, exist_ok=True)
+        return None
+    try:
+        fence = read_fence(job_root)
+    except FenceUnreadable:
+        return None
+    if not fence.owner or fence.owner == owner:
+        return None
+    return _move_aside(job_root, f"database-{fence.owner}")
+
+
+def _move_aside(job_root: Path, why: str) -> Path:
+    moved = job_root.with_name(f"{job_root.name}.{why}")
+    if os.path.lexists(moved):
+        moved = moved.with_name(f"{moved.name}-{time.time_ns()}")
+    job_root.rename(moved)
+    return moved

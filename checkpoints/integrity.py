@@ -1,12 +1,9 @@
 """Digests and verification of committed checkpoints. Pure Python.
 
-Verification is cheap-first: names and sizes (a stat per file, catches truncation and
-missing shards) before a digest of every byte (catches bit rot and overwritten data).
-Each file is checked with the algorithm its manifest entry names
-(`elastrain.checkpoints.digest`). At save time the shards' digests are taken while they
-are written (`elastrain.checkpoints.dcp.writer`); only files without one are read back.
-At load time the shards are checked by the ranks that read them, while they read them
-(`elastrain.checkpoints.dcp.reader`), so the DCP loader leaves them out here (`digests_of`).
+Cheap first: names and sizes (truncation, missing shards) before every byte's digest (bit
+rot, overwrites), by the algorithm each manifest entry names. Shards are digested while
+written (`dcp.writer`) and checked by the ranks reading them (`dcp.reader`), so the
+loader leaves them out here (`digests_of`).
 """
 
 from __future__ import annotations
@@ -14,19 +11,25 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
-from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
 from elastrain.checkpoints.layout import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
     is_temporary,
     parse_step_dir_name,
 )
-from elastrain.checkpoints.manifest import FileEntry, Manifest, ManifestError, read_manifest
+from elastrain.checkpoints.manifest import (
+    DEFAULT_ALGORITHM,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    new_hasher,
+    read_manifest,
+)
 
-# Large enough that the per-call overhead vanishes, small enough to stay out of the way of
-# training memory. hashlib and xxhash release the GIL for buffers this size, so a
-# background digest does not stall the training thread.
+# hashlib and xxhash release the GIL for buffers this size: a background digest does not
+# stall the training thread.
 CHUNK_BYTES = 8 * 1024 * 1024
 
 
@@ -39,41 +42,23 @@ class CorruptCheckpoint(Exception):
         self.reason = reason
 
     def __reduce__(self) -> tuple[type[CorruptCheckpoint], tuple[Path, str]]:
-        # Raised in a DCP load, it travels to every rank pickled (the load's all-gather of
-        # failures): rebuilt from its fields, not from the formatted message.
+        # DCP's load pickles it to every rank: rebuilt from its fields, not the message.
         return (type(self), (self.path, self.reason))
 
 
-def digest_file(path: str | os.PathLike[str], algorithm: str = DEFAULT_ALGORITHM) -> str:
-    """Hex digest of a file by `algorithm`, read in chunks (never the whole file in memory)."""
+def digest_stream(f: BinaryIO, algorithm: str) -> str:
+    """Hex digest by `algorithm` of what is left of an open file, read in chunks."""
     h = new_hasher(algorithm)
     buf = bytearray(CHUNK_BYTES)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
+    while n := f.readinto(buf):  # type: ignore[attr-defined]  # not in BinaryIO's stub
+        h.update(view[:n])
     return h.hexdigest()
 
 
-def checkpoint_files(ckpt_dir: str | os.PathLike[str]) -> list[str]:
-    """Names (relative, '/'-separated) of the files that make up a checkpoint: everything
-    in the folder but the manifest itself and temporary files."""
-    root = Path(ckpt_dir)
-    names: list[str] = []
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for filename in filenames:
-            if filename == MANIFEST_NAME or is_temporary(filename):
-                continue
-            names.append((Path(dirpath) / filename).relative_to(root).as_posix())
-    return sorted(names)
-
-
-def digest_files(root: Path, algorithms: Mapping[str, str]) -> dict[str, str]:
-    """Hex digest of each named file under root by its algorithm (name -> algorithm). One
-    after another: the shards are hashed as they are written and as they are read
-    (`elastrain.checkpoints.dcp`), so what is hashed here is small (`.metadata`, the rank
-    extras) unless a streamed digest was given up."""
-    return {name: digest_file(root / name, algorithm) for name, algorithm in algorithms.items()}
+def digest_file(path: str | os.PathLike[str], algorithm: str = DEFAULT_ALGORITHM) -> str:
+    with open(path, "rb", buffering=0) as f:
+        return digest_stream(f, algorithm)
 
 
 def describe_files(
@@ -82,26 +67,25 @@ def describe_files(
     *,
     algorithm: str = DEFAULT_ALGORITHM,
 ) -> dict[str, FileEntry]:
-    """Size and digest (by `algorithm`) of every checkpoint file, for the manifest.
-
-    `known`: digests taken while the files were written (`elastrain.checkpoints.dcp.writer`). One is
-    used only when the file's size on disk is the number of bytes that were hashed and it
-    is by `algorithm`; every other file (and any file `known` does not name) is hashed
-    from disk."""
+    """Size and digest of every file of the checkpoint but the manifest and temporary
+    files. `known`: digests taken while writing, used only when the size on disk is the
+    bytes hashed, by `algorithm`; other files are hashed from disk."""
     root = Path(ckpt_dir)
     known = known or {}
     entries: dict[str, FileEntry] = {}
-    to_hash: dict[str, str] = {}
-    for name in checkpoint_files(root):
-        size = (root / name).stat().st_size
-        streamed = known.get(name)
-        if streamed is not None and streamed["size"] == size and streamed["algorithm"] == algorithm:
-            entries[name] = FileEntry(size=size, digest=streamed["digest"], algorithm=algorithm)
-        else:
-            to_hash[name] = algorithm
-    for name, digest in digest_files(root, to_hash).items():
-        size = (root / name).stat().st_size
-        entries[name] = FileEntry(size=size, digest=digest, algorithm=algorithm)
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for filename in filenames:
+            if filename == MANIFEST_NAME or is_temporary(filename):
+                continue
+            path = Path(dirpath) / filename
+            name = path.relative_to(root).as_posix()
+            size = path.stat().st_size
+            entry = known.get(name)
+            if entry is None or (entry["size"], entry["algorithm"]) != (size, algorithm):
+                entry = FileEntry(
+                    size=size, digest=digest_file(path, algorithm), algorithm=algorithm
+                )
+            entries[name] = entry
     return dict(sorted(entries.items()))
 
 
@@ -109,16 +93,11 @@ def verify(
     ckpt_dir: str | os.PathLike[str],
     manifest: Manifest | None = None,
     *,
-    check_digests: bool = True,
     digests_of: Collection[str] | None = None,
 ) -> Manifest:
-    """Raise CorruptCheckpoint naming the first problem found; return the manifest.
-
-    With `manifest=None` the manifest is read from the folder (missing/unparseable is a
-    CorruptCheckpoint too). Every file's name and size is checked; with `check_digests`,
-    the digest of every file, or only of those `digests_of` names (the others' are checked
-    by whoever reads them: `elastrain.checkpoints.dcp.reader`).
-    """
+    """Raise CorruptCheckpoint naming the first problem; return the manifest (read from
+    the folder when None). Checks every file's size, then the digests of all of them or
+    of those `digests_of` names."""
     root = Path(ckpt_dir)
     if manifest is None:
         try:
@@ -137,7 +116,6 @@ def verify(
     if DCP_METADATA_NAME not in manifest.files:
         raise CorruptCheckpoint(root, f"manifest lists no DCP {DCP_METADATA_NAME}")
 
-    # Pass 1: existence and sizes (cheap).
     for name, entry in sorted(manifest.files.items()):
         path = root / name
         try:
@@ -149,25 +127,16 @@ def verify(
             raise CorruptCheckpoint(
                 root, f"{kind}: {name} is {size} bytes, manifest says {entry['size']}"
             )
-    if not check_digests:
-        return manifest
-    # Pass 2: content.
-    to_check = {
-        name: entry["algorithm"]
-        for name, entry in manifest.files.items()
-        if digests_of is None or name in digests_of
-    }
-    actual_digests = digest_files(root, to_check)
-    for name in sorted(to_check):
-        mismatch = digest_mismatch(name, manifest.files[name], actual_digests[name])
-        if mismatch is not None:
-            raise CorruptCheckpoint(root, mismatch)
+    for name, entry in sorted(manifest.files.items()):
+        if digests_of is None or name in digests_of:
+            mismatch = digest_mismatch(name, entry, digest_file(root / name, entry["algorithm"]))
+            if mismatch is not None:
+                raise CorruptCheckpoint(root, mismatch)
     return manifest
 
 
 def digest_mismatch(name: str, entry: FileEntry, actual: str) -> str | None:
-    """Why file `name` whose digest is `actual` is not what its manifest entry says, or
-    None when it is."""
+    """Why file `name` of digest `actual` is not what `entry` says, or None."""
     if actual == entry["digest"]:
         return None
     return (

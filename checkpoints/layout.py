@@ -1,15 +1,9 @@
-"""Where checkpoints live on disk. Pure Python (the control plane imports it).
+"""Where checkpoints live on disk. Pure Python.
 
-A checkpoint of job step S made by attempt A lives in `<root>/step_{S:09d}-a{A}/`. The attempt
-is part of the name so that a zombie attempt recomputing the same step never writes into the
-folder of a newer attempt (and the newer attempt never overwrites the zombie's half-written
-files): two writers never share a folder.
-
-Inside a step folder:
-- `__{rank}_{n}.distcp`: DCP shard data, one (or more) file per rank;
-- `.metadata`: DCP's global metadata, written by the coordinator after every shard;
-- `rank_{r}.extra.pt`: small per-rank extras (RNG states), written before the DCP save;
-- `manifest.json`: written LAST; its presence is what makes the checkpoint committed.
+Step S by attempt A lives in `<root>/step_{S:09d}-a{A}/`: with the attempt in the name, a
+zombie attempt recomputing a step and its successor never share a folder. Inside: DCP's
+`__{rank}_{n}.distcp` shards and `.metadata`, `rank_{r}.extra.pt` (RNG states), and
+`manifest.json`, written last: its presence makes the checkpoint committed.
 """
 
 from __future__ import annotations
@@ -42,10 +36,6 @@ class StepDir:
         # For one step, the higher attempt is the newer one (it superseded the lower).
         return (self.step, self.attempt)
 
-    @property
-    def committed(self) -> bool:
-        return (self.path / MANIFEST_NAME).is_file()
-
 
 def step_dir_name(step: int, attempt: int) -> str:
     if step < 0 or attempt < 0:
@@ -74,11 +64,9 @@ def is_temporary(name: str) -> bool:
 
 
 def iter_step_dirs(root: str | os.PathLike[str]) -> list[StepDir]:
-    """All step folders under root, newest first. A missing root is simply empty; files and
-    folders with other names (junk, a user's notes) are ignored, and so are links: a job's
-    code writes this folder, and a link it planted (to another job's checkpoint, another
-    tenant's data, a folder out of the storage root) is neither loaded, exported nor
-    deleted through. A root that is itself a link, or inside one, lists nothing."""
+    """All step folders under root, newest first; other names are ignored, and so are
+    links: one a job planted (to another job's checkpoint or tenant's data) is never
+    loaded, exported nor deleted through. A root that is, or is in, a link lists nothing."""
     if not (is_real_dir(Path(root)) and is_real_dir(Path(root).parent)):
         return []
     try:

@@ -1,8 +1,5 @@
-"""Which checkpoints to delete, and deleting them safely. Pure Python.
-
-The decision (`plan_retention`, `retention_plan` on a folder) is separate from the act
-(`delete_checkpoints`): the control plane drops the catalogue rows of what a plan names
-between the two (`elastrain.service.executor`).
+"""Which checkpoints to delete, and deleting them safely. Pure Python. The decision is
+separate from the act: the control plane drops the catalogue rows in between.
 """
 
 from __future__ import annotations
@@ -33,13 +30,9 @@ def plan_retention(
     *,
     uncommitted: Sequence[StepDir] = (),
 ) -> list[Path]:
-    """Paths to delete, oldest first.
-
-    Keeps the newest `keep_last` committed checkpoints (at least 2, so one corrupt newest
-    checkpoint never leaves nothing to fall back to) and always the newest one. Uncommitted
-    folders older than the newest committed checkpoint are garbage (crashed saves, half-done
-    deletions); newer ones may be saves in progress and are kept.
-    """
+    """Paths to delete, oldest first: all but the newest `keep_last` committed (at least
+    2, so a corrupt newest one leaves a fallback), and uncommitted folders older than the
+    newest committed (newer ones may be saves in progress)."""
     if keep_last < MIN_KEEP_LAST:
         raise ValueError(f"keep_last must be >= {MIN_KEEP_LAST}, got {keep_last}")
     committed = sorted(infos, key=lambda i: i.sort_key, reverse=True)
@@ -53,31 +46,18 @@ def plan_retention(
     return [path for _key, path in doomed]
 
 
-def delete_checkpoint(path: str | os.PathLike[str]) -> None:
-    """Crash-safe deletion: the manifest goes first (and durably), so a folder whose
-    deletion was interrupted is an uncommitted folder, never a committed checkpoint with
-    missing shards. Already-missing files or folders are not errors. Nothing is deleted
-    through a link (`delete_checkpoints`)."""
-    root = Path(path)
-    delete_checkpoints(root.parent, [root])
-
-
 def retention_plan(root: str | os.PathLike[str], keep_last: int) -> list[Path]:
-    """Scan root and say what `plan_retention` would delete (reads only).
-
-    Unreadable manifests count as uncommitted garbage when older than the newest committed
-    checkpoint.
-    """
+    """What `plan_retention` would delete under root (unreadable manifests count as
+    uncommitted)."""
     found = scan(root)
     garbage = [*found.uncommitted, *(d for d, _reason in found.unreadable)]
     return plan_retention(found.committed, keep_last, uncommitted=garbage)
 
 
 def delete_checkpoints(root: str | os.PathLike[str], paths: Sequence[Path]) -> None:
-    """Delete the step folders `paths`, each directly in `root` (a job's checkpoints
-    folder), never through a link: `root` and its job folder are entered without
-    following one, and below them `confined.remove_tree_at` removes a link itself, never
-    what it points to. A path elsewhere than directly in `root` is refused."""
+    """Delete the step folders `paths`, each directly in `root` (else refused), crash-safely
+    and never through a link: `root` and its job folder are entered through none, and a
+    link below is removed itself, not its target. One already gone is not an error."""
     if not paths:
         return
     root = Path(root)
@@ -101,19 +81,13 @@ def delete_checkpoints(root: str | os.PathLike[str], paths: Sequence[Path]) -> N
 
 
 def _delete_step(root_fd: int, name: str) -> None:
-    try:
+    """The manifest first, durably: a folder whose deletion is interrupted is then an
+    uncommitted folder, never a committed checkpoint with missing shards."""
+    with contextlib.suppress(OSError):  # not a folder (a link, a file): only the entry goes
         step_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
-    except FileNotFoundError:
-        return
-    except OSError:  # a link or a file under a step folder's name: only the entry goes
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name, dir_fd=root_fd)
-        return
-    try:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(MANIFEST_NAME, dir_fd=step_fd)
-            with contextlib.suppress(OSError):
-                os.fsync(step_fd)
-    finally:
-        os.close(step_fd)
+            os.fsync(step_fd)
+        finally:
+            os.close(step_fd)
     remove_tree_at(root_fd, name)

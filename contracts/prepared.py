@@ -2,12 +2,15 @@
 
 ```
 <out>/index.json                 written last: what a gpt/hf_causal_lm job reads
-<out>/shards/00003.bin           input 3's documents' token ids, flat little-endian
-<out>/shards/00003.docs          where each of them ends (uint64 token offsets)
-<out>/shards/00003.done.json     written after both: input 3 is finished (a retry skips it)
+<out>/shards/<name>.bin          an input's (or part's) documents' token ids, flat little-endian
+<out>/shards/<name>.docs         where each of them ends (uint64 token offsets)
+<out>/shards/<name>.done.json    written after both: that input is finished (a retry skips it)
 ```
 
-One shard per input file, in the sorted order of the inputs; its documents in the
+One shard per input file, in the sorted order of the inputs, or per part of a file larger
+than `PART_BYTES` (text, JSON lines and Parquet are cut into parts, each its own task, so
+that one big file uses every CPU; the parts' shards follow each other in the file's
+order, so the token stream is the same however a file is cut); its documents in the
 input's row order, each followed by the tokenizer's end-of-text token when it has one.
 The held-out documents are a fixed, evenly spread share of the documents by their number
 over all shards (`is_eval_document`): a document is all training or all held-out, so a
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,11 @@ MAX_INPUT_FILES = 100_000
 #: The most a prepared folder's index.json and a save_to_disk folder's state.json may hold.
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_STATE_BYTES = 1024 * 1024
+#: A text, JSON lines or Parquet file larger than this is prepared in parts of this many
+#: bytes, each by its own task (about 10 s of one core's tokenizing), and a retry redoes
+#: at most the parts not finished. Fixed, not derived from the cluster's CPUs: a retry on
+#: fewer nodes must find the same parts done.
+PART_BYTES = 32 * 1024 * 1024
 
 
 class InputError(ValueError):
@@ -54,15 +62,45 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class InputFile:
+    """An input file, or the part of it whose records start in bytes [start, stop)."""
+
     path: str
     """Relative to the storage root (`data/<tenant>/...` or `shared/...`)."""
     kind: str
     size: int
     mtime_ns: int
+    start: int = 0
+    stop: int = -1
+    """-1: to the end of the file."""
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop in (-1, self.size)
+
+    @property
+    def length(self) -> int:
+        """The bytes of the file this part covers."""
+        return (self.size if self.stop == -1 else self.stop) - self.start
+
+    @property
+    def key(self) -> str:
+        """Names the part among an input's parts (a whole file: its path)."""
+        return self.path if self.whole else f"{self.path}@{self.start}"
 
     def marker(self) -> dict[str, Any]:
         """What a done marker records of the input: a changed file is prepared again."""
-        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
+        part = {} if self.whole else {"start": self.start, "stop": self.stop}
+        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns, **part}
+
+
+def parts_of(source: InputFile, splittable: bool, part_bytes: int = PART_BYTES) -> list[InputFile]:
+    """The parts a file is prepared in: itself when small or not splittable (Arrow: a
+    `save_to_disk` set is already cut into files; a JSON array), else consecutive byte
+    ranges of `part_bytes`, the last one to the end."""
+    if not splittable or source.kind == ARROW or source.size <= part_bytes:
+        return [source]
+    starts = range(0, source.size, part_bytes)
+    return [replace(source, start=lo, stop=min(lo + part_bytes, source.size)) for lo in starts]
 
 
 def kind_of(path: Path) -> str | None:
@@ -182,7 +220,7 @@ def token_dtype_for(vocab_size: int) -> str:
 
 @dataclass(frozen=True)
 class Shard:
-    """One input's tokens: `<out>/shards/<name>.bin` and `.docs`."""
+    """One input's (or part's) tokens: `<out>/shards/<name>.bin` and `.docs`."""
 
     name: str
     source: str
@@ -198,10 +236,6 @@ class Shard:
     @property
     def docs_file(self) -> str:
         return f"{SHARDS_DIR}/{self.name}.docs"
-
-
-def shard_name(i: int) -> str:
-    return f"{i:05d}"
 
 
 @dataclass(frozen=True)

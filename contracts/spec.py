@@ -116,7 +116,7 @@ class ActivationCheckpointing(str, Enum):
 
 class CheckpointDigest(str, Enum):
     """What the manifest keeps of every checkpoint file, to detect corruption before a
-    load uses it (`checkpoints/digest.py`)."""
+    load uses it (`checkpoints/manifest.py`)."""
 
     xxh3 = "xxh3"  # XXH3-128: non-cryptographic, memory speed; bit rot and torn files
     sha256 = "sha256"  # cryptographic, ~15x the CPU; when a policy asks for sha256

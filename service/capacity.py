@@ -9,12 +9,18 @@ capacity promised to one job is not offered to the next.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, cast
 
+from elastrain.contracts.messages import DriverReport, DriverStatus, ErrorKind
 from elastrain.contracts.spec import JobSpec
+
+#: How long a node an attempt's driver found dead (its raylet refused a connection) counts
+#: as dead while Ray still lists it alive: Ray declares it dead after its health checks
+#: (15 s by default); past this, Ray's word alone counts again.
+FOUND_DEAD_HOLD_S = 60.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,6 +90,13 @@ class ClusterCapacity:
         return self._memoized(
             ("alive_ids",), lambda: frozenset(n.node_id for n in self.alive_nodes)
         )
+
+    def with_dead(self, dead: Collection[str]) -> ClusterCapacity:
+        """This capacity with the nodes `dead` marked not alive (`found_dead`)."""
+        if not dead:
+            return self
+        nodes = tuple(replace(n, alive=False) if n.node_id in dead else n for n in self.nodes)
+        return replace(self, nodes=nodes)
 
     def without_warming(self) -> ClusterCapacity:
         """This capacity less the nodes still warming up."""
@@ -345,3 +358,22 @@ def grow_joins(
     if warm:  # else grown onto before any process there was warm (`grow_warm_wait_s`)
         found[PROCESS_WARM_AT] = min(max(max(warm), first), now)
     return found
+
+
+def found_dead(
+    held: Mapping[str, float], reports: Iterable[DriverReport], alive: Collection[str], now: float
+) -> dict[str, float]:
+    """The nodes that count as dead before Ray says so, each until when: those of attempts
+    that failed because a rank's process died with its node (`ErrorKind.NODE_DIED`: the
+    driver found the node's raylet refusing connections), for FOUND_DEAD_HOLD_S, while Ray
+    still lists them alive. Counted dead, a node's ranks are lost (no restart counted, for
+    every job with a rank there) and nothing is placed on it, so the relaunch need not wait
+    for Ray's health checks. Pure."""
+    out = {node: until for node, until in held.items() if until > now and node in alive}
+    for report in reports:
+        error = report.error
+        if report.status != DriverStatus.FAILED or error is None:
+            continue
+        if error.kind == ErrorKind.NODE_DIED and error.node_id and error.node_id in alive:
+            out.setdefault(error.node_id, now + FOUND_DEAD_HOLD_S)
+    return out

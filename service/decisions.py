@@ -13,12 +13,14 @@ row by row in tests/unit/test_decisions.py.
 | PENDING | no room | note why it waits (queued behind, too big for the cluster) |
 | any active | cancel requested | end the attempt (its driver is stopped) -> CANCELLED |
 | any active | a node holding one of its ranks died | end the attempt (node lost, no restart counted) -> RECOVERING, relaunch at the size that fits now |
+| STARTING, RECOVERING, RESIZING | its attempt is not placed yet, a node left since it was launched, and fewer workers than its world size fit now | release it (node lost, no restart counted) -> RECOVERING, relaunch at the size that fits now |
 | STARTING, RECOVERING | driver reports steps | -> RUNNING ("resumed from step s" or "training started") |
 | RESIZING | steps from the attempt asked to stop | nothing: it trains on to its checkpoint (the stop is sent again if its driver never got it) |
 | RESIZING | steps from the relaunched attempt | -> RUNNING at the new size |
 | any active | driver SUCCEEDED | end the attempt -> SUCCEEDED |
 | RESIZING | driver STOPPED after its checkpoint | end the attempt, relaunch at the new size |
 | any active | driver FAILED or LOST | end the attempt (a restart counted) -> RECOVERING and relaunch after a backoff; or -> FAILED when restarts are used up or the same error recurs at the same step |
+| any active | driver FAILED before its attempt was placed (Ray could not reserve it, a process never started), and fewer workers than its world size fit now | end the attempt, no restart counted (the cluster shrank under it) -> RECOVERING, relaunch at the size that fits now |
 | any active | driver FAILED: the workload cannot run (built, imported or first used: `elastrain.workers.errors.configuration_errors`) | end the attempt -> FAILED at once (a configuration error is not retried) |
 | RECOVERING, RESIZING without an attempt | capacity for min workers | start the next attempt at the size that fits |
 | RECOVERING, RESIZING without an attempt | below min | wait (event, reason); -> FAILED after `below_min_timeout_s` |
@@ -156,6 +158,11 @@ class Facts:
     """What one worker of the job's shape has to hold its state (None: unknown)."""
     draining: Mapping[str, NodeDrain] = field(default_factory=dict)
     """Nodes going away, by id (their capacity is not in `free` any more)."""
+    nodes_gone: Mapping[str, float] = field(default_factory=dict)
+    """Nodes that left the alive nodes while the scheduler watched (died, or counted dead
+    by `capacity.found_dead`), each with when it first saw them gone: wall-clock epoch
+    seconds, as an attempt's `started_at`. An attempt launched before a node left was sized
+    on a cluster that had it."""
 
     def target(self, spec: JobSpec) -> int:
         """The world size the job could run at now (0: below its min)."""
@@ -230,7 +237,7 @@ class StartAttempt:
     tensor_parallel: int = 1
     """With `strategy`: its tensor-parallel degree."""
     avoid_nodes: tuple[str, ...] = ()
-    """Draining nodes: no rank of the attempt may be placed there."""
+    """Draining nodes and nodes gone lately: no rank of the attempt may be placed there."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -340,6 +347,10 @@ def decide(job: JobView, facts: Facts) -> list[Action]:
     died_with = lost_ranks(nodes, facts.alive_nodes - {dead}) if dead is not None else {}
     if died_with:
         return actions + _on_node_death_first(job, facts, report, died_with)
+    if not nodes and report.status == DriverStatus.STARTING:
+        outgrown = _outgrown_before_placement(job, attempt, facts)
+        if outgrown is not None:
+            return actions + outgrown
     # Acted on once the attempt trains (an attempt placed before the drain leaves after
     # its first step) and was not asked to stop already (a grow, or this drain).
     draining = draining_ranks(nodes, facts.draining)
@@ -362,9 +373,9 @@ def _on_node_death_first(
     job: JobView, facts: Facts, report: DriverReport, lost: dict[str, list[int]]
 ) -> list[Action]:
     """A node loss the driver saw (its raylet gone) before Ray declared the node dead: the
-    same as any node loss (no restart counted), except that the relaunch waits out the
-    restart backoff, by when Ray has usually declared the node dead, so that the new size
-    leaves it out rather than place a rank on it."""
+    same as any node loss (no restart counted). The scheduler counts such a node dead at
+    once (`capacity.found_dead`), so this is reached only with facts that still hold it
+    alive: the relaunch then waits out the restart backoff rather than place a rank on it."""
     until = facts.now + facts.policy.restart_backoff_s
     return [
         DelayRelaunch(until=until),
@@ -418,6 +429,78 @@ def _on_node_loss(
     actions.append(EndAttempt(outcome=AttemptOutcome.NODE_LOST, error=report.error, step=step))
     nodes = ", ".join(n[:12] for n in lost)
     return actions + _enter_recovery(job, facts, reason=f"node lost ({nodes})")
+
+
+def workers_that_fit_now(job: JobView, facts: Facts) -> int:
+    """How many of the job's workers the cluster holds now, its own given back: Ray's
+    alive nodes (less those `capacity.found_dead` counts dead, and draining ones) less the
+    other jobs' workers. Neither its quota nor its min and max: whether the cluster can
+    hold an attempt is a question about the cluster."""
+    shape = WorkerShape.of(job.spec)
+    return facts.free.workers_that_fit(shape.cpus, shape.gpus)
+
+
+def gone_since(attempt: AttemptView, nodes_gone: Mapping[str, float]) -> list[str]:
+    """The nodes that left after the attempt was launched (sorted): it was sized with them."""
+    return sorted(node for node, at in nodes_gone.items() if at > attempt.started_at)
+
+
+def _outgrown_before_placement(
+    job: JobView, attempt: AttemptView, facts: Facts
+) -> list[Action] | None:
+    """An attempt still waiting for its placement (its driver asks Ray for all its bundles
+    at once, and retries until the runtime's placement timeout, 120 s) whose world size
+    the cluster no longer holds because a node left after it was launched: it would wait
+    out the timeout and then fail as a restart. Released now (a node loss: no restart
+    counted), the job relaunches at the size that fits (from its checkpoint or the
+    processes' memory), and grows back once capacity returns.
+
+    None (it waits on) while the world size still fits (Ray places it on the others), and
+    when no node left since its launch: a start merely slow on a busy cluster waits for
+    its placement, even where the ledger's first-fit packing of other jobs' unplaced
+    workers of another shape says it does not fit (Ray may pack them otherwise). A node
+    that left is not listed alive again (Ray gives a restarted node a new id), so this
+    does not flap."""
+    gone = gone_since(attempt, facts.nodes_gone)
+    if not gone:
+        return None
+    fit = workers_that_fit_now(job, facts)
+    if fit >= attempt.world_size:
+        return None
+    names = ", ".join(n[:12] for n in gone)
+    return [
+        RecordEvent(
+            kind=EventKind.NODE_LOST,
+            reason=f"node {names} left before attempt {attempt.number} was placed: "
+            f"{fit} of its {attempt.world_size} workers fit now",
+            details={"nodes": gone, "world_size": attempt.world_size, "fit": fit},
+        ),
+        EndAttempt(outcome=AttemptOutcome.NODE_LOST, step=job.step),
+        *_enter_recovery(job, facts, reason=f"node lost before placement ({names})"),
+    ]
+
+
+def _failed_on_a_shrunk_cluster(
+    job: JobView, attempt: AttemptView, facts: Facts, error: WorkerError, step: int, fit: int
+) -> list[Action]:
+    """An attempt that failed before it was placed (its bundles never reserved, a process
+    never started) on a cluster that no longer holds its world size: the cluster shrank
+    under it (a node died or left, one is draining), which is no fault of the job's. No
+    restart counted, no backoff: the relaunch is at the size that fits, smaller than this
+    one, so a shrinking cluster cannot loop here. The release before placement
+    (`_outgrown_before_placement`) usually comes first; this is for what it cannot see: a
+    node that left while no scheduler watched (a restarted one), or one draining since the
+    launch. Where the world size still fits, the failure counts as any other (Ray, or the
+    job's workload, failed it: `failure.max_restarts` bounds the retries)."""
+    return [
+        EndAttempt(outcome=AttemptOutcome.FAILED, error=error, step=step, count_restart=False),
+        RecordEvent(
+            kind=EventKind.CAPACITY,
+            reason=f"attempt {attempt.number} failed before it was placed and {fit} of its "
+            f"{attempt.world_size} workers fit now: the cluster shrank, no restart counted",
+        ),
+        *_enter_recovery(job, facts, reason=f"relaunching where it fits after: {error.summary()}"),
+    ]
 
 
 def _on_drain(
@@ -501,7 +584,7 @@ def _on_driver_status(
         ended = [EndAttempt(outcome=AttemptOutcome.STOPPED, step=progress(job, report))]
         return ended + _relaunch(job, facts)
     if status in (DriverStatus.FAILED, DriverStatus.LOST):
-        return _on_failure(job, facts, report)
+        return _on_failure(job, attempt, facts, report)
     return []  # STARTING: the worker group is still coming up
 
 
@@ -577,7 +660,9 @@ def _growth(job: JobView, attempt: AttemptView, facts: Facts) -> list[Action]:
     ]
 
 
-def _on_failure(job: JobView, facts: Facts, report: DriverReport) -> list[Action]:
+def _on_failure(
+    job: JobView, attempt: AttemptView, facts: Facts, report: DriverReport
+) -> list[Action]:
     lost_driver = report.status == DriverStatus.LOST
     error = report.error or WorkerError(
         type="DriverLost" if lost_driver else "WorkerGroupError",
@@ -594,6 +679,11 @@ def _on_failure(job: JobView, facts: Facts, report: DriverReport) -> list[Action
                 reason=f"{error.summary()} (a configuration error: not retried)",
             ),
         ]
+    placed = bool(attempt.nodes) or report.placement is not None
+    if not lost_driver and not placed:
+        fit = workers_that_fit_now(job, facts)
+        if fit < attempt.world_size:
+            return _failed_on_a_shrunk_cluster(job, attempt, facts, error, step, fit)
     decision = decide_failure(
         signature=error.signature,
         step=step,
@@ -659,8 +749,12 @@ def _relaunch(job: JobView, facts: Facts) -> list[Action]:
 
 def start(job: JobView, size: int, facts: Facts) -> list[Action]:
     """Start an attempt at `size`; an `auto` job first plans which strategy it runs there
-    (made again at every launch: the world size may have changed), and says so."""
-    avoid = tuple(sorted(facts.draining))
+    (made again at every launch: the world size may have changed), and says so. It avoids
+    the draining nodes and those gone lately: one a driver found dead may still be alive
+    to Ray for its health checks' 15 s, and a placement group Ray prepares there never
+    answers, and once removed can leak bundles and stop Ray placing any later group
+    (ray#64693; the chaos campaign's fsdp job was lost so)."""
+    avoid = tuple(sorted({*facts.draining, *facts.nodes_gone}))
     if job.spec.strategy.kind != StrategyKind.auto:
         return [StartAttempt(world_size=size, avoid_nodes=avoid)]
     chosen = choose_for_auto(job.spec, size, facts.worker_memory_bytes)

@@ -22,8 +22,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from elastrain.checkpoints.fence import advance_fence
-from elastrain.checkpoints.owner import claim_job_folder
+from elastrain.checkpoints.fence import advance_fence, claim_job_folder
 from elastrain.checkpoints.retention import delete_checkpoints, retention_plan
 from elastrain.contracts.datasets import (
     DATA_WORKLOADS,

@@ -2,13 +2,18 @@
 
 Several control-plane replicas may run; only the lease holder schedules. The lease is a
 single row, renewed by its holder once a third of its time has passed (`LeaseKeeper`); a
-holder that dies stops renewing and another replica takes over once it expires. Admission additionally re-checks each job's state under a row
-lock (see `Scheduler`), so even two holders during a clock hiccup never launch a job twice.
+holder that dies stops renewing and another replica takes over once it expires, or at once
+when the holder was a process of this host that no longer exists (`holder_gone`: a service
+restarted by its supervisor after a crash need not wait out the TTL to schedule and store
+reports again). Admission additionally re-checks each job's state under a row lock (see
+`Scheduler`), so even two holders during a clock hiccup never launch a job twice.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -22,10 +27,43 @@ from elastrain.service.models import SchedulerLease, as_utc, utcnow
 LEASE_NAME = "scheduler"
 
 
-def try_acquire(
-    factory: sessionmaker[Session], *, holder: str, ttl_s: float, now: datetime | None = None
+def holder_name() -> str:
+    """This process's name as a holder: host, pid and a random part (a pid is reused)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def holder_gone(
+    holder: str, *, host: str | None = None, alive: Callable[[int], bool] = _pid_alive
 ) -> bool:
-    """Take or renew the lease; True when `holder` holds it afterwards."""
+    """Whether `holder` (`holder_name`'s form) was a process of this host that no longer
+    exists. Anything else (another host, a name of another form, a live pid, which may be
+    a reused one) is not known gone: its lease runs out by its TTL."""
+    parts = holder.split(":")
+    if len(parts) != 3 or not parts[1].isdigit():
+        return False
+    return parts[0] == (host or socket.gethostname()) and not alive(int(parts[1]))
+
+
+def try_acquire(
+    factory: sessionmaker[Session],
+    *,
+    holder: str,
+    ttl_s: float,
+    now: datetime | None = None,
+    gone: Callable[[str], bool] = holder_gone,
+) -> bool:
+    """Take or renew the lease; True when `holder` holds it afterwards. Another holder's
+    row is taken once it expired, or at once when that holder is `gone`."""
     now = now or utcnow()
     with factory() as session:
         try:
@@ -38,7 +76,7 @@ def try_acquire(
                         name=LEASE_NAME, holder=holder, expires_at=now + timedelta(seconds=ttl_s)
                     )
                 )
-            elif row.holder == holder or as_utc(row.expires_at) <= now:
+            elif row.holder == holder or as_utc(row.expires_at) <= now or gone(row.holder):
                 row.holder = holder
                 row.expires_at = now + timedelta(seconds=ttl_s)
             else:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from elastrain.checkpoints._fs import atomic_write_bytes, fsync_dir, remove_tree
+from elastrain.checkpoints.confined import atomic_write_bytes, fsync_dir, remove_tree
 from elastrain.contracts.packages import (
     DIGEST_PREFIX,
     FILES_DIR,

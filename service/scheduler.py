@@ -12,12 +12,9 @@ which simply start over.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -48,6 +45,7 @@ from elastrain.service.capacity import (
     ClusterCapacity,
     NodeDrain,
     WorkerShape,
+    found_dead,
     target_world_size,
 )
 from elastrain.service.db import session_scope
@@ -64,6 +62,9 @@ from elastrain.service.tracking.forwarder import Forwarder, ForwarderThread
 log = logging.getLogger("elastrain.scheduler")
 
 LEASE_TTL_S = 10.0
+#: How long a node that left is remembered (`track_gone`): longer than an attempt waits for
+#: its placement (the runtime gives up after 120 s), whose release it decides.
+GONE_HOLD_S = 600.0
 #: How often unused packages are looked for (a folder listing of the storage root).
 PACKAGE_SWEEP_INTERVAL_S = 600.0
 
@@ -81,7 +82,7 @@ class Scheduler:
         self.sessions = session_factory
         self.launcher = launcher
         self.settings = settings
-        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.holder = holder or lease.holder_name()
         self.clock = clock
         self.policy = Policy(
             grow_interval_s=settings.grow_interval_s,
@@ -96,6 +97,9 @@ class Scheduler:
         self._tenure = 0
         self._database: str | None = None  # this database's identity, read once
         self._draining: dict[str, NodeDrain] = {}  # this pass's draining nodes
+        self._found_dead: dict[str, float] = {}  # nodes dead before Ray says so, until when
+        self._alive_before: frozenset[str] | None = None  # the last pass's alive nodes
+        self._gone: dict[str, float] = {}  # nodes that left since, and when (`track_gone`)
         # The views (and parsed specs) of the jobs each pass reads, kept between passes.
         self._active_views = observe.ViewCache()
         self._pending_views = observe.ViewCache()
@@ -143,6 +147,13 @@ class Scheduler:
         if self.executor.metric_budgets is not None:
             self.executor.metric_budgets.keep_only(job.id for job in active)
         polled = self._reconcile(active, pending, observed_at)
+        self._found_dead = found_dead(
+            self._found_dead, polled.values(), capacity.alive_ids(), self.clock()
+        )
+        capacity = capacity.with_dead(self._found_dead)
+        alive = capacity.alive_ids()
+        self._gone = track_gone(self._gone, self._alive_before, alive, now=observed_at)
+        self._alive_before = alive
         ledger = CapacityLedger(capacity, _held(active))
         steady: list[tuple[JobView, PersistReport]] = []
         for job in active:
@@ -308,6 +319,7 @@ class Scheduler:
             worker_limit=worker_limit,
             worker_memory_bytes=self._worker_memory(job.spec, ledger.cluster),
             draining=draining,
+            nodes_gone=self._gone,
         )
 
     def _worker_memory(self, spec: JobSpec, capacity: ClusterCapacity) -> int | None:
@@ -350,6 +362,21 @@ class Scheduler:
                 return
             cluster.publish(s, view)
         self._published, self._published_at = replace(view, updated_at=None), self.clock()
+
+
+def track_gone(
+    gone: Mapping[str, float], before: frozenset[str] | None, alive: frozenset[str], *, now: float
+) -> dict[str, float]:
+    """The nodes that left the alive ones (Ray's, less those counted dead: `found_dead`),
+    each with when it was first seen gone (`now`: wall clock, as attempts' `started_at`),
+    for GONE_HOLD_S; one alive again (a `found_dead` hold that ran out) is forgotten.
+    `before`: the previous pass's alive nodes (None on the first pass: what left before
+    this scheduler watched is not known, and an attempt waiting for its placement then
+    times out in the runtime). Pure."""
+    out = {node: at for node, at in gone.items() if node not in alive and now - at < GONE_HOLD_S}
+    for node in (before or frozenset()) - alive:
+        out.setdefault(node, now)
+    return out
 
 
 def _steady_report(job: JobView, actions: Sequence[Action]) -> PersistReport | None:

@@ -111,7 +111,7 @@ class TrainContext:
     checks it between steps and raises `AttemptAborted` (no collective needed)."""
     node: str = ""
     """The node this rank runs on (Ray's node id; empty: this host's name). Peer memory
-    keeps each rank's state also on a rank of another node (`elastrain.workers.memory.buddy`)."""
+    keeps each rank's state also on a rank of another node (`elastrain.workers.memory.rules`)."""
     database: str = ""
     """The database the job is stored in: the job's folder must be fenced by it
     (`elastrain.checkpoints.fence.Fence.owner`), else another database's job of the same id owns it

@@ -1,6 +1,5 @@
-"""The loop's side of sharded checkpoints (`elastrain.checkpoints.dcp`): the checkpointer of an
-attempt, what a save writes beside the model and optimizer state (the manifest's layout,
-data position and extras, each rank's RNG streams), and what it reads back."""
+"""The loop's side of sharded checkpoints: an attempt's checkpointer, and what a save
+writes beside the state (manifest fields, each rank's RNG streams)."""
 
 from __future__ import annotations
 
@@ -50,15 +49,13 @@ def save_checkpoint(
     last: bool = False,
 ) -> float:
     """Save a checkpoint of step `done`; returns the seconds training was blocked.
-    `last`: the attempt's last step; written at once, with no staging copy (the attempt
-    waits for its commit before it ends)."""
+    `last`: the attempt's last step, written at once (its commit is waited for)."""
     training = spec.training
     layout = strategy.layout
     blocked = checkpointer.save(
         step=done,
         attempt=ctx.attempt,
-        # A background staging copy runs beside the next forward, which may change
-        # buffers in place: those are copied now (they are small).
+        # The next forward may change buffers in place under a background staging copy.
         state=strategy.state_dict_for_checkpoint(
             copy_buffers=spec.checkpoint.async_save and not last
         ),
@@ -87,9 +84,8 @@ def save_checkpoint(
 
 @contextlib.contextmanager
 def settles_staging(checkpointer: ShardedCheckpointer) -> Iterator[None]:
-    """Leaving by an exception, first let an async save's staging copy finish: this
-    process's state may live on for the next attempt (ReplicaMemory), which must not
-    change it under the copy."""
+    """On an exception, first let a staging copy finish: the state may live on for the
+    next attempt (ReplicaMemory), which must not change it under the copy."""
     try:
         yield
     except BaseException:

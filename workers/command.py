@@ -55,6 +55,8 @@ POLL_S = 0.05
 STDERR_TAIL_BYTES = 4000
 #: The most bytes one report line may have; longer ones are dropped, said once in the log.
 MAX_REPORT_LINE = 64 * 1024
+#: The most bytes of one unfinished line held back before it is written as it is.
+LINE_HOLD_BYTES = 64 * 1024
 _SHIM = Path(__file__).with_name("command_shim.py")
 
 
@@ -227,6 +229,36 @@ class ScriptResult:
         return f"{head}: {lines[-1]}" if lines else head
 
 
+def copy_whole_lines(
+    stream: IO[bytes],
+    write: Callable[[bytes], None],
+    also: Callable[[bytes], None] | None = None,
+) -> None:
+    """Copies `stream` to `write` in whole lines until EOF.
+
+    stdout and stderr are two pipes copied by two threads into one log, and an unbuffered
+    Python (PYTHONUNBUFFERED, set above) writes `print("a", b)` as several writes: copied
+    chunk by chunk, a stderr line lands inside a stdout line. A line is held until its end
+    (a newline, or a carriage return, so progress bars still show), up to LINE_HOLD_BYTES.
+    """
+    held = b""
+    while chunk := stream.read1(65536):  # type: ignore[attr-defined]
+        data = held + chunk
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+        if cut == 0 and len(data) < LINE_HOLD_BYTES:
+            held = data
+            continue
+        cut = cut or len(data)
+        write(data[:cut])
+        if also is not None:
+            also(data[:cut])
+        held = data[cut:]
+    if held:
+        write(held)
+        if also is not None:
+            also(held)
+
+
 class ScriptRun:
     """One rank's script, from start to exit: `wait` returns how it ended."""
 
@@ -301,20 +333,20 @@ class ScriptRun:
             t.start()
 
     def _copy_stdout(self, stream: IO[bytes]) -> None:
-        with stream:
-            while chunk := stream.read1(65536):  # type: ignore[attr-defined]
-                with contextlib.suppress(ValueError):  # closed: a grandchild held the pipe
-                    self._log.write(chunk)
+        copy_whole_lines(stream, self._write_log)
 
     def _copy_stderr(self, stream: IO[bytes]) -> None:
-        with stream:
-            while chunk := stream.read1(65536):  # type: ignore[attr-defined]
-                with contextlib.suppress(ValueError):  # closed: a grandchild held the pipe
-                    self._log.write(chunk)
-                self._tail.append(chunk)
-                self._tail_bytes += len(chunk)
-                while self._tail_bytes - len(self._tail[0]) >= STDERR_TAIL_BYTES:
-                    self._tail_bytes -= len(self._tail.popleft())
+        copy_whole_lines(stream, self._write_log, also=self._keep_tail)
+
+    def _write_log(self, data: bytes) -> None:
+        with contextlib.suppress(ValueError):  # closed: a grandchild held the pipe
+            self._log.write(data)
+
+    def _keep_tail(self, data: bytes) -> None:
+        self._tail.append(data)
+        self._tail_bytes += len(data)
+        while self._tail_bytes - len(self._tail[0]) >= STDERR_TAIL_BYTES:
+            self._tail_bytes -= len(self._tail.popleft())
 
     def _read_reports(self, stream: IO[bytes]) -> None:
         warned = False

@@ -39,7 +39,7 @@ from elastrain.workers.compiling import compile_units
 from elastrain.workers.errors import configuration_errors
 from elastrain.workers.local_work import LocalWork
 from elastrain.workers.lr_schedule import lr_at
-from elastrain.workers.memory import ReplicaMemory
+from elastrain.workers.memory.replica import ReplicaMemory
 from elastrain.workers.memory.snapshots import PeerRefresher
 from elastrain.workers.profiling import StepProfiler
 from elastrain.workers.progress import Progress

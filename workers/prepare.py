@@ -10,8 +10,9 @@ shard, in order, and reports progress (rows, bytes, tokens, tokens/s, ETA) as me
 points, shown by `elastrain metrics` and the dashboard like a training job's. The index
 is written last.
 
-A file is the unit of parallelism and of resumption: many files use many CPUs, and a
-large single file is better split into several.
+A file, or a part of one larger than `PART_BYTES` (text, JSON lines, Parquet), is the
+unit of parallelism and of resumption: one big file uses many CPUs too, and a retry redoes
+only its unfinished parts.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from elastrain.contracts.prepared import (
     INDEX_FILE,
     JSON_LINES,
     PARQUET,
+    PART_BYTES,
     SHARDS_DIR,
     TEXT,
     Index,
@@ -46,6 +48,7 @@ from elastrain.contracts.prepared import (
     Shard,
     area_of,
     expand_inputs,
+    parts_of,
     token_dtype_for,
 )
 from elastrain.contracts.workload_params import PrepareParams
@@ -127,52 +130,134 @@ def eos_id(tok: Any) -> int | None:
     return None
 
 
-def documents(path: Path, kind: str, field: str, batch: int) -> Iterator[tuple[list[str], int]]:
-    """Batches of one file's documents' texts, each with the bytes of the file read so far.
-    Raises InputError for a non-UTF-8 file, a missing or non-text field."""
-    if kind == TEXT:
-        yield from _text_documents(path, batch)
-    elif kind == JSON_LINES:
-        yield from _json_documents(path, field, batch)
-    elif kind == PARQUET:
-        yield from _parquet_documents(path, field, batch)
-    elif kind == ARROW:
+def documents(
+    source: InputFile, root: Path, field: str, batch: int
+) -> Iterator[tuple[list[str], int]]:
+    """Batches of one input's (or part's) documents' texts, each with the bytes of the part
+    read so far. Raises InputError for a non-UTF-8 file, a missing or non-text field."""
+    path = root / source.path
+    stop = source.start + source.length
+    if source.kind == TEXT:
+        yield from _text_documents(path, batch, source.start, stop)
+    elif source.kind == JSON_LINES:
+        yield from _json_documents(path, field, batch, source.start, stop)
+    elif source.kind == PARQUET:
+        yield from _parquet_documents(path, field, batch, source.start, stop)
+    elif source.kind == ARROW:
         yield from _arrow_documents(path, field, batch)
     else:
-        raise InputError(f"{path.name}: unknown kind {kind!r}")
+        raise InputError(f"{path.name}: unknown kind {source.kind!r}")
 
 
-def _text_documents(path: Path, batch: int) -> Iterator[tuple[list[str], int]]:
-    data = path.read_bytes()
+def splittable(source: InputFile, root: Path) -> bool:
+    """Whether a file can be cut into parts: not a JSON array (one value, read whole)."""
+    if source.kind != JSON_LINES:
+        return True
+    with (root / source.path).open("rb") as f:
+        return not f.read(64).lstrip().startswith(b"[")
+
+
+def _first_line_at(f: IO[bytes], start: int) -> int:
+    """The offset of the first line starting at or after `start`: the line holding byte
+    start - 1 belongs to the part before (the part a line starts in reads it whole)."""
+    if start == 0:
+        return 0
+    f.seek(start - 1)
+    f.readline()
+    return f.tell()
+
+
+def _lines(f: IO[bytes], pos: int) -> Iterator[tuple[int, bytes]]:
+    f.seek(pos)
+    for line in f:
+        yield pos, line
+        pos += len(line)
+
+
+def _blank(line: bytes) -> bool:
+    return not line.strip(b" \t\r\n")
+
+
+def _follows_blank_line(f: IO[bytes], pos: int) -> bool:
+    """Whether the line before the one starting at `pos` is blank (or there is none)."""
+    if pos == 0:
+        return True
+    lo = max(0, pos - 4096)
+    f.seek(lo)
+    before = f.read(pos - lo)[:-1]  # without the newline that ends it
+    if b"\n" in before or lo == 0:
+        return _blank(before.rsplit(b"\n", 1)[-1])
+    return _blank(before)  # a line over 4 KiB long: blank only if all of it is
+
+
+def _text_documents(
+    path: Path, batch: int, start: int, stop: int
+) -> Iterator[tuple[list[str], int]]:
+    """A text file's paragraphs (runs of non-blank lines) that start in [start, stop),
+    read as a stream: a paragraph running past `stop` is read whole."""
+    with path.open("rb") as f:
+        pos = _first_line_at(f, start)
+        # A paragraph begun before `start` belongs to the part before.
+        inside = not _follows_blank_line(f, pos)
+        docs: list[str] = []
+        lines: list[bytes] = []
+        first = pos
+        for at, line in _lines(f, pos):
+            if _blank(line):
+                if lines:
+                    docs.append(_decoded(b"".join(lines), path, first))
+                    lines = []
+                    if len(docs) >= batch:
+                        yield docs, min(at, stop) - start
+                        docs = []
+                inside = False
+                continue
+            if inside:
+                continue
+            if not lines:
+                if at >= stop:
+                    break
+                first = at
+            lines.append(line)
+        if lines:
+            docs.append(_decoded(b"".join(lines), path, first))
+        if docs:
+            yield docs, stop - start
+
+
+def _decoded(raw: bytes, path: Path, offset: int) -> str:
     try:
-        text = data.decode("utf-8")
+        return raw.decode("utf-8").rstrip()
     except UnicodeDecodeError as exc:
         raise InputError(
-            f"{path.name} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+            f"{path.name} is not UTF-8 text ({exc.reason} at byte {offset + exc.start})"
         ) from exc
-    docs = [d.rstrip() for d in _PARAGRAPH.split(text) if d.strip()]
-    for lo in range(0, len(docs), batch):
-        yield docs[lo : lo + batch], int(len(data) * min(1.0, (lo + batch) / len(docs)))
 
 
-def _json_documents(path: Path, field: str, batch: int) -> Iterator[tuple[list[str], int]]:
+def _json_documents(
+    path: Path, field: str, batch: int, start: int, stop: int
+) -> Iterator[tuple[list[str], int]]:
     with path.open("rb") as f:
-        head = f.read(64).lstrip()
-        f.seek(0)
-        if head.startswith(b"["):  # one JSON array of objects, not lines
-            rows = _json_loads(f.read(), path, 1)
+        if start == 0 and f.read(64).lstrip().startswith(b"["):  # one array, not lines
+            f.seek(0)
+            rows = _json_loads(f.read(), path, "line 1")
             if not isinstance(rows, list):
                 raise InputError(f"{path.name}: not JSON lines nor an array of objects")
-            texts = [_field(r, field, path, n) for n, r in enumerate(rows, 1)]
+            texts = [_field(r, field, path, f"row {n}") for n, r in enumerate(rows, 1)]
             for lo in range(0, len(texts), batch):
                 yield texts[lo : lo + batch], f.tell()
             return
         texts, done = [], 0
-        for lineno, raw in enumerate(f, 1):
-            done += len(raw)
+        for n, (at, raw) in enumerate(_lines(f, _first_line_at(f, start)), 1):
+            if at >= stop:
+                break
+            done = at + len(raw) - start
             if not raw.strip():
                 continue
-            texts.append(_field(_json_loads(raw, path, lineno), field, path, lineno))
+            # Line numbers are known in a file's first part; later parts name the byte.
+            line = f"line {n}" if start == 0 else f"the line at byte {at}"
+            row = _json_loads(raw, path, line)
+            texts.append(_field(row, field, path, line.replace("line", "row", 1)))
             if len(texts) >= batch:
                 yield texts, done
                 texts = []
@@ -180,26 +265,28 @@ def _json_documents(path: Path, field: str, batch: int) -> Iterator[tuple[list[s
             yield texts, done
 
 
-def _json_loads(raw: bytes, path: Path, lineno: int) -> Any:
+def _json_loads(raw: bytes, path: Path, line: str) -> Any:
+    """`line`: where the value is, as the errors name it ("line 3")."""
     try:
         return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise InputError(
-            f"{path.name} is not UTF-8 ({exc.reason} on line {lineno}, byte {exc.start})"
+            f"{path.name} is not UTF-8 ({exc.reason} on {line}, byte {exc.start})"
         ) from exc
     except ValueError as exc:
-        raise InputError(f"{path.name}: line {lineno} is not JSON ({exc})") from exc
+        raise InputError(f"{path.name}: {line} is not JSON ({exc})") from exc
 
 
-def _field(row: Any, field: str, path: Path, lineno: int) -> str:
+def _field(row: Any, field: str, path: Path, where: str) -> str:
+    """`where`: the row, as the errors name it ("row 3")."""
     if not isinstance(row, dict) or field not in row:
         have = ", ".join(list(row)[:20]) if isinstance(row, dict) else type(row).__name__
         raise InputError(
-            f"{path.name}: row {lineno} has no field {field!r} (it has: {have}); give --text-field"
+            f"{path.name}: {where} has no field {field!r} (it has: {have}); give --text-field"
         )
     text = row[field]
     if not isinstance(text, str):
-        raise InputError(f"{path.name}: row {lineno}: {field!r} is {type(text).__name__}, not text")
+        raise InputError(f"{path.name}: {where}: {field!r} is {type(text).__name__}, not text")
     return text
 
 
@@ -216,16 +303,31 @@ def _check_column(schema: Any, field: str, path: Path) -> None:
         raise InputError(f"{path.name}: column {field!r} is {kind}, not text")
 
 
-def _parquet_documents(path: Path, field: str, batch: int) -> Iterator[tuple[list[str], int]]:
+def _parquet_documents(
+    path: Path, field: str, batch: int, start: int, stop: int
+) -> Iterator[tuple[list[str], int]]:
+    """The rows of the row groups whose data starts in [start, stop)."""
     import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
     with pq.ParquetFile(path) as f:
         _check_column(f.schema_arrow, field, path)
-        rows, seen = max(1, f.metadata.num_rows), 0
-        size = path.stat().st_size
-        for record in f.iter_batches(batch_size=batch, columns=[field]):
+        groups = [i for i in range(f.num_row_groups) if start <= _group_offset(f, i) < stop]
+        if not groups:
+            return
+        rows = max(1, sum(f.metadata.row_group(i).num_rows for i in groups))
+        seen = 0
+        for record in f.iter_batches(batch_size=batch, row_groups=groups, columns=[field]):
             seen += record.num_rows
-            yield _texts(record.column(0)), int(size * seen / rows)
+            yield _texts(record.column(0)), int((stop - start) * seen / rows)
+
+
+def _group_offset(f: Any, i: int) -> int:
+    """Where a Parquet row group's data starts in the file."""
+    column = f.metadata.row_group(i).column(0)
+    offsets = [column.data_page_offset]
+    if column.has_dictionary_page and column.dictionary_page_offset is not None:
+        offsets.append(column.dictionary_page_offset)
+    return int(min(offsets))
 
 
 def _arrow_documents(path: Path, field: str, batch: int) -> Iterator[tuple[list[str], int]]:
@@ -254,13 +356,15 @@ def _texts(column: Any) -> list[str]:
 def tokenize_file(
     source: InputFile, root: Path, tokenizer: str, field: str, batch: int, dtype: str
 ) -> Iterator[dict[str, Any]]:
-    """One input's documents tokenized, in pieces: the ids (each document closed by the
-    end-of-text token, when the tokenizer has one) and where each document ends."""
+    """One input's (or part's) documents tokenized, in pieces: the ids (each document
+    closed by the end-of-text token, when the tokenizer has one) and where each document
+    ends. A part with no documents yields one empty piece (its shard is empty); a whole
+    file with none is an error."""
     tok = load_tokenizer(tokenizer)
     eos = eos_id(tok)
     np_dtype = np.dtype("<u2") if dtype == "uint16" else np.dtype("<u4")
     empty = True
-    for texts, done in documents(root / source.path, source.kind, field, batch):
+    for texts, done in documents(source, root, field, batch):
         texts = [t for t in texts if t]
         if not texts:
             continue
@@ -273,17 +377,25 @@ def tokenize_file(
             if eos is not None:
                 flat.append(eos)
             lengths.append(len(e.ids) + (eos is not None))
-        yield {
-            "path": source.path,
-            "ids": np.asarray(flat, dtype=np_dtype).tobytes(),
-            "lengths": np.asarray(lengths, dtype=DOC_ENDS).tobytes(),
-            "rows": len(texts),
-            "bytes": sum(len(t.encode("utf-8")) for t in texts),
-            "tokens": len(flat),
-            "done_bytes": done,
-        }
-    if empty:
+        yield _piece(source, np.asarray(flat, dtype=np_dtype), lengths, texts, done)
+    if empty and source.whole:
         raise InputError(f"{Path(source.path).name} holds no text (empty input)")
+    if empty:
+        yield _piece(source, np.zeros(0, dtype=np_dtype), [], [], source.length)
+
+
+def _piece(
+    source: InputFile, ids: np.ndarray, lengths: list[int], texts: list[str], done: int
+) -> dict[str, Any]:
+    return {
+        "key": source.key,
+        "ids": ids.tobytes(),
+        "lengths": np.asarray(lengths, dtype=DOC_ENDS).tobytes(),
+        "rows": len(texts),
+        "bytes": sum(len(t.encode("utf-8")) for t in texts),
+        "tokens": len(ids),
+        "done_bytes": done,
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -291,9 +403,10 @@ def tokenize_file(
 # ---------------------------------------------------------------------------------------
 
 
-def shard_name_of(source: str) -> str:
-    """A shard's name from its input's path: stable when inputs are added or removed."""
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
+def shard_name_of(key: str) -> str:
+    """A shard's name from its input's (or part's) key: stable when inputs are added or
+    removed."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class ShardWriter:
@@ -302,7 +415,7 @@ class ShardWriter:
 
     def __init__(self, out: Path, source: InputFile, settings: dict[str, Any]) -> None:
         self.out, self.source, self.settings = out, source, settings
-        self.name = shard_name_of(source.path)
+        self.name = shard_name_of(source.key)
         shards = out / SHARDS_DIR
         self._bin = shards / f"{self.name}.bin"
         self._docs = shards / f"{self.name}.docs"
@@ -347,7 +460,7 @@ def finished_shard(out: Path, source: InputFile, settings: dict[str, Any]) -> Sh
     """The shard a done marker says is finished for this very input (same size and time)
     and settings (tokenizer, field); None: prepare it."""
     try:
-        marker = json.loads(done_marker(out, shard_name_of(source.path)).read_text())
+        marker = json.loads(done_marker(out, shard_name_of(source.key)).read_text())
         if marker["input"] != source.marker() or any(
             marker.get(k) != v for k, v in settings.items()
         ):
@@ -400,6 +513,49 @@ def split_counts(out: Path, shards: list[Shard], fraction: float) -> tuple[int, 
     return train, held
 
 
+def _empty_inputs(parts: list[InputFile], shards: list[Shard]) -> list[str]:
+    """The names of the files cut into parts whose parts all held no document (a whole
+    file with none fails in its task)."""
+    documents: dict[str, int] = {}
+    for part, shard in zip(parts, shards, strict=True):
+        if not part.whole:
+            documents[part.path] = documents.get(part.path, 0) + shard.documents
+    return [Path(path).name for path, n in documents.items() if n == 0]
+
+
+class Tally:
+    """What has been prepared so far, for the progress points: an input counts as done
+    when all its parts are."""
+
+    def __init__(self, files: int, parts: list[InputFile], done: set[str], total: int) -> None:
+        self.files, self.total = files, total
+        self.parts_left: dict[str, int] = {}
+        for part in parts:
+            if part.key not in done:
+                self.parts_left[part.path] = self.parts_left.get(part.path, 0) + 1
+        self.rows = self.bytes = self.tokens = 0
+        self.finished_bytes = self.part_bytes = 0
+        self.start = time.monotonic()
+
+    def add(self, piece: dict[str, Any], part: InputFile) -> None:
+        self.rows += int(piece["rows"])
+        self.bytes += int(piece["bytes"])
+        self.tokens += int(piece["tokens"])
+        self.part_bytes = min(int(piece["done_bytes"]), part.length)
+
+    def finished(self, part: InputFile) -> None:
+        self.finished_bytes += part.length
+        self.part_bytes = 0
+        self.parts_left[part.path] -= 1
+
+    def progress(self) -> Progress:
+        files_done = self.files - sum(1 for n in self.parts_left.values() if n > 0)
+        return Progress(
+            self.files, files_done, self.rows, self.finished_bytes + self.part_bytes,
+            self.tokens, self.total, time.monotonic() - self.start,
+        )  # fmt: skip
+
+
 @dataclass
 class Preparation:
     params: PrepareParams
@@ -444,65 +600,54 @@ class Preparation:
             "eos_id": eos,
         }
         (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
-        done = {f.path: s for f in files if (s := finished_shard(out, f, settings)) is not None}
-        pending = [f for f in files if f.path not in done]
+        parts = [part for f in files for part in parts_of(f, splittable(f, root), PART_BYTES)]
+        done = {f.key: s for f in parts if (s := finished_shard(out, f, settings)) is not None}
+        pending = [f for f in parts if f.key not in done]
         # An earlier run's index must not name shards this run rewrites.
         (out / INDEX_FILE).unlink(missing_ok=True)
-        total = sum(f.size for f in pending) or 1
+        tally = Tally(len(files), parts, set(done), sum(f.length for f in pending) or 1)
         # Points go on from the last attempt's: a job's steps only grow.
-        start, step, last = time.monotonic(), _last_step(out), 0.0
-        counts = {"rows": 0, "bytes": 0, "tokens": 0, "done_bytes": 0}
-        finished_bytes, files_done = 0, len(done)
-
-        def progress() -> Progress:
-            return Progress(len(files), files_done, counts["rows"], finished_bytes +
-                            counts["done_bytes"], counts["tokens"], total,
-                            time.monotonic() - start)  # fmt: skip
-
+        step, last = _last_step(out), 0.0
         writer: ShardWriter | None = None
-        by_path = {f.path: f for f in pending}
+        by_key = {f.key: f for f in pending}
         try:
             for piece in self._pieces(pending, root, str(tok_path), settings, use_ray):
                 if abort is not None and abort.is_set():
                     from elastrain.workers.api import AttemptAborted
 
                     raise AttemptAborted()
-                if writer is None or writer.source.path != piece["path"]:
+                if writer is None or writer.source.key != piece["key"]:
                     if writer is not None:
-                        done[writer.source.path] = writer.finish()
-                        finished_bytes += writer.source.size
-                        files_done += 1
-                        counts["done_bytes"] = 0
-                    if piece["path"] in done:  # order is preserved: never seen again
-                        raise RuntimeError(f"{piece['path']}: its pieces came out of order")
-                    writer = ShardWriter(out, by_path[piece["path"]], settings)
+                        done[writer.source.key] = writer.finish()
+                        tally.finished(writer.source)
+                    if piece["key"] in done:  # order is preserved: never seen again
+                        raise RuntimeError(f"{piece['key']}: its pieces came out of order")
+                    writer = ShardWriter(out, by_key[piece["key"]], settings)
                 writer.add(piece)
-                for key in ("rows", "bytes", "tokens"):
-                    counts[key] += int(piece[key])
-                counts["done_bytes"] = min(int(piece["done_bytes"]), writer.source.size)
+                tally.add(piece, writer.source)
                 if time.monotonic() - last >= REPORT_EVERY_S:
                     step, last = step + 1, time.monotonic()
-                    report(progress().point(step))
+                    report(tally.progress().point(step))
                     _save_step(out, step)
                     if take_control() in (Control.STOP, Control.LEAVE):
                         writer.discard()
                         return None
             if writer is not None:
-                done[writer.source.path] = writer.finish()
-                finished_bytes += writer.source.size
-                files_done += 1
-                counts["done_bytes"] = 0
+                done[writer.source.key] = writer.finish()
+                tally.finished(writer.source)
                 writer = None
         except InputError as exc:
             raise WorkloadError(f"workload.params.inputs: {exc}") from exc
         finally:
             if writer is not None:
                 writer.discard()
-        report(progress().point(step + 1))
+        report(tally.progress().point(step + 1))
         _save_step(out, step + 1)
-        shards = [done[f.path] for f in files]
+        shards = [done[f.key] for f in parts]
         if sum(s.tokens for s in shards) == 0:
             raise WorkloadError("workload.params.inputs: no text in any input (empty input)")
+        if empty := _empty_inputs(parts, shards):
+            raise WorkloadError(f"workload.params.inputs: {empty[0]} holds no text (empty input)")
         train, held = split_counts(out, shards, p.eval_fraction)
         index = Index(
             vocab_size=vocab, token_dtype=str(settings["token_dtype"]), tokenizer=p.tokenizer,

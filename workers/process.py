@@ -228,7 +228,7 @@ class WorkerProcess:
             import elastrain.checkpoints.dcp
             import elastrain.workers.loop
             import elastrain.workers.workloads  # noqa: F401
-            from elastrain.workers.memory import ReplicaMemory
+            from elastrain.workers.memory.replica import ReplicaMemory
             from elastrain.workers.netif import pin_collectives_to
             from elastrain.workers.workloads.gpt import load_corpus
 

@@ -1,21 +1,17 @@
 """Where an attempt's state comes from: the survivors' memory when they hold the job's
-newest state (a whole live replica, or every shard of a snapshot generation in own and
-buddy copies: `elastrain.workers.memory`), else the latest good checkpoint (whatever world size or
-split wrote it, resharded), else a fresh start.
-
-Every rank calls `restore` (every way loads collectively); rank 0 reports what happened,
-where from and how many steps the group must train again.
+newest state (`elastrain.workers.memory`), else the latest good checkpoint (resharded),
+else a fresh start. Every rank calls `restore` (loads are collective).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from elastrain.checkpoints.catalog import list_committed
 from elastrain.contracts.messages import (
     EventKind,
     RestoreSource,
@@ -24,9 +20,9 @@ from elastrain.contracts.messages import (
     WorkerEvent,
 )
 from elastrain.workers.api import TrainContext
-from elastrain.workers.memory import ReplicaMemory
-from elastrain.workers.memory.handover import load_from_peers
-from elastrain.workers.memory.sources import Offer, choose_source
+from elastrain.workers.memory.peer_reader import load_from_peers
+from elastrain.workers.memory.replica import ReplicaMemory
+from elastrain.workers.memory.rules import Offer, choose_source
 from elastrain.workers.reports import Reports
 from elastrain.workers.rng import reseed, set_rng_states
 from elastrain.workers.strategies import Strategy
@@ -46,11 +42,12 @@ def restore(
     memory: ReplicaMemory,
     group: dist.ProcessGroup | None = None,
 ) -> Resumed | None:
-    """What was restored into `strategy` (None: a fresh start). From the survivors'
-    memory when they hold a state at least as new as the newest checkpoint
-    (`elastrain.workers.memory.sources.choose_source`), else `resume`. `group`: a gloo group of
-    every rank (host tensors travel over it)."""
-    newest = newest_checkpoint_step(ctx.checkpoint_root) if ctx.rank == 0 else None
+    """What was restored into `strategy` (None: a fresh start): from the survivors'
+    memory when at least as new as the newest checkpoint (`rules.choose_source`), else
+    `resume`. `group`: a gloo group of every rank."""
+    newest = None
+    if ctx.rank == 0 and (committed := list_committed(ctx.checkpoint_root)):
+        newest = committed[0].step
     offers: list[tuple[Offer, int | None]] = [(Offer(), None)] * ctx.world_size
     dist.all_gather_object(offers, (memory.offer(ctx.job_id), newest), group=group)
     plan = choose_source([o for o, _ in offers], offers[0][1])
@@ -91,9 +88,8 @@ def resume(
     *,
     reached: int | None = None,
 ) -> Resumed | None:
-    """Load the latest good checkpoint into the strategy; what was restored, or None for a
-    fresh start. Every rank must call it (DCP loads collectively). `reached`: the furthest
-    step the previous attempt got to, if a survivor said."""
+    """Load the latest good checkpoint (None: a fresh start), on every rank. `reached`:
+    the furthest step the previous attempt got to, if a survivor said."""
     state = strategy.state_dict_for_checkpoint()
     outcome = checkpointer.load_latest(state)
     for path, reason in outcome.skipped if outcome is not None else ():
@@ -129,21 +125,11 @@ def resume(
     return restored
 
 
-def newest_checkpoint_step(root: Path) -> int | None:
-    from elastrain.checkpoints.catalog import list_committed
-
-    committed = list_committed(root) if root.exists() else []
-    return committed[0].step if committed else None
-
-
 def describe_restore(restored: Resumed | None) -> str:
     if restored is None:
         return "fresh start"
-    where = (
-        f"peer memory at step {restored.step}"
-        if restored.source == RestoreSource.PEER
-        else f"checkpoint step {restored.step}"
-    )
+    where = "peer memory at step" if restored.source == RestoreSource.PEER else "checkpoint step"
+    where = f"{where} {restored.step}"
     if restored.steps_recomputed is not None:
         where += f", {restored.steps_recomputed} step(s) recomputed"
     return where

@@ -1,27 +1,20 @@
-"""A committed checkpoint as a Hugging Face model folder: `config.json`,
-`model.safetensors` (and `generation_config.json` where the model has one), which
+"""A committed checkpoint as a Hugging Face model folder that
 `AutoModelForCausalLM.from_pretrained(folder)` loads as it is.
 
-The model's weights are read from the DCP checkpoint as whole tensors in this one
-process (DCP reshards on load: a checkpoint saved by FSDP, tensor parallel or DDP at any
-world size reads the same), verified against the manifest's digests before they are
-decoded (`elastrain.checkpoints.dcp.reader.VerifyingReader`), without the optimizer state.
-Then:
+The model's weights are read as whole tensors in one process (DCP reshards: any strategy
+or world size reads the same), digest-verified before they are decoded, without the
+optimizer state. `hf_causal_lm` jobs save the workload's HF model (names without the
+wrapper's `lm.`); `gpt` jobs a `GPT2LMHeadModel` (`gpt_to_gpt2`).
 
-- `hf_causal_lm` jobs: the workload's own HF model, its parameter names without the
-  wrapper's `lm.` prefix, saved with `save_pretrained` (which drops tied copies);
-- `gpt` jobs: the same weights as a `GPT2LMHeadModel` (`gpt_to_gpt2`): the fused
-  attention projection is reordered from the gpt's per-head `[q k v]` rows to GPT-2's
-  `[q | k | v]`, and every Linear is transposed into GPT-2's `Conv1D` layout.
-
-Needs torch and `transformers` (the `hf` extra). An export task on the cluster
-(`elastrain.workers.export_task`) runs it in a child process
-(`elastrain.checkpoints.export.export_in_child`): `python -m elastrain.checkpoints.dcp.export CHECKPOINT
-WORKLOAD PARAMS_JSON OUT [MODEL_FOLDER]`.
+Needs torch and `transformers`; run in a child process by
+`elastrain.checkpoints.export.export_in_child` (see `main`).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,7 +23,7 @@ from typing import Any
 import torch
 
 from elastrain.checkpoints.catalog import CheckpointInfo
-from elastrain.checkpoints.confined import ConfinedFileError, open_dir, read_bounded
+from elastrain.checkpoints.confined import open_dir
 from elastrain.checkpoints.dcp.untrusted import (
     UntrustedCheckpoint,
     UntrustedReader,
@@ -39,8 +32,8 @@ from elastrain.checkpoints.dcp.untrusted import (
 )
 from elastrain.checkpoints.export import EXPORTABLE, REFUSED, ExportError
 from elastrain.checkpoints.integrity import CorruptCheckpoint
-from elastrain.checkpoints.layout import MANIFEST_NAME
-from elastrain.checkpoints.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError
+from elastrain.checkpoints.manifest import ManifestError, read_manifest
+from elastrain.contracts.files import ConfinedFileError, read_bounded
 
 #: A model folder's config.json / generation_config.json: a few KiB in practice.
 MAX_CONFIG_BYTES = 1024 * 1024
@@ -50,10 +43,9 @@ _HF_PREFIX = "lm."
 
 
 def load_model_weights(info: CheckpointInfo) -> dict[str, torch.Tensor]:
-    """The model's weights in the checkpoint as whole tensors, by parameter name (the
-    optimizer state is not read). The folder is a job's: read as untrusted input
-    (`elastrain.checkpoints.dcp.untrusted`). Raises CorruptCheckpoint when a file fails its
-    digest, UntrustedCheckpoint when the folder is not a checkpoint a reader may trust."""
+    """The model's weights as whole tensors, by parameter name, read as untrusted input.
+    Raises CorruptCheckpoint for a bad digest, UntrustedCheckpoint for a folder no reader
+    may trust."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -78,8 +70,7 @@ def load_model_weights(info: CheckpointInfo) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
-        except BaseException as exc:  # DCP wraps the reader's CorruptCheckpoint in its
-            # CheckpointException, a BaseException
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
             reason = corrupt_shard_reason(exc)
             if reason is None:
                 raise
@@ -95,9 +86,8 @@ def export_checkpoint(
     *,
     model_folder: Path | None = None,
 ) -> list[str]:
-    """Write the checkpoint's model as a Hugging Face folder at `out`; returns the file
-    names written. `params`: the job's `workload.params`; `model_folder`: an
-    hf_causal_lm's `model` folder, resolved (its config is the model's)."""
+    """Write the model as a Hugging Face folder at `out`; returns the names written.
+    `params`: `workload.params`; `model_folder`: an hf_causal_lm's resolved `model`."""
     weights = load_model_weights(info)
     if workload == "hf_causal_lm":
         model = _hf_model(params, model_folder)
@@ -116,8 +106,7 @@ def export_checkpoint(
 
 
 def _hf_model(params: Mapping[str, Any], model_folder: Path | None) -> Any:
-    """The job's HF model, untrained (its weights come from the checkpoint). A model
-    folder is the tenant's: only its JSON is read (no code of its own, no weights)."""
+    """The job's HF model, untrained. Of the tenant's model folder only JSON is read."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config_dict = params.get("config")
@@ -164,8 +153,6 @@ def _config_for(fields: dict[str, Any], params: Mapping[str, Any]) -> Any:
 
 def _folder_json(folder: Path, name: str) -> dict[str, Any] | None:
     """A JSON object of the model folder, read bounded and through no link; None if absent."""
-    import json
-
     try:
         data = read_bounded(str(folder / name), MAX_CONFIG_BYTES)
     except FileNotFoundError:
@@ -182,8 +169,8 @@ def _folder_json(folder: Path, name: str) -> dict[str, Any] | None:
 
 
 def _load_exactly(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """Load every weight, and refuse a checkpoint that misses or adds any: an export must
-    be the trained model, not partly a fresh one. Tied copies count once."""
+    """Load every weight; refuse missing or extra ones (an export must be the trained
+    model, not partly a fresh one). Tied copies count once."""
     result = model.load_state_dict(dict(weights), strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
     missing = [k for k in result.missing_keys if k not in tied]
@@ -192,11 +179,6 @@ def _load_exactly(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -
             f"the checkpoint's weights do not fit the model: missing {missing[:5]}, "
             f"unexpected {result.unexpected_keys[:5]}"
         )
-
-
-# ---------------------------------------------------------------------------------------
-# gpt -> GPT-2
-# ---------------------------------------------------------------------------------------
 
 
 def _gpt2_model(params: Mapping[str, Any], weights: Mapping[str, torch.Tensor]) -> Any:
@@ -218,7 +200,8 @@ def _gpt2_model(params: Mapping[str, Any], weights: Mapping[str, torch.Tensor]) 
 
 
 def gpt_to_gpt2(weights: Mapping[str, torch.Tensor], *, n_head: int) -> dict[str, torch.Tensor]:
-    """The gpt's parameters under GPT2LMHeadModel's names and layouts."""
+    """The gpt's parameters under GPT2LMHeadModel's names and layouts: the fused
+    attention rows reordered, every Linear transposed into `Conv1D`'s (in, out)."""
     out: dict[str, torch.Tensor] = {
         "transformer.wte.weight": weights["tok_emb.weight"],
         "transformer.wpe.weight": weights["pos_emb.weight"],
@@ -251,44 +234,29 @@ def gpt_to_gpt2(weights: Mapping[str, torch.Tensor], *, n_head: int) -> dict[str
 
 def main(argv: list[str]) -> int:
     """`python -m elastrain.checkpoints.dcp.export CHECKPOINT WORKLOAD PARAMS_JSON OUT
-    MODEL_FOLDER TRUSTED_ROOT` (the last two may be empty): exit status `REFUSED` with the
-    reason on stderr when the export cannot be made. The checkpoint folder is entered from
-    TRUSTED_ROOT (else its parent) without following a link, and read through that fd."""
-    import json
-    import os
-    import sys
-
+    MODEL_FOLDER TRUSTED_ROOT` (the last two may be empty): exit status `REFUSED`, the
+    reason on stderr, when it cannot be made. The checkpoint is entered from TRUSTED_ROOT
+    (else its parent) through no link, and read through that fd."""
     checkpoint, workload, params, out, folder, root = (*argv, "", "")[:6]
     step_dir = Path(checkpoint)
     try:
         fd = open_dir(Path(root) if root else step_dir.parent, step_dir)
         try:
-            manifest = Manifest.from_dict(
-                json.loads(read_bounded(MANIFEST_NAME, MAX_MANIFEST_BYTES, dir_fd=fd))
-            )
-            info = CheckpointInfo.from_manifest(fd_path(fd), manifest)
+            info = CheckpointInfo.from_manifest(fd_path(fd), read_manifest(fd_path(fd)))
             export_checkpoint(
                 info, workload, json.loads(params), Path(out),
                 model_folder=Path(folder) if folder else None,
             )  # fmt: skip
         finally:
             os.close(fd)
-    except FileNotFoundError:
-        print(f"{step_dir.name}: not committed (no {MANIFEST_NAME})", file=sys.stderr)
-        return REFUSED
     except (CorruptCheckpoint, ManifestError) as exc:
         print(f"{step_dir.name}: {exc.reason}", file=sys.stderr)
         return REFUSED
     except (ExportError, UntrustedCheckpoint, ConfinedFileError) as exc:
         print(f"{step_dir.name}: {exc}", file=sys.stderr)
         return REFUSED
-    except ValueError as exc:  # the manifest's JSON or fields
-        print(f"{step_dir.name}: unreadable {MANIFEST_NAME}: {exc}", file=sys.stderr)
-        return REFUSED
     return 0
 
 
 if __name__ == "__main__":
-    import sys
-
     raise SystemExit(main(sys.argv[1:]))

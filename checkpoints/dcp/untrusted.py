@@ -1,26 +1,21 @@
 """Reading a checkpoint a job wrote, in a process that must not run the job's code.
 
-A job's code can write every byte of its checkpoint folder. DCP's `.metadata` is a pickle,
-and DCP's `FileSystemReader` unpickles it whole (`pickle.load`): a planted one runs
-whatever it names, as whoever reads it. The export (`elastrain.checkpoints.dcp.export`)
-runs in a child of the API, so that reader made a tenant the operator. Here the metadata
-is read with an unpickler that resolves only the globals DCP's `Metadata` is made of (its
-dataclasses, `torch.Size`, dtypes, a path): a pickle naming anything else is refused
-before anything is called. The shard files' tensors are decoded by torch's weights-only
-decoder (DCP's reader, through `elastrain.checkpoints.dcp.reader`), and the plan the export
-makes holds no pickled (byte) item; `UntrustedReader` refuses one all the same.
+A job's code can write every byte of its checkpoint folder, and DCP's `FileSystemReader`
+unpickles `.metadata` whole: a planted pickle would run what it names as the export (a
+child of the API). Here the metadata goes through an unpickler resolving only the globals
+DCP's `Metadata` is made of, refusing any other before anything is called. Shard tensors
+are decoded weights-only (DCP's reader); pickled (byte) items are refused.
 
-Everything else a reader of a job's folder needs, on top of that: the folder is opened
-without following a link at any step below a trusted root (`confined.open_dir`), every
-file name the metadata gives is a plain name in that folder, the metadata file is bounded
-in size, and the tensors the metadata asks to allocate cannot outgrow the bytes that are
-really on disk (`check_allocation`: a planted `torch.Size` of 10^12 would otherwise have
-the reader allocate terabytes).
+Also: the folder is entered through no link below a trusted root (`confined.open_dir`),
+every file the metadata names is a plain name in it, the metadata is bounded in size, and
+the tensors it asks to allocate cannot outgrow the bytes really on disk
+(`check_allocation`: a planted `torch.Size` of 10^12 would allocate terabytes).
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import stat
@@ -31,15 +26,15 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
-from elastrain.checkpoints.confined import ConfinedFileError, plain_name, read_bounded
+from elastrain.checkpoints.confined import plain_name
 from elastrain.checkpoints.dcp.reader import VerifyingReader
+from elastrain.checkpoints.layout import DCP_METADATA_NAME
+from elastrain.contracts.files import ConfinedFileError, read_bounded
 
 #: DCP's metadata holds a record per tensor chunk: ~1 KiB each for a big sharded state.
 MAX_METADATA_BYTES = 64 * 1024 * 1024
-_METADATA_NAME = ".metadata"
-
-#: The only globals a DCP `.metadata` pickle may name (found by recording what a real one
-#: of every item kind resolves), besides `torch.<dtype>`.
+#: The only globals a `.metadata` pickle may name (recorded from real ones of every item
+#: kind), besides `torch.<dtype>`.
 _ALLOWED_GLOBALS = frozenset(
     {
         ("torch", "Size"),
@@ -66,7 +61,7 @@ _ALLOWED_GLOBALS = frozenset(
 
 
 class UntrustedCheckpoint(ValueError):
-    """A checkpoint folder that a reader refuses to trust, and why (no server path)."""
+    """A checkpoint folder a reader refuses to trust, and why (no server path)."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -76,7 +71,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UntrustedCheckpoint(
-            f"{_METADATA_NAME} names {module}.{name}, which a checkpoint's metadata never "
+            f"{DCP_METADATA_NAME} names {module}.{name}, which a checkpoint's metadata never "
             "holds: refused, nothing of it was run"
         )
 
@@ -88,40 +83,35 @@ def load_metadata(data: bytes) -> Metadata:
     except UntrustedCheckpoint:
         raise
     except Exception as exc:  # truncated or garbled: what it was matters, not where
-        raise UntrustedCheckpoint(f"{_METADATA_NAME} is not DCP metadata: {exc}") from None
+        raise UntrustedCheckpoint(f"{DCP_METADATA_NAME} is not DCP metadata: {exc}") from None
     if not isinstance(metadata, Metadata):
-        raise UntrustedCheckpoint(f"{_METADATA_NAME} holds a {type(metadata).__name__}")
+        raise UntrustedCheckpoint(f"{DCP_METADATA_NAME} holds a {type(metadata).__name__}")
     for index, info in (metadata.storage_data or {}).items():
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or not plain_name(name):
             raise UntrustedCheckpoint(
-                f"{_METADATA_NAME} places {getattr(index, 'fqn', '?')} in {name!r}, "
+                f"{DCP_METADATA_NAME} places {getattr(index, 'fqn', '?')} in {name!r}, "
                 "not a file of the checkpoint's own folder"
             )
         offset, length = getattr(info, "offset", -1), getattr(info, "length", -1)
         if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0:
-            raise UntrustedCheckpoint(f"{_METADATA_NAME}: a record at {offset!r}+{length!r}")
+            raise UntrustedCheckpoint(f"{DCP_METADATA_NAME}: a record at {offset!r}+{length!r}")
     return metadata
 
 
 def fd_path(fd: int) -> Path:
-    """A path that names the folder `fd` is open on, whatever is renamed or linked since
-    (Linux's /proc): readers that take a path read exactly that folder."""
+    """A path naming the folder `fd` is open on, whatever is renamed or linked since."""
     return Path(f"/proc/self/fd/{fd}")
 
 
 def check_allocation(metadata: Metadata, wanted: list[str], folder: Path) -> None:
-    """Refuse to allocate the tensors `wanted` (metadata keys) when they would need more
-    bytes than the folder's files really hold on disk (blocks, not sizes: a sparse file
-    holds none): the metadata's sizes are the job's to choose."""
+    """Refuse the tensors `wanted` (metadata keys) when they need more bytes than the
+    folder's files hold on disk (blocks, not sizes: a sparse file holds none)."""
     need = 0
     for key in wanted:
         meta = metadata.state_dict_metadata[key]
         if isinstance(meta, TensorStorageMetadata):
-            count = 1
-            for dim in meta.size:
-                count *= int(dim)
-            need += count * meta.properties.dtype.itemsize
+            need += math.prod(meta.size) * meta.properties.dtype.itemsize
     have = 0
     for name in {info.relative_path for info in (metadata.storage_data or {}).values()}:
         try:
@@ -137,17 +127,14 @@ def check_allocation(metadata: Metadata, wanted: list[str], folder: Path) -> Non
 
 
 class UntrustedReader(VerifyingReader):
-    """`VerifyingReader` for a folder a job wrote, read by a process of the control plane:
-    the metadata through `load_metadata`, no pickled (byte) item loaded."""
+    """`VerifyingReader` for a job's folder: metadata through `load_metadata`, no pickled
+    (byte) item loaded."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            data = read_bounded(_METADATA_NAME, MAX_METADATA_BYTES, dir_fd=fd)
+            data = read_bounded(os.path.join(self.path, DCP_METADATA_NAME), MAX_METADATA_BYTES)
         except (ConfinedFileError, FileNotFoundError) as exc:
-            raise UntrustedCheckpoint(str(exc) or f"no {_METADATA_NAME}") from None
-        finally:
-            os.close(fd)
+            raise UntrustedCheckpoint(str(exc) or f"no {DCP_METADATA_NAME}") from None
         metadata = load_metadata(data)
         self.storage_data = metadata.storage_data
         return metadata

@@ -1,32 +1,22 @@
-"""The storage side of a DCP save: shard files digested while they are written.
+"""DCP's `FileSystemWriter` with shard files digested while they are written.
 
-The manifest needs the digest of every file of a checkpoint (`elastrain.checkpoints.digest`: XXH3-128
-unless the job asks for sha256). Reading every shard back after DCP wrote it costs a
-second pass over all the bytes, on one rank. Instead each rank hashes the bytes of its own
-shard files as they go to the file (`DigestingStream`), and returns the digests beside its
-DCP write results. DCP gathers every rank's write results to the coordinator before it
-writes `.metadata`, so the coordinator ends the save holding the digest of every shard
-file without reading any of them (`DigestingWriter.shard_digests`).
+Rather than read every shard back (a second pass over all bytes, on one rank), each rank
+hashes its shard files' bytes on their way in (`DigestingStream`) and returns the digests
+beside its DCP write results, which DCP gathers to the coordinator before `.metadata`:
+the coordinator ends holding every shard's digest (`DigestingWriter.shard_digests`).
 
-What is hashed is exactly the sequence of bytes handed to the file, in order. DCP's shard
-writer only appends (torch.save's zip writer writes in order), so that sequence is the
-file's content. Anything that seeks or truncates makes a stream give up its digest, and
-the committer hashes such a file from disk instead (`describe_files`), as it does for every
-file without a streamed digest or whose size on disk differs from the count of bytes hashed.
-
-Everything else is DCP's own `FileSystemWriter`: its file layout (one file per rank), its
-write loop and its fsync. It extends `FileSystemWriter` and `FileSystem` (`create_stream`,
-`write_data`, `finish`), internals that older torch releases shape differently: hence the
-torch floor in pyproject.toml and `tests/unit/test_dcp_api_guard.py`.
+DCP's shard writer only appends, so the bytes hashed in order are the file's content; a
+seek or truncate gives the digest up, and the committer hashes that file from disk
+(`describe_files`), as any whose size on disk differs from the bytes hashed. The DCP
+internals extended here are pinned by the torch floor and `test_dcp_api_guard.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import threading
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -38,31 +28,19 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
-from elastrain.checkpoints.digest import DEFAULT_ALGORITHM, new_hasher
-from elastrain.checkpoints.manifest import FileEntry
+from elastrain.checkpoints.manifest import DEFAULT_ALGORITHM, FileEntry, new_hasher
 
 # DCP's shard files; `.metadata` and our own files are small and hashed from disk.
 SHARD_SUFFIX = ".distcp"
-# Marks the write results that carry digests rather than tensor locations. They travel to
-# the coordinator with DCP's own results and are taken out before `.metadata` is written,
-# so the checkpoint's DCP metadata is exactly what a plain FileSystemWriter writes.
+# Marks write results carrying digests: taken out before `.metadata` is written, so the
+# metadata is exactly what a plain FileSystemWriter writes.
 _DIGEST_FQN_PREFIX = "__elastrain_file_digest__/"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StreamedDigest:
-    """Digest (by `algorithm`) and length of the bytes written to one file, in order."""
-
-    name: str
-    size: int
-    digest: str
-    algorithm: str
-
-
 class DigestingStream(io.RawIOBase):
-    """A file opened for writing whose bytes are hashed on their way in. `record(size,
-    digest)` is called at close when every byte was appended in order; a seek or a
-    truncate gives the digest up (the committer then hashes the file from disk)."""
+    """A file for writing whose bytes are hashed on their way in; at close,
+    `record(size, digest)` when every byte was appended in order (not after a seek or
+    truncate)."""
 
     def __init__(self, path: Path, record: Callable[[int, str], None], algorithm: str) -> None:
         super().__init__()
@@ -121,7 +99,7 @@ class DigestingFileSystem(FileSystem):
         super().__init__()
         self.algorithm = algorithm
         self._lock = threading.Lock()  # DCP may write several files from several threads
-        self._digests: dict[str, StreamedDigest] = {}
+        self._digests: dict[str, FileEntry] = {}
 
     @contextmanager
     def create_stream(
@@ -135,9 +113,8 @@ class DigestingFileSystem(FileSystem):
         name, algorithm = path.name, self.algorithm
 
         def record(size: int, digest: str) -> None:
-            streamed = StreamedDigest(name=name, size=size, digest=digest, algorithm=algorithm)
             with self._lock:
-                self._digests[name] = streamed
+                self._digests[name] = FileEntry(size=size, digest=digest, algorithm=algorithm)
 
         with self._lock:
             self._digests.pop(name, None)  # a rewrite must never keep an old digest
@@ -147,25 +124,20 @@ class DigestingFileSystem(FileSystem):
         finally:
             stream.close()
 
-    def take_digests(self) -> list[StreamedDigest]:
+    def take_digests(self) -> dict[str, FileEntry]:
+        """Digests of the shard files written since the last call, by file name."""
         with self._lock:
-            out = list(self._digests.values())
-            self._digests.clear()
+            out, self._digests = self._digests, {}
         return out
 
 
 class DigestingWriter(FileSystemWriter):
-    """DCP's FileSystemWriter (one file per rank, fsync per file) whose shard files are
-    hashed as they are written. After a save, on the coordinator, `shard_digests` maps
-    every shard file name (relative to the checkpoint folder) to its size and digest (by
-    `algorithm`, a `elastrain.checkpoints.digest` name)."""
+    """After a save, on the coordinator, `shard_digests`: shard file name -> entry."""
 
     def __init__(self, path: str | os.PathLike[str], *, algorithm: str = DEFAULT_ALGORITHM) -> None:
-        # Staging is the async save's stager's (checkpointer.py), so no staging options
-        # here; sync_files: a file is durable before the manifest names it.
+        # sync_files: a file is durable before the manifest names it.
         super().__init__(path, single_file_per_rank=True, sync_files=True)
-        self._digesting_fs = DigestingFileSystem(algorithm)
-        self.fs = self._digesting_fs
+        self.fs = self._digesting_fs = DigestingFileSystem(algorithm)
         self.shard_digests: dict[str, FileEntry] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -176,7 +148,10 @@ class DigestingWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         with without_zip_crc32():
             results = list(super().write_data(plan, planner).wait())
-        results.extend(_digest_result(d) for d in self._digesting_fs.take_digests())
+        results += [
+            WriteResult(MetadataIndex(_DIGEST_FQN_PREFIX + name), entry["size"], entry)
+            for name, entry in self._digesting_fs.take_digests().items()
+        ]
         out: TorchFuture[list[WriteResult]] = TorchFuture()
         out.set_result(results)
         return out
@@ -194,17 +169,10 @@ _crc32_saved = True  # the setting to restore when the last of them ends
 
 @contextmanager
 def without_zip_crc32() -> Generator[None, None, None]:
-    """torch.save without the zip format's per-record crc32 while a shard is written.
-
-    DCP writes every tensor with torch.save, whose zip writer computes a crc32 of each
-    record by default: a third of the CPU of writing a shard (torch.save of 64 MB of fp32
-    into memory: 51 ms with it, 36 ms without, on the 2-core bench machine), on top of the
-    digest the manifest already holds for the whole file.
-    torch.load never checks that crc32 (same load time with or without it), so dropping
-    it loses no check a load makes. The flag is process-wide in torch; a torch.save
-    elsewhere in the process during a shard write also goes without crc32, which nothing
-    that reads it with torch.load can tell.
-    """
+    """torch.save without the zip's per-record crc32 while a shard is written: a third
+    of the CPU of a shard write (64 MB fp32: 51 ms with, 36 ms without), on top of the
+    manifest's digest, and torch.load never checks it. The flag is process-wide: another
+    torch.save meanwhile also skips it, which no torch.load can tell."""
     global _crc32_off_depth, _crc32_saved
     with _crc32_lock:
         if _crc32_off_depth == 0:
@@ -220,27 +188,15 @@ def without_zip_crc32() -> Generator[None, None, None]:
                 torch.serialization.set_crc32_options(_crc32_saved)
 
 
-def _digest_result(digest: StreamedDigest) -> WriteResult:
-    return WriteResult(
-        index=MetadataIndex(fqn=_DIGEST_FQN_PREFIX + digest.name),
-        size_in_bytes=digest.size,
-        storage_data=digest,
-    )
-
-
 def split_digest_results(
-    results: Iterable[list[WriteResult]],
+    results: Sequence[list[WriteResult]],
 ) -> tuple[dict[str, FileEntry], list[list[WriteResult]]]:
     """(file name -> entry, DCP's own results) from every rank's write results."""
-    digests: dict[str, FileEntry] = {}
-    dcp_results: list[list[WriteResult]] = []
-    for rank_results in results:
-        kept: list[WriteResult] = []
-        for result in rank_results:
-            if isinstance(result.storage_data, StreamedDigest):
-                d = result.storage_data
-                digests[d.name] = FileEntry(size=d.size, digest=d.digest, algorithm=d.algorithm)
-            else:
-                kept.append(result)
-        dcp_results.append(kept)
-    return digests, dcp_results
+    ours = _DIGEST_FQN_PREFIX
+    digests = {
+        r.index.fqn.removeprefix(ours): r.storage_data
+        for rs in results
+        for r in rs
+        if r.index.fqn.startswith(ours)
+    }
+    return digests, [[r for r in rs if not r.index.fqn.startswith(ours)] for rs in results]

@@ -142,7 +142,7 @@ class NetnsCluster:
         self.start_raylet(node)
         return node
 
-    def start_raylet(self, node: Node) -> str:
+    def start_raylet(self, node: Node) -> str | None:
         """(Re)start the node's Ray processes: a new raylet, a new Ray node id. (Ray never
         lets a node it declared dead come back with its old raylet; a supervisor such as
         KubeRay or systemd starts a new one, as this does.)"""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import logging
 import math
 import random
@@ -832,6 +833,31 @@ def _running(run: _Run, body: dict[str, Any], *, step: int, world_size: int) -> 
     if step:
         play.train(step)
     return play
+
+
+def prepare_job(srv: ServerHandle, points: list[dict[str, Any]]) -> int:
+    """A RUNNING `elastrain prepare` job (its tokenizer and input written to the server's
+    storage, as a tenant would) that has reported `points` (`workers.prepare.Progress`)."""
+    from tests.unit.test_prepare import DOCS, write_tokenizer
+
+    area = srv.storage_path / "data" / "default"
+    write_tokenizer(area / "tok", DOCS)
+    (area / "in").mkdir(parents=True, exist_ok=True)
+    (area / "in" / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    body = {
+        "name": "prepare-corpus",
+        "workload": {"name": "prepare",
+                     "params": {"inputs": ["in/*.jsonl"], "tokenizer": "tok", "out": "prep"}},
+        "scaling": {"min_workers": 1, "max_workers": 1},
+    }  # fmt: skip
+    with _sim(srv).run() as run:
+        play = _running(run, body, step=0, world_size=1)
+        play.driver.status = DriverStatus.RUNNING
+        for point in points:
+            run.advance(1.0)
+            play.driver.metrics.append(point)
+        play._pass()
+        return play.job_id
 
 
 def train(srv: ServerHandle, job_id: int, to_step: int) -> None:

@@ -357,7 +357,11 @@ def test_job_page_appends_new_points(page: Any, server: ServerHandle) -> None:
     assert page.evaluate("() => window.__elastrain.perf.metrics.points") == 10
     steps = page.evaluate("() => window.__elastrain.charts.loss.plot.data[0]")
     assert steps == list(range(1, 41))
-    assert page.inner_text("#stat-step").startswith("40 /")
+    # The header follows at the poll after its job read (read before the metrics: a poll
+    # can carry the new points and the old step, as CI saw under load).
+    page.wait_for_function(
+        "() => document.querySelector('#stat-step').innerText.startsWith('40 /')"
+    )
     # The goodput panel follows: the ten new steps' seconds count as training.
     with server.http() as client:
         training = client.get(f"/v1/jobs/{job_id}").json()["goodput"]["training_s"]
@@ -367,6 +371,31 @@ def test_job_page_appends_new_points(page: Any, server: ServerHandle) -> None:
         arg=training,
     )
     assert_not_reloaded(page)
+
+
+def test_a_prepare_job_shows_files_rows_bytes_tokens_and_its_eta(
+    page: Any, server: ServerHandle
+) -> None:
+    """A prepare job's steps are progress points: the page shows what it has read and
+    when it will be done, from the job's last point, not a step count."""
+
+    def point(step: int, fraction: float, eta_s: float) -> dict[str, Any]:
+        return {
+            "step": step, "loss": None, "tokens_per_s": 250_000.0, "samples_per_s": 900.0,
+            "rows": 1000 * step, "bytes": int(12 * 2**20 * fraction), "tokens": 250_000 * step,
+            "files_done": step, "files": 4, "progress": fraction, "eta_s": eta_s,
+        }  # fmt: skip
+
+    job_id = seed.prepare_job(server, [point(1, 0.25, 150.0), point(2, 0.5, 95.0)])
+    open_dashboard(page, server, f"/jobs/{job_id}")
+    wait_text(page, "#stat-files", "files 2 / 4")
+    assert page.inner_text("#stat-rows") == "2,000 rows"
+    assert page.inner_text("#stat-bytes").strip() == "· 6.0 MiB"
+    assert page.inner_text("#stat-tokens") == "500,000"
+    assert page.inner_text("#stat-prepare-eta").strip() == f"ETA {fmt_duration(95)}"
+    assert page.get_attribute(".stat .progress", "aria-valuenow") == "50"
+    assert page.query_selector("#stat-step") is None  # no step count of a training job
+    wait_text(page, "#throughput-readout", "250.0k tokens/s")
 
 
 def test_submit_shows_api_errors_verbatim(page: Any, server: ServerHandle) -> None:

@@ -4,10 +4,11 @@ on top, so that node loss is real: removing a node kills its raylet and its work
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
-import threading
-import time
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -75,28 +76,42 @@ def multi_node_service(
         cluster.shutdown()
 
 
+@dataclass
+class Slowdown:
+    """What `slowed` achieved, known once it ended."""
+
+    stopped_share: float | None = None
+
+    @property
+    def factor(self) -> float | None:
+        """How many times slower the process ran (1 / the share of time it ran)."""
+        if self.stopped_share is None or self.stopped_share >= 1:
+            return None
+        return 1 / (1 - self.stopped_share)
+
+
 @contextmanager
-def slowed(pid: int, period_s: float = 0.004) -> Iterator[None]:
-    """A process made about 2x slower from outside: stopped and resumed in turns, half
-    of every `period_s` stopped (as `cpulimit` does), finely enough that any piece of its
-    work longer than a few milliseconds takes about twice as long, as on a slower device.
-    Stopped relative to itself, so the slowdown holds however busy the machine is."""
-    done = threading.Event()
-
-    def cycle() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            while not done.is_set():
-                os.kill(pid, signal.SIGSTOP)
-                time.sleep(period_s / 2)
-                os.kill(pid, signal.SIGCONT)
-                time.sleep(period_s / 2)
-
-    thread = threading.Thread(target=cycle, daemon=True)
-    thread.start()
+def slowed(pid: int, period_s: float = 0.004, stopped: float = 0.5) -> Iterator[Slowdown]:
+    """A process made about 1 / (1 - stopped) times slower from outside (2x by default),
+    finely enough that any piece of its work longer than a few milliseconds takes that
+    much longer, as on a slower device (`tests.chaos.slow_down`: a process of its own, at
+    a real-time priority where allowed, so the turns hold on a busy machine). The
+    yielded `Slowdown` says what was achieved."""
+    achieved = Slowdown()
+    injector = subprocess.Popen(
+        [sys.executable, "-m", "tests.chaos.slow_down", str(pid), str(period_s), str(stopped)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     try:
-        yield
+        yield achieved
     finally:
-        done.set()
-        thread.join()
+        injector.terminate()
+        out, _ = injector.communicate(timeout=30)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(ValueError, KeyError, IndexError):
+            achieved.stopped_share = float(
+                json.loads(out.strip().splitlines()[-1])["stopped_share"]
+            )

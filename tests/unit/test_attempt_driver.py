@@ -5,6 +5,7 @@ on as soon as it is advanced: no sleep anywhere."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -73,6 +74,7 @@ class _Handle:
 class _PlacementGroup:
     def __init__(self, where: Where) -> None:
         self.where = where
+        self.placing = False  # Ray preparing its bundles now (`placement.being_placed`)
         self.ref = _Ref()
         self.id = type("Id", (), {"hex": lambda self: "pg"})()
 
@@ -89,6 +91,7 @@ class _Cluster:
         monkeypatch.setattr(driver_module, "ask", self._ask)
         monkeypatch.setattr(driver_module, "bundle_nodes", lambda pg, n: nodes[:n])
         monkeypatch.setattr(driver_module, "remove_placement_group", self.removed.append)
+        monkeypatch.setattr(driver_module, "being_placed", lambda pg: pg.placing)
 
     def _ask(self, request: Any, name: str, where: Where, preferred: Any) -> _PlacementGroup:
         self.asked.append(_PlacementGroup(where))
@@ -192,23 +195,80 @@ def test_the_old_group_is_waited_for_then_its_processes_are_taken(
     assert stopped.at == old.returned_at and stopped.detail == ""
 
 
-def test_a_rank_that_dies_fails_the_attempt_after_the_node_probe(
-    pool: WorkerPool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(collect, "raylet_gone", lambda node: node == "n2")
-    d, _ = _formed(pool, monkeypatch)
-    survivor, lost = d.workers
-    lost.handle.refs["run"].die()
-    d.advance()
-    assert d.step == Step.RUN  # its node is being probed (on a thread of its own)
-    d._outcomes.probes["n2"].result(timeout=5)
+def _survivor_lets_go(d: AttemptDriver, survivor: PooledWorker) -> Any:
+    """Rank 0 ends with its peer lost; the attempt's report, which must name rank 1's
+    node as dead."""
     peer = WorkerError(type="DistBackendError", message="peer", kind=ErrorKind.PEER_LOST)
     survivor.handle.refs["run"].answer(RunOutcome(rank=0, error=peer))
     d.advance()
     report = d.drain(0)
     assert report.status == DriverStatus.FAILED and report.error is not None
     assert (report.error.kind, report.error.rank) == (ErrorKind.NODE_DIED, 1)
+    return report
+
+
+def test_a_rank_that_dies_fails_the_attempt_after_the_node_probe(
+    pool: WorkerPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gone: set[str] = set()
+    monkeypatch.setattr(collect, "raylet_gone", lambda node: node in gone)
+    d, _ = _formed(pool, monkeypatch)
+    survivor, lost = d.workers
+    gone.add("n2")  # its raylet, and with it its process
+    lost.handle.refs["run"].die()
+    d.advance()
+    assert d.step == Step.RUN  # its node is being probed (on a thread of its own)
+    d._outcomes.probes["n2"].result(timeout=5)
+    _survivor_lets_go(d, survivor)
     assert lost.name not in pool.workers and not survivor.busy
+
+
+def test_a_rank_whose_raylet_died_ends_as_a_node_loss_before_ray_says_so(
+    pool: WorkerPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n2's raylet died; rank 1's process there trains on (or is gone, its calls neither
+    answering nor failing until Ray's health checks fail the node): the driver probes its
+    ranks' nodes while they run, and n2's refusal ends rank 1 as a node loss at once."""
+    monkeypatch.setattr(collect, "raylet_gone", lambda node: node == "n2")
+    d, _ = _formed(pool, monkeypatch)
+    survivor, lost = d.workers
+    d.advance()  # probes of n1 and n2 go out
+    probes = d._outcomes._watched
+    assert set(probes) == {"n1", "n2"}
+    assert not probes["n1"][0].result(timeout=5) and probes["n2"][0].result(timeout=5)
+    d.advance()
+    assert lost.handle.called("abort")  # if its process lives on, it lets go
+    assert survivor.handle.called("abort")  # its peer ended badly: told to let go at once
+    report = _survivor_lets_go(d, survivor)
+    assert "refuses connections" in report.error.message
+    assert lost.name not in pool.workers and not survivor.busy
+
+
+def test_the_nodes_are_probed_again_through_the_grace_of_a_bad_outcome(
+    pool: WorkerPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its peers ended badly first (their collective with it broke) while n2's raylet
+    still answered: the driver keeps waking and probing, and finds it gone a second later."""
+    gone: set[str] = set()
+    monkeypatch.setattr(collect, "raylet_gone", lambda node: node in gone)
+    d, _ = _formed(pool, monkeypatch)
+    survivor, lost = d.workers
+    d.advance()
+    d._outcomes._watched["n2"][0].result(timeout=5)
+    peer = WorkerError(type="DistBackendError", message="peer", kind=ErrorKind.PEER_LOST)
+    survivor.handle.refs["run"].answer(RunOutcome(rank=0, error=peer))
+    d.advance()
+    assert lost.handle.called("abort") and d.step == Step.RUN  # let go; no answer yet
+    assert d._state.poll_at is not None  # the driver still wakes to poll and probe
+    gone.add("n2")
+    mono = time.monotonic()
+    monkeypatch.setattr(driver_module.time, "monotonic", lambda: mono + 2)
+    d.advance()
+    assert d._outcomes._watched["n2"][0].result(timeout=5)
+    d.advance()
+    report = d.drain(0)
+    assert report.status == DriverStatus.FAILED and report.error is not None
+    assert (report.error.kind, report.error.rank) == (ErrorKind.NODE_DIED, 1)
 
 
 def test_a_rank_that_never_lets_go_is_given_up_and_taken_back_when_it_does(
@@ -276,6 +336,34 @@ def test_an_ask_not_placed_in_time_is_asked_again_then_anywhere(
     assert cluster.removed == cluster.asked[:4]  # each replaced ask was dropped
 
 
+def test_an_ask_ray_is_placing_is_not_replaced(
+    pool: WorkerPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray 2.60 leaks the bundles of a group removed while it prepared them on a node that
+    died, and then places no later group (ray#64693): such an ask is left to end, and the
+    next ask after it replaces it; placed meanwhile, it is the attempt's."""
+    cluster = _Cluster(monkeypatch, ["n1", "n2"])
+    now = [1000.0]
+    monkeypatch.setattr(driver_module.time, "monotonic", lambda: now[0])
+    d = _driver(pool, [])
+    d.advance()
+    cluster.asked[0].placing = True
+    for _ in range(2):  # two asks due (0.15 s, 0.45 s): the group is being placed, kept
+        assert d.wake_at is not None
+        now[0] = d.wake_at
+        d.advance()
+    assert len(cluster.asked) == 1 and cluster.removed == []
+    cluster.asked[0].placing = False  # pending again: the next ask replaces it
+    assert d.wake_at is not None
+    now[0] = d.wake_at
+    d.advance()
+    assert len(cluster.asked) == 2 and cluster.removed == cluster.asked[:1]
+    cluster.asked[1].placing = True
+    cluster.asked[1].ref.answer(None)  # placed while being placed: the attempt goes on
+    d.advance()
+    assert d.step != Step.RESERVE and cluster.removed == cluster.asked[:1]
+
+
 @pytest.mark.parametrize(
     ("joined", "warm", "expected"),
     [
@@ -310,3 +398,12 @@ def test_a_grows_timeline_starts_when_its_node_joined(
     timeline = d._timeline()
     assert [(m.phase, m.at) for m in timeline.marks] == expected
     assert timeline.phases()[0]["since_start_s"] == 0.0
+
+
+def test_the_placing_state_is_one_ray_reports() -> None:
+    """`being_placed` reads Ray's placement-group stats by name: a Ray that renames the
+    state would leave every ask replaceable again, silently."""
+    from ray.core.generated import gcs_pb2
+
+    names = [v.name for v in gcs_pb2.PlacementGroupStats.SchedulingState.DESCRIPTOR.values]
+    assert "SCHEDULING_STARTED" in names

@@ -32,6 +32,7 @@ from elastrain.workers.runtime.phases import (
     Drop,
     Facts,
     Fail,
+    LetGo,
     Mark,
     OpenStore,
     Poll,
@@ -233,12 +234,13 @@ RESERVING = State(step=Step.RESERVE, where=Where.PREFERRED, deadline=T + PREFERR
         ),
         # a release while running changes nothing here: the ranks are told to let go
         (at(Step.RUN, None), facts(ranks=2, outcomes=0, released=True), at(Step.RUN, None), []),
-        # the first bad outcome starts the others' grace; past it, they are given up
+        # the first bad outcome tells the others to let go and starts their grace; past
+        # it, they are given up
         (
             at(Step.RUN, None),
             facts(ranks=3, outcomes=1, bad=True),
             at(Step.RUN, None, grace_until=T + OUTCOME_GRACE_S),
-            [],
+            [LetGo()],
         ),
         (
             at(Step.RUN, None, grace_until=T + 1),
@@ -273,12 +275,19 @@ RESERVING = State(step=Step.RESERVE, where=Where.PREFERRED, deadline=T + PREFERR
             at(Step.RUN, None, hung=True, grace_until=T + 5),
             [],
         ),
-        # ... and a bad outcome stops the polls
+        # ... a bad outcome lets the others go; the polls go on through their grace (a
+        # rank whose process went with its raylet answers none: its node is probed) ...
         (
             at(Step.RUN, None, poll_at=T),
             facts(ranks=2, outcomes=1, bad=True),
-            at(Step.RUN, None, grace_until=T + OUTCOME_GRACE_S),
-            [],
+            at(Step.RUN, None, poll_at=T, grace_until=T + OUTCOME_GRACE_S),
+            [LetGo()],
+        ),
+        (
+            at(Step.RUN, None, poll_at=T, grace_until=T + 5),
+            facts(ranks=2, outcomes=1, bad=True),
+            at(Step.RUN, None, poll_at=T + POLL_S, grace_until=T + 5),
+            [Poll()],
         ),
         # over: nothing more
         (at(Step.DONE), facts(released=True, placed=True), at(Step.DONE), []),

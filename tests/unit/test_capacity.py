@@ -7,7 +7,9 @@ import random
 
 import pytest
 
+from elastrain.contracts.messages import DriverReport, DriverStatus, ErrorKind, WorkerError
 from elastrain.service.capacity import (
+    FOUND_DEAD_HOLD_S,
     NODE_JOINED_AT,
     PROCESS_WARM_AT,
     Allocation,
@@ -15,6 +17,7 @@ from elastrain.service.capacity import (
     ClusterCapacity,
     NodeCapacity,
     WorkerShape,
+    found_dead,
     free_capacity,
     grow_joins,
     warming_nodes,
@@ -181,3 +184,47 @@ def test_the_cluster_view_shows_warming_nodes_while_they_are_alive() -> None:
     )
     view = snapshot(capacity, capacity, {})
     assert {n.node_id: n.warming for n in view.nodes} == {"up": False, "new": True, "gone": False}
+
+
+def _failed(kind: ErrorKind, node: str | None = "n1") -> DriverReport:
+    error = WorkerError(type="ConnectionRefusedError", message="died", kind=kind, node_id=node)
+    return DriverReport(status=DriverStatus.FAILED, error=error)
+
+
+T = 100.0
+ALIVE = frozenset({"n0", "n1", "n2"})
+
+
+@pytest.mark.parametrize(
+    ("held", "reports", "alive", "expected"),
+    [
+        ({}, [], ALIVE, {}),
+        # a driver found n1's raylet gone: n1 counts as dead from now on, for the hold
+        ({}, [_failed(ErrorKind.NODE_DIED)], ALIVE, {"n1": T + FOUND_DEAD_HOLD_S}),
+        # a process that died alone, or another failure, says nothing of its node
+        ({}, [_failed(ErrorKind.PROCESS_DIED)], ALIVE, {}),
+        ({}, [_failed(ErrorKind.NODE_DIED, node=None)], ALIVE, {}),
+        ({}, [DriverReport(status=DriverStatus.RUNNING)], ALIVE, {}),
+        # Ray already says so: nothing to hold
+        ({}, [_failed(ErrorKind.NODE_DIED)], frozenset({"n0"}), {}),
+        ({"n1": T + 5}, [], frozenset({"n0"}), {}),
+        # held until the hold ends; a second report does not extend it
+        ({"n1": T + 5}, [], ALIVE, {"n1": T + 5}),
+        ({"n1": T + 5}, [_failed(ErrorKind.NODE_DIED)], ALIVE, {"n1": T + 5}),
+        ({"n1": T}, [], ALIVE, {}),
+    ],
+)  # fmt: skip
+def test_a_node_a_driver_found_dead_counts_as_dead_until_ray_says_so(
+    held: dict[str, float],
+    reports: list[DriverReport],
+    alive: frozenset[str],
+    expected: dict[str, float],
+) -> None:
+    assert found_dead(held, reports, alive, T) == expected
+
+
+def test_a_node_counted_dead_holds_no_capacity_and_its_ranks_are_lost() -> None:
+    marked = cluster(3).with_dead({"n1"})
+    assert marked.alive_ids() == {"n0", "n2"}
+    assert free_capacity(marked, []).workers_that_fit(CPU.cpus, CPU.gpus) == 8
+    assert cluster(3).with_dead(set()) == cluster(3)

@@ -1,4 +1,4 @@
-"""Checkpoint digests by name (`checkpoints/digest.py`) and the load that verifies the shards
+"""Checkpoint digests by name (`checkpoints/manifest.py`) and the load that verifies the shards
 it reads before it decodes them (`checkpoints/dcp/reader.py`):
 
 - one flipped byte is caught with XXH3-128 and with sha256, the load falls back to the
@@ -25,14 +25,15 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from elastrain.checkpoints.catalog import find_latest_good
 from elastrain.checkpoints.dcp import ShardedCheckpointer
 from elastrain.checkpoints.dcp import reader as reader_module
-from elastrain.checkpoints.digest import (
+from elastrain.checkpoints.integrity import CorruptCheckpoint, digest_file, verify
+from elastrain.checkpoints.manifest import (
     ALGORITHMS,
+    ManifestError,
     UnknownDigestAlgorithm,
     algorithm_for_setting,
     new_hasher,
+    read_manifest,
 )
-from elastrain.checkpoints.integrity import CorruptCheckpoint, digest_file, verify
-from elastrain.checkpoints.manifest import ManifestError, read_manifest
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (
     FIELDS,
@@ -104,7 +105,7 @@ def test_one_flipped_byte_is_caught(tmp_path: Path, setting: str, algorithm: str
 
     # A shard: found by the rank that reads it, during the load.
     flip_one_byte(newest / "__0_0.distcp")
-    verify(newest, check_digests=False)  # same size: names and sizes cannot tell
+    verify(newest, digests_of=())  # same size: names and sizes cannot tell
     got = load_into_fresh("plain", str(tmp_path), 1)
     assert got["step"] == 1
     assert_same(got["full"], refs[1])
@@ -210,13 +211,13 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
 
 def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     mapped: list[str] = []
-    original = reader_module._mapped
+    original = reader_module.open_regular
 
     def record(path: str) -> Any:
         mapped.append(Path(path).name)
         return original(path)
 
-    reader_module._mapped = record
+    reader_module.open_regular = record
     model, optim = build("fsdp")
     ckpt = ShardedCheckpointer(Path(root), rank=rank, world_size=world_size, async_save=False)
     refs = {}

@@ -118,7 +118,7 @@ def test_a_bad_shard_falls_back_to_the_older_checkpoint(tmp_path: Path) -> None:
 
 def test_what_loads_is_the_bytes_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Step 1's shard is renamed over step 2's once step 2's was hashed: the load still
-    gives step 2, decoded from the map that was hashed, not from a file opened again."""
+    gives step 2, decoded from the file that was hashed, not from a file opened again."""
     refs = save_two(tmp_path, "xxh3")
     newest = tmp_path / "step_000000002-a0"
     agree = reader_module.VerifyingReader._agree
@@ -184,13 +184,13 @@ def _replicated_record(folder: Path) -> tuple[str, int, int]:
 
 def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     mapped: list[str] = []
-    original = reader_module._mapped
+    original = reader_module.open_regular
 
     def record(path: str) -> Any:
         mapped.append(Path(path).name)
         return original(path)
 
-    reader_module._mapped = record
+    reader_module.open_regular = record
     model, optim = build_wide()
     ckpt = ShardedCheckpointer(Path(root), rank=rank, world_size=world_size, async_save=False)
     refs = {}
@@ -229,7 +229,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
             flip_one_byte(Path(root, f"step_00000000{step}-a0", name), at=offset + length // 2)
         dist.barrier()
         out[f"after_{step}"] = load()
-    reader_module._mapped = original
+    reader_module.open_regular = original
     return out
 
 

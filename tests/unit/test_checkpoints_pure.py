@@ -32,7 +32,6 @@ from elastrain.checkpoints.manifest import (
     write_manifest,
 )
 from elastrain.checkpoints.retention import (
-    delete_checkpoint,
     delete_checkpoints,
     plan_retention,
     retention_plan,
@@ -170,12 +169,12 @@ def test_verify_names_the_problem(tmp_path: Path) -> None:
         verify(path)
     # Sizes only: cheap check still catches truncation.
     with pytest.raises(CorruptCheckpoint, match="truncated"):
-        verify(path, check_digests=False)
+        verify(path, digests_of=())
 
     flipped = bytearray(original)
     flipped[100] ^= 0xFF
     shard.write_bytes(bytes(flipped))
-    verify(path, check_digests=False)  # same size: only the digest sees it
+    verify(path, digests_of=())  # same size: only the digest sees it
     with pytest.raises(CorruptCheckpoint, match=r"digest mismatch: __1_0\.distcp"):
         verify(path)
 
@@ -249,7 +248,7 @@ def test_find_latest_good_falls_back_with_reasons(tmp_path: Path) -> None:
     assert "truncated" in reasons[str(p2)]
 
     # Without digests the flipped byte goes unnoticed (documented trade-off).
-    info, _ = find_latest_good(tmp_path, verify_digests=False)
+    info, _ = find_latest_good(tmp_path, digest_here=lambda _name: False)
     assert info is not None and info.step == 3
 
 
@@ -304,7 +303,7 @@ def test_retention_deletes_and_tolerates_missing(tmp_path: Path) -> None:
     assert left == [step_dir_name(3, 0), step_dir_name(4, 0), step_dir_name(6, 0)]
     assert retention_plan(tmp_path, keep_last=2) == []  # nothing more to delete
     delete_checkpoints(tmp_path, doomed)  # deleted already: not an error
-    delete_checkpoint(tmp_path / "never-existed")  # not an error
+    delete_checkpoints(tmp_path, [tmp_path / "never-existed"])  # not an error
 
 
 def test_half_deleted_checkpoint_is_not_committed(tmp_path: Path) -> None:
@@ -312,7 +311,7 @@ def test_half_deleted_checkpoint_is_not_committed(tmp_path: Path) -> None:
     garbage, not a committed checkpoint with missing shards."""
     make_checkpoint(tmp_path, 1)
     p2 = make_checkpoint(tmp_path, 2)
-    (p2 / "manifest.json").unlink()  # what delete_checkpoint does first
+    (p2 / "manifest.json").unlink()  # what delete_checkpoints does first
     (p2 / "__0_0.distcp").unlink()
     info, _ = find_latest_good(tmp_path)
     assert info is not None and info.step == 1
@@ -321,7 +320,7 @@ def test_half_deleted_checkpoint_is_not_committed(tmp_path: Path) -> None:
 def test_pure_modules_do_not_import_torch() -> None:
     code = (
         "import sys, checkpoints, elastrain.checkpoints.catalog, elastrain.checkpoints.retention, "
-        "elastrain.checkpoints.integrity, elastrain.checkpoints.layout, elastrain.checkpoints.manifest, elastrain.checkpoints.commit; "
+        "elastrain.checkpoints.integrity, elastrain.checkpoints.layout, elastrain.checkpoints.manifest; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     root = Path(__file__).resolve().parents[2]

@@ -27,8 +27,7 @@ import elastrain.checkpoints.integrity as integrity
 from elastrain.checkpoints.catalog import find_latest_good, list_committed
 from elastrain.checkpoints.dcp import ShardedCheckpointer
 from elastrain.checkpoints.dcp.writer import DigestingFileSystem, DigestingStream
-from elastrain.checkpoints.digest import DEFAULT_ALGORITHM
-from elastrain.checkpoints.manifest import read_manifest
+from elastrain.checkpoints.manifest import DEFAULT_ALGORITHM, read_manifest
 from tests.unit.dist_utils import run_distributed
 from tests.unit.test_checkpoints_dcp import (
     FIELDS,
@@ -201,10 +200,10 @@ def test_a_stream_that_seeks_gives_no_digest(tmp_path: Path) -> None:
         stream.write(b"abcdef")
     with fs.create_stream(tmp_path / "other.bin", "wb") as stream:
         stream.write(b"abcdef")
-    digests = {d.name: d for d in fs.take_digests()}
+    digests = fs.take_digests()
     assert set(digests) == {"__0_1.distcp"}  # the seeked file is hashed from disk instead
-    assert digests["__0_1.distcp"].digest == integrity.digest_file(tmp_path / "__0_1.distcp")
-    assert digests["__0_1.distcp"].size == 6
+    assert digests["__0_1.distcp"]["digest"] == integrity.digest_file(tmp_path / "__0_1.distcp")
+    assert digests["__0_1.distcp"]["size"] == 6
 
 
 def test_streamed_digest_of_a_wrong_size_is_not_trusted(tmp_path: Path) -> None:

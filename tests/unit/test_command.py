@@ -4,6 +4,7 @@ from `elastrain.workers.user_api.report` through a real pipe, and real scripts r
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -18,7 +19,14 @@ import pytest
 from elastrain.contracts.group import Assignment
 from elastrain.contracts.messages import Control, Phase, StepMetrics, TimelineMark, WorkerMessage
 from elastrain.contracts.spec import JobSpec
-from elastrain.workers.command import ScriptRun, command_argv, command_env, parse_report
+from elastrain.workers.command import (
+    LINE_HOLD_BYTES,
+    ScriptRun,
+    command_argv,
+    command_env,
+    copy_whole_lines,
+    parse_report,
+)
 from elastrain.workers.errors import script_error_kind
 from elastrain.workers.runtime.layout import local_layout
 
@@ -206,6 +214,57 @@ def test_a_script_that_succeeds_reports_and_logs(
     points = [m for m in sink.messages if isinstance(m, StepMetrics)]
     assert [m.phase for m in marks] == [Phase.FIRST_STEP]
     assert [(p.step, p.loss) for p in points] == [(1, 1.0), (2, 0.5)]
+
+
+class Chunks(io.RawIOBase):
+    """A pipe's reads as they came: `read1` gives one chunk at a time."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = list(chunks)
+
+    def readable(self) -> bool:
+        return True
+
+    def read1(self, size: int = -1) -> bytes:
+        return self.chunks.pop(0) if self.chunks else b""
+
+
+@pytest.mark.parametrize(
+    ("chunks", "writes"),
+    [
+        ([b"args", b" ", b"[1]", b"\n"], [b"args [1]\n"]),
+        ([b"a\nb", b"c\n"], [b"a\n", b"bc\n"]),
+        ([b"one\ntwo\n"], [b"one\ntwo\n"]),
+        ([b"10%\r", b"20%\r", b"done\n"], [b"10%\r", b"20%\r", b"done\n"]),
+        ([b"no end"], [b"no end"]),
+        ([b"x" * LINE_HOLD_BYTES, b"y\n"], [b"x" * LINE_HOLD_BYTES, b"y\n"]),
+        ([], []),
+    ],
+)  # fmt: skip
+def test_a_stream_is_copied_in_whole_lines(chunks: list[bytes], writes: list[bytes]) -> None:
+    got: list[bytes] = []
+    tail: list[bytes] = []
+    copy_whole_lines(Chunks(chunks), got.append, also=tail.append)  # type: ignore[arg-type]
+    assert got == writes and tail == writes
+
+
+def test_stdout_and_stderr_lines_never_mix_in_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    _, _, log = run_script(
+        tmp_path,
+        """
+        import sys
+        for i in range(300):
+            print("out", i, "of", 300)
+            print("err", i, "of", 300, file=sys.stderr)
+    """,
+    )
+    lines = log.splitlines()
+    assert sorted(lines) == sorted(
+        [f"out {i} of 300" for i in range(300)] + [f"err {i} of 300" for i in range(300)]
+    )
 
 
 def test_a_failing_script_says_why_in_the_last_line_of_its_stderr(

@@ -163,6 +163,40 @@ relaunched_after_b_lost: list[Action] = [
     MarkSpare(since=None),
 ]
 
+# Attempt 2 at 3 workers, launched at NOW - 20 and still waiting for Ray to reserve its
+# bundles (no placement reported); node c leaves at NOW - 5 (gone: `Facts.nodes_gone`).
+UNPLACED = AttemptView(number=2, world_size=3, started_at=NOW - 20)
+C_GONE = {"c": NOW - 5}
+c_left_unplaced = RecordEvent(
+    kind=EventKind.NODE_LOST,
+    reason="node c left before attempt 2 was placed: 2 of its 3 workers fit now",
+    details={"nodes": ["c"], "world_size": 3, "fit": 2},
+)
+released_unplaced = EndAttempt(outcome=AttemptOutcome.NODE_LOST, step=30)
+# The relaunch keeps off c: Ray may still list it alive (ray#64693, `decisions.start`).
+relaunched_off_c = StartAttempt(world_size=2, avoid_nodes=("c",))
+released_and_relaunched_at_2 = [
+    c_left_unplaced,
+    released_unplaced,
+    Transition(to=S.RECOVERING, reason="node lost before placement (c)", world_size=2),
+    relaunched_off_c,
+    MarkSpare(since=None),
+]
+# Ray gave up reserving the bundles (the runtime's placement timeout).
+NOT_RESERVED = WorkerError(
+    type="RuntimeError", message="Ray could not reserve the attempt's bundles in 120s"
+)
+shrank_under_it = RecordEvent(
+    kind=EventKind.CAPACITY,
+    reason="attempt 2 failed before it was placed and 2 of its 3 workers fit now: "
+    "the cluster shrank, no restart counted",
+)
+
+
+def waiting_for_placement(state: JobState, **kw: Any) -> JobView:
+    return job(state, attempt=UNPLACED, world_size=3, **kw)
+
+
 ROWS: list[Any] = [
     # -- queued ---------------------------------------------------------------------------
     pytest.param(job(S.PENDING, cancel_requested=True), facts(), [cancelled], id="pending+cancel"),
@@ -224,6 +258,103 @@ ROWS: list[Any] = [
         facts(nodes("a", "c"), alive=("a", "c"), report=report(DriverStatus.STARTING)),
         relaunched_after_b_lost,
         id="starting+node-lost",
+    ),
+    # -- waiting for its placement ---------------------------------------------------------
+    pytest.param(
+        waiting_for_placement(S.STARTING),
+        facts(nodes("a", "b", "c"), alive=("a", "b", "c"), report=report(DriverStatus.STARTING)),
+        [],
+        id="starting+not-placed-yet+capacity-there: waits (a slow start on a busy cluster)",
+    ),
+    pytest.param(
+        waiting_for_placement(S.STARTING),
+        facts(nodes("a", "b"), report=report(DriverStatus.STARTING), nodes_gone=C_GONE),
+        released_and_relaunched_at_2,
+        id="starting+not-placed+node-left-since-launch: released, relaunched at 2, no restart",
+    ),
+    pytest.param(
+        waiting_for_placement(S.STARTING),
+        facts(
+            nodes("a", "b", "d"),
+            alive=("a", "b", "d"),
+            report=report(DriverStatus.STARTING),
+            nodes_gone=C_GONE,
+        ),
+        [],
+        id="starting+not-placed+node-left+the-others-still-hold-3: waits (placed on them)",
+    ),
+    pytest.param(
+        waiting_for_placement(S.STARTING),
+        facts(nodes("a", "b"), report=report(DriverStatus.STARTING), nodes_gone={"c": NOW - 30}),
+        [],
+        id="starting+not-placed+node-left-before-launch: waits (sized without it)",
+    ),
+    # The chaos campaign's case: a grow 1 -> 3 launched as node c's raylet was killed; Ray
+    # declared c dead 15 s later, with 2 nodes left and the attempt still reserving.
+    pytest.param(
+        waiting_for_placement(S.RESIZING),
+        facts(nodes("a", "b"), report=report(DriverStatus.STARTING), nodes_gone=C_GONE),
+        released_and_relaunched_at_2,
+        id="resizing+grow-not-placed+node-left: relaunched at 2",
+    ),
+    pytest.param(
+        waiting_for_placement(S.RECOVERING, restarts=1),
+        facts(nodes("a", "b"), report=report(DriverStatus.STARTING), nodes_gone=C_GONE),
+        [
+            c_left_unplaced,
+            released_unplaced,
+            SetReason(reason="node lost before placement (c)"),
+            relaunched_off_c,
+            MarkSpare(since=None),
+        ],
+        id="recovering+not-placed+node-left: relaunched at 2 (the event says why)",
+    ),
+    pytest.param(
+        waiting_for_placement(S.STARTING, spec=spec(scaling={"min_workers": 3, "max_workers": 3})),
+        facts(nodes("a", "b"), report=report(DriverStatus.STARTING), nodes_gone=C_GONE),
+        [
+            c_left_unplaced,
+            released_unplaced,
+            Transition(to=S.RECOVERING, reason="node lost before placement (c)"),
+            StartWaiting(reason="waiting below min: 2 workers fit, the job needs 3", at=NOW),
+        ],
+        id="starting+not-placed+node-left+below-min: released, waits for capacity",
+    ),
+    pytest.param(
+        waiting_for_placement(S.STARTING),
+        facts(nodes("a", "b"), report=report(DriverStatus.FAILED, error=NOT_RESERVED)),
+        [
+            EndAttempt(outcome=AttemptOutcome.FAILED, error=NOT_RESERVED, step=30),
+            shrank_under_it,
+            Transition(
+                to=S.RECOVERING,
+                reason=f"relaunching where it fits after: {NOT_RESERVED.summary()}",
+                world_size=2,
+            ),
+            StartAttempt(world_size=2),
+            MarkSpare(since=None),
+        ],
+        id="starting+placement-timed-out+cluster-shrank: no restart counted, relaunched at 2",
+    ),
+    pytest.param(
+        waiting_for_placement(S.STARTING),
+        facts(
+            nodes("a", "b", "c"),
+            alive=("a", "b", "c"),
+            report=report(DriverStatus.FAILED, error=NOT_RESERVED),
+        ),
+        [
+            EndAttempt(
+                outcome=AttemptOutcome.FAILED, error=NOT_RESERVED, step=30, count_restart=True
+            ),
+            DelayRelaunch(until=NOW + 1),
+            Transition(
+                to=S.RECOVERING,
+                reason=f"restart 1/2 after: {NOT_RESERVED.summary()}",
+                world_size=3,
+            ),
+        ],
+        id="starting+placement-timed-out+capacity-there: a restart (Ray's, or the job's)",
     ),
     # -- running --------------------------------------------------------------------------
     pytest.param(job(S.RUNNING), facts(nodes("a", "b"), report=report()), [], id="running"),

@@ -20,7 +20,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from elastrain.checkpoints.catalog import list_committed
-from elastrain.checkpoints.confined import ConfinedFileError, read_bounded
 from elastrain.checkpoints.dcp.untrusted import UntrustedCheckpoint, load_metadata
 from elastrain.checkpoints.export import (
     ExportError,
@@ -29,11 +28,11 @@ from elastrain.checkpoints.export import (
     pack_export,
     remove_export,
 )
-from elastrain.checkpoints.fence import FenceUnreadable, read_fence
+from elastrain.checkpoints.fence import FenceUnreadable, claim_job_folder, read_fence
 from elastrain.checkpoints.layout import step_dir_name
 from elastrain.checkpoints.manifest import MAX_MANIFEST_BYTES, ManifestError, read_manifest
-from elastrain.checkpoints.owner import claim_job_folder
 from elastrain.checkpoints.retention import delete_checkpoints, retention_plan
+from elastrain.contracts.files import ConfinedFileError, read_bounded
 from elastrain.contracts.runtime import ExportRequest
 from elastrain.workers.export_task import run_export
 from tests.unit.test_checkpoints_pure import make_checkpoint

@@ -1,4 +1,4 @@
-"""A job's folder belongs to one database, the one its fence names (`elastrain.checkpoints.owner`,
+"""A job's folder belongs to one database, the one its fence names (`elastrain.checkpoints.fence`,
 `Fence.owner`): another database's job of the same id never resumes from it, and that
 database's workers write nothing more once it is claimed."""
 
@@ -8,8 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from elastrain.checkpoints.fence import FenceWatcher, Superseded, advance_fence, read_fence
-from elastrain.checkpoints.owner import claim_job_folder
+from elastrain.checkpoints.fence import (
+    FenceWatcher,
+    Superseded,
+    advance_fence,
+    claim_job_folder,
+    read_fence,
+)
 
 
 def make_job(root: Path, owner: str, attempt: int = 1) -> Path:

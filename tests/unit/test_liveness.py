@@ -1,5 +1,6 @@
-"""`raylet_gone`: a refused connection or Ray's own verdict makes a node dead; an answer,
-silence or an unknown node does not (real sockets on loopback)."""
+"""`nodes_to_probe` (a table), and `raylet_gone`: a refused connection or Ray's own
+verdict makes a node dead; an answer, silence or an unknown node does not (real sockets on
+loopback)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from typing import Any
 
 import pytest
 
-from elastrain.workers.runtime.liveness import raylet_gone
+from elastrain.workers.runtime import liveness
+from elastrain.workers.runtime.liveness import REPROBE_S, nodes_to_probe, raylet_gone
+
+
+@pytest.fixture(autouse=True)
+def no_known_raylets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's node "n1" is another socket: nothing remembered from the last one."""
+    monkeypatch.setattr(liveness, "_raylets", {})
 
 
 @pytest.fixture
@@ -53,3 +61,35 @@ def test_no_verdict_without_certainty(closed_port: int) -> None:
         raise ConnectionError("GCS down")
 
     assert not raylet_gone("n1", unreachable)
+
+
+NOW = 1000.0
+
+
+@pytest.mark.parametrize(
+    ("nodes", "probed", "expected"),
+    [
+        ([], {}, set()),  # no rank out
+        (["n1"], {}, {"n1"}),  # never probed
+        (["n1", "n1", "n2"], {}, {"n1", "n2"}),  # one probe per node
+        (["n1"], {"n1": NOW - REPROBE_S / 2}, set()),  # probed a moment ago
+        (["n1"], {"n1": NOW - REPROBE_S}, {"n1"}),  # probed, and it answered, a while ago
+        ([None, ""], {}, set()),  # no node known
+    ],
+)  # fmt: skip
+def test_the_nodes_of_ranks_still_out_are_probed_every_second(
+    nodes: list[str | None], probed: dict[str | None, float], expected: set[str]
+) -> None:
+    assert nodes_to_probe(nodes, probed, NOW) == expected
+
+
+def test_a_raylet_is_looked_up_once_and_then_probed_directly(closed_port: int) -> None:
+    calls: list[None] = []
+    known = _nodes(closed_port)
+
+    def nodes() -> list[dict[str, Any]]:
+        calls.append(None)
+        return known()  # type: ignore[no-any-return]
+
+    assert raylet_gone("n1", nodes) and raylet_gone("n1", nodes)
+    assert len(calls) == 1

@@ -85,7 +85,7 @@ def lose_ranks(rank: int, world_size: int, root: str, label: str, lost: list[int
     processes end (as a dead node's: connections reset), the survivors go on as a new
     group of the same processes."""
     from elastrain.workers.loop import train
-    from elastrain.workers.memory import ReplicaMemory
+    from elastrain.workers.memory.replica import ReplicaMemory
 
     def ctx(job: int, attempt: int, r: int, ws: int) -> TrainContext:
         return TrainContext(rank=r, world_size=ws, local_rank=r, device=torch.device("cpu"),
@@ -128,7 +128,7 @@ def stop_and_regroup(rank: int, world_size: int, root: str) -> Any:
 
     from elastrain.workers.api import Control
     from elastrain.workers.loop import train
-    from elastrain.workers.memory import ReplicaMemory
+    from elastrain.workers.memory.replica import ReplicaMemory
 
     spec = spec_for(STRATEGIES["fsdp"]).model_copy(update={"checkpoint": spec_for(
         STRATEGIES["fsdp"]).checkpoint.model_copy(update={"memory_every": None})})  # fmt: skip

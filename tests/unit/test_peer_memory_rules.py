@@ -5,9 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from elastrain.workers.memory.buddy import buddies, wards
-from elastrain.workers.memory.pacing import RefreshPacer, choose_interval, overhead
-from elastrain.workers.memory.sources import Generation, Offer, Source, choose_source, spread
+from elastrain.workers.memory.rules import (
+    Generation,
+    Offer,
+    RefreshPacer,
+    Source,
+    buddies,
+    choose_interval,
+    choose_source,
+    overhead,
+    spread,
+    wards,
+)
 from elastrain.workers.memory.transfer import Piece, bucket_plan
 
 

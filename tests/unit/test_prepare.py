@@ -17,9 +17,14 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from elastrain.contracts.prepared import (
+    JSON_LINES,
+    PARQUET,
+    TEXT,
     Index,
+    InputFile,
     eval_count,
     is_eval_document,
+    parts_of,
     prepare_problems,
     prepared_problems,
     read_index,
@@ -227,6 +232,19 @@ def test_the_same_sample_ids_give_the_same_tokens_at_any_world_size(root: Path) 
     assert [step_tokens(s, 2, resumed) for s in range(3, 6)] == one[3:]
 
 
+def record_tokenized(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """From now on: the key of every input (or part) tokenized, in order."""
+    tokenized: list[str] = []
+    real = prepare_module.tokenize_file
+
+    def recording(source: InputFile, *args: Any) -> Any:
+        tokenized.append(source.key)
+        return real(source, *args)
+
+    monkeypatch.setattr(prepare_module, "tokenize_file", recording)
+    return tokenized
+
+
 def test_a_retry_skips_finished_inputs(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = prepare(root)
     out = root / "data" / TENANT / "prep"
@@ -234,14 +252,7 @@ def test_a_retry_skips_finished_inputs(root: Path, monkeypatch: pytest.MonkeyPat
     lost = first.shards[1] if first else None
     assert lost is not None
     (out / "shards" / f"{lost.name}.done.json").unlink()
-    tokenized: list[str] = []
-    real = prepare_module.tokenize_file
-
-    def counting(source: Any, *args: Any) -> Any:
-        tokenized.append(source.path)
-        return real(source, *args)
-
-    monkeypatch.setattr(prepare_module, "tokenize_file", counting)
+    tokenized = record_tokenized(monkeypatch)
     again = prepare(root)
     assert tokenized == [lost.source]
     assert again == first
@@ -266,6 +277,114 @@ def test_a_stop_keeps_finished_inputs(root: Path) -> None:
     )
     assert Preparation(p).run(root, lambda _: None, lambda: Control.STOP, use_ray=False) is None
     assert not (root / "data" / TENANT / "prep" / "index.json").exists()
+
+
+# --- a big file in parts ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "size", "splittable", "part", "ranges"),
+    [
+        (TEXT, 100, True, 100, [(0, -1)]),
+        (TEXT, 101, True, 100, [(0, 100), (100, 101)]),
+        (JSON_LINES, 250, True, 100, [(0, 100), (100, 200), (200, 250)]),
+        (JSON_LINES, 250, False, 100, [(0, -1)]),  # a JSON array: one value
+        (PARQUET, 300, True, 150, [(0, 150), (150, 300)]),
+        ("arrow", 300, True, 100, [(0, -1)]),  # save_to_disk: already in files
+    ],
+)  # fmt: skip
+def test_a_file_larger_than_a_part_is_cut_in_consecutive_ranges(
+    kind: str, size: int, splittable: bool, part: int, ranges: list[tuple[int, int]]
+) -> None:
+    whole = InputFile("data/t/x", kind, size, 1)
+    parts = parts_of(whole, splittable, part)
+    assert [(p.start, p.stop) for p in parts] == ranges
+    assert sum(p.length for p in parts) == size
+    assert len({p.key for p in parts}) == len(parts)
+    assert (parts == [whole]) == (len(ranges) == 1) and whole.whole
+
+
+TEXT_CASES = {  # a document is a run of non-blank lines
+    "paragraphs": (
+        "one\ntwo\n\nthree\n\n\n\nfour five\nsix\n \t\nseven\n",
+        ["one\ntwo", "three", "four five\nsix", "seven"],
+    ),
+    "crlf and leading blanks": (
+        "\r\n\r\n  alpha\r\nbeta\r\n\r\ngamma\r\n",
+        ["  alpha\r\nbeta", "gamma"],
+    ),
+    "no final newline": (
+        "a\n\nb b b b b b b b b b b b\nc",
+        ["a", "b b b b b b b b b b b b\nc"],
+    ),
+    "long lines": (
+        "\n\n".join("w" * n for n in (1, 50, 3, 200, 7)) + "\n",
+        ["w" * n for n in (1, 50, 3, 200, 7)],
+    ),
+}
+
+
+@pytest.mark.parametrize(("text", "expected"), TEXT_CASES.values(), ids=list(TEXT_CASES))
+def test_the_parts_of_a_text_file_hold_its_paragraphs_once_in_order(
+    tmp_path: Path, text: str, expected: list[str]
+) -> None:
+    (tmp_path / "x.txt").write_bytes(text.encode())
+    whole = InputFile("x.txt", TEXT, len(text.encode()), 1)
+    assert _docs(whole, tmp_path) == expected
+    for part in range(1, len(text) + 1):  # every cut point, every part size
+        parts = parts_of(whole, True, part)
+        assert [d for p in parts for d in _docs(p, tmp_path)] == expected, part
+
+
+def test_the_parts_of_json_lines_and_parquet_hold_their_rows_once_in_order(
+    tmp_path: Path,
+) -> None:
+    rows = [f"row {i} " + "x" * (i % 13) for i in range(60)]
+    lines = "".join(json.dumps({"text": r}) + ("\n\n" if i % 7 == 0 else "\n")
+                    for i, r in enumerate(rows))  # fmt: skip
+    (tmp_path / "x.jsonl").write_text(lines)
+    pq.write_table(pa.table({"text": rows}), tmp_path / "x.parquet", row_group_size=7)
+    for name, kind, sizes in (
+        ("x.jsonl", JSON_LINES, range(1, len(lines) + 1, 7)),
+        ("x.parquet", PARQUET, range(64, 4096, 97)),
+    ):
+        size = (tmp_path / name).stat().st_size
+        whole = InputFile(name, kind, size, 1)
+        assert _docs(whole, tmp_path) == rows
+        for part in sizes:
+            parts = parts_of(whole, True, part)
+            assert [d for p in parts for d in _docs(p, tmp_path)] == rows, (name, part)
+
+
+def _docs(source: InputFile, root: Path) -> list[str]:
+    return [d for texts, _ in prepare_module.documents(source, root, "text", 5) for d in texts]
+
+
+def test_a_big_file_prepared_in_parts_gives_the_same_tokens_and_resumes_by_part(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    whole = prepare(root)
+    assert whole is not None and len(whole.shards) == 4
+    out = root / "data" / TENANT / "prep"
+    stream = _token_stream(out, whole)
+    monkeypatch.setattr(prepare_module, "PART_BYTES", 200)
+    cut = prepare(root)
+    assert cut is not None and len(cut.shards) > 8
+    assert _token_stream(out, cut) == stream
+    assert (cut.documents, cut.train_tokens, cut.eval_tokens) == (
+        whole.documents, whole.train_tokens, whole.eval_tokens,
+    )  # fmt: skip
+    # A part lost with its attempt is the only thing prepared again.
+    lost = cut.shards[3]
+    (out / "shards" / f"{lost.name}.done.json").unlink()
+    tokenized = record_tokenized(monkeypatch)
+    assert prepare(root) == cut
+    assert len(tokenized) == 1 and tokenized[0].startswith(lost.source + "@")
+
+
+def _token_stream(out: Path, index: Index) -> list[int]:
+    return [int(t) for s in index.shards
+            for t in np.fromfile(out / s.bin_file, dtype=index.token_dtype)]  # fmt: skip
 
 
 # --- errors ----------------------------------------------------------------------------

@@ -13,12 +13,18 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from elastrain.contracts.messages import DriverReport, DriverStatus, StepMetrics
+from elastrain.contracts.messages import (
+    DriverReport,
+    DriverStatus,
+    ErrorKind,
+    StepMetrics,
+    WorkerError,
+)
 from elastrain.contracts.spec import JobSpec
 from elastrain.service import jobs, lease, reports
 from elastrain.service.db import make_engine, make_session_factory, migrate, session_scope
 from elastrain.service.models import Attempt, MetricBucket, utcnow
-from elastrain.service.scheduler import Scheduler
+from elastrain.service.scheduler import Scheduler, track_gone
 from elastrain.service.settings import Settings
 from elastrain.service.states import JobState
 from tests.fake_launcher import FakeLauncher
@@ -190,6 +196,106 @@ def test_node_loss_recovers_smaller_then_grows_back(env) -> None:
     assert [final for _, final in launcher.releases] == [False, False]
 
 
+def test_a_node_its_driver_found_dead_is_left_before_ray_says_so(env) -> None:
+    """Rank 2's process died with n3's raylet (the driver's probe was refused) while Ray
+    still lists n3 alive (its health checks take 15 s): the job resumes at once on the
+    two others, no restart counted, nothing placed on n3: the relaunch keeps its bundles
+    off n3, where Ray would try to prepare them (ray#64693: a group removed while preparing
+    on a dead node leaks its bundles and stops Ray placing any later group)."""
+    factory, launcher, sched, _ = env
+    jid = submit(factory)
+    sched.run_pass()
+    d = launcher.driver(jid, 1)
+    d.status, d.placement = DriverStatus.RUNNING, {0: "n1", 1: "n2", 2: "n3"}
+    sched.run_pass()
+    died = WorkerError(type="ConnectionRefusedError", message="the raylet refuses",
+                       kind=ErrorKind.NODE_DIED, rank=2, node_id="n3")  # fmt: skip
+    d.status, d.error = DriverStatus.FAILED, died
+    sched.run_pass()
+    sched.run_pass()
+    j = job(factory, jid)
+    assert (j.attempt, j.restarts) == (2, 0)
+    assert launcher.driver(jid, 2).request.world_size == 2
+    assert launcher.driver(jid, 2).request.avoid_nodes == ("n3",)
+    assert any("node n3 lost (ranks [2])" in r for _, _, r in events(factory, jid))
+
+
+def test_an_attempt_waiting_for_its_placement_is_relaunched_smaller_when_a_node_leaves(
+    env,
+) -> None:
+    """Attempt 1 at 3 still waits for Ray to reserve its bundles (no placement reported)
+    when n3 dies: Ray would never place 3 on the two left, and the driver would ask until
+    its placement timeout (120 s), then fail as a restart. The scheduler releases it and
+    relaunches at 2 in the pass that sees n3 gone, no restart counted; a start that is
+    merely slow is left alone."""
+    factory, launcher, sched, clock = env
+    jid = submit(factory)
+    sched.run_pass()
+    assert launcher.driver(jid, 1).request.world_size == 3
+    for _ in range(3):  # slow to place, the capacity there: it waits
+        clock.t += 10
+        sched.run_pass()
+    assert job(factory, jid).attempt == 1 and not launcher.driver(jid, 1).killed
+    launcher.remove_node("n3")
+    sched.run_pass()
+    j = job(factory, jid)
+    assert (j.state, j.attempt, j.restarts) == (JobState.RECOVERING, 2, 0)
+    assert launcher.driver(jid, 1).killed
+    assert launcher.driver(jid, 2).request.world_size == 2
+    assert launcher.driver(jid, 2).request.cause == "node lost"
+    assert any(
+        r == "node n3 left before attempt 1 was placed: 2 of its 3 workers fit now"
+        for _, _, r in events(factory, jid)
+    )
+    d2 = launcher.driver(jid, 2)
+    d2.status, d2.placement = DriverStatus.RUNNING, {0: "n1", 1: "n2"}
+    d2.metrics = [{"step": 1, "loss": 1.0, "world_size": 2}]
+    sched.run_pass()
+    sched.run_pass()  # no flapping: it trains on at 2
+    j = job(factory, jid)
+    assert (j.state, j.world_size, j.attempt, j.restarts) == (JobState.RUNNING, 2, 2, 0)
+
+
+def test_a_placement_that_timed_out_on_a_shrunk_cluster_counts_no_restart(env) -> None:
+    """n3 died while no scheduler watched (a restarted one does not know it left): the
+    attempt at 3 waits for its placement until the runtime gives up. Its failure is the
+    cluster's shrink, not the job's: no restart counted, relaunched at 2 at once."""
+    factory, launcher, sched, clock = env
+    jid = submit(factory, failure={"max_restarts": 0})
+    sched.run_pass()
+    launcher.remove_node("n3")
+    fresh = _restarted(sched, factory, launcher, clock)
+    fresh.run_pass()
+    assert job(factory, jid).attempt == 1 and not launcher.driver(jid, 1).killed
+    d = launcher.driver(jid, 1)
+    d.status = DriverStatus.FAILED
+    d.error = WorkerError(
+        type="RuntimeError", message="Ray could not reserve the attempt's bundles in 120s"
+    )
+    fresh.run_pass()
+    j = job(factory, jid)
+    assert (j.state, j.attempt, j.restarts) == (JobState.RECOVERING, 2, 0)
+    assert launcher.driver(jid, 2).request.world_size == 2
+    assert any("the cluster shrank, no restart counted" in r for _, _, r in events(factory, jid))
+
+
+@pytest.mark.parametrize(
+    ("gone", "before", "alive", "expected"),
+    [
+        pytest.param({}, None, {"a"}, {}, id="first-pass: nothing known to have left"),
+        pytest.param({}, {"a", "b"}, {"a"}, {"b": 100.0}, id="b left"),
+        pytest.param({"b": 90.0}, {"a"}, {"a"}, {"b": 90.0}, id="remembered from when it left"),
+        pytest.param({"b": 90.0}, {"a"}, {"a", "b"}, {}, id="alive again: forgotten"),
+        pytest.param({"b": 100.0 - 600}, {"a"}, {"a"}, {}, id="after GONE_HOLD_S: forgotten"),
+    ],
+)
+def test_track_gone(
+    gone: dict[str, float], before: set[str] | None, alive: set[str], expected: dict[str, float]
+) -> None:
+    was = frozenset(before) if before is not None else None
+    assert track_gone(gone, was, frozenset(alive), now=100.0) == expected
+
+
 def _epoch(moment) -> float:  # type: ignore[no-untyped-def]
     from datetime import timezone
 
@@ -280,18 +386,18 @@ def test_cancel_running_job_kills_driver_and_frees_capacity(env) -> None:
     assert job(factory, b).state == JobState.STARTING
 
 
+def _restarted(sched, factory, launcher, clock) -> Scheduler:  # type: ignore[no-untyped-def]
+    """The same replica, restarted: nothing remembered but what the database holds."""
+    return Scheduler(session_factory=factory, launcher=launcher, settings=sched.settings,
+                     clock=clock, holder=sched.holder)  # fmt: skip
+
+
 def test_driver_lost_after_control_plane_restart_is_relaunched(env) -> None:
     factory, launcher, sched, clock = env
     jid = submit(factory)
     sched.run_pass()
     launcher.driver(jid).killed = True  # the driver died with its node while we were down
-    fresh = Scheduler(  # the same replica, restarted
-        session_factory=factory,
-        launcher=launcher,
-        settings=sched.settings,
-        clock=clock,
-        holder=sched.holder,
-    )
+    fresh = _restarted(sched, factory, launcher, clock)
     fresh.run_pass()
     assert job(factory, jid).attempt == 2
     assert len([r for r in launcher.launches if r.job_id == jid]) == 2

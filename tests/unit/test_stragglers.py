@@ -11,7 +11,7 @@ from elastrain.service import drains
 from elastrain.service.capacity import DrainSource
 from elastrain.service.decisions import RecordEvent, SendControl, Transition, decide
 from elastrain.service.states import JobState as S
-from elastrain.workers.runtime.stragglers import find_stragglers
+from elastrain.workers.runtime.stragglers import Streak, confirm, confirmed, find_stragglers
 from tests.unit.test_decisions import NOW, facts, job, nodes, report
 
 
@@ -119,3 +119,31 @@ def test_a_job_leaves_a_straggler_node_as_it_leaves_a_draining_one():
     assert "kept off (a straggler ran there" in resize.reason
     (event,) = [a for a in actions if isinstance(a, RecordEvent)]
     assert event.details is not None and event.details["source"] == "straggler"
+
+
+@pytest.mark.parametrize(
+    ("found", "newest", "before", "after", "counted"),
+    [
+        # found once: not yet a straggler
+        ({1}, 30, {}, {1: Streak(1, 30)}, set()),
+        # found again over a window that shares no step with the last: it counts
+        ({1}, 40, {1: Streak(1, 30)}, {1: Streak(2, 40)}, {1}),
+        # found again on a poll that saw too few new steps: nothing confirmed
+        ({1}, 35, {1: Streak(1, 30)}, {1: Streak(1, 30)}, set()),
+        # not found: the streak is gone (a burst of contention is over)
+        (set(), 40, {1: Streak(1, 30)}, {}, set()),
+        ({0}, 50, {1: Streak(2, 40)}, {0: Streak(1, 50)}, set()),
+        # a confirmed one stays confirmed while found
+        ({1}, 45, {1: Streak(2, 40)}, {1: Streak(2, 40)}, {1}),
+    ],
+)
+def test_a_straggler_is_confirmed_on_two_windows_in_a_row(
+    found: set[int],
+    newest: int,
+    before: dict[int, Streak],
+    after: dict[int, Streak],
+    counted: set[int],
+) -> None:
+    streaks = confirm(found, newest, before, window=10)
+    assert streaks == after
+    assert confirmed(streaks) == counted

@@ -93,8 +93,8 @@ def torn_refresh(rank: int, world_size: int, lost_sends: bool) -> Any:
 
     import elastrain.workers.memory.snapshots as snapshots
     from elastrain.workers.api import TrainContext
+    from elastrain.workers.memory.rules import Offer, choose_source
     from elastrain.workers.memory.snapshots import PeerRefresher
-    from elastrain.workers.memory.sources import Offer, choose_source
     from tests.unit.test_peer_memory import spec_for
 
     ctx = TrainContext(rank=rank, world_size=world_size, local_rank=rank, job_id=1, attempt=1,

@@ -172,7 +172,7 @@ def test_unknown_checkpoint_digest(api: TestClient, digest: object) -> None:
 
 def test_checkpoint_digest_choices_are_the_checkpointers() -> None:
     """Every value the spec accepts names an algorithm the checkpoints can write."""
-    from elastrain.checkpoints.digest import algorithm_for_setting
+    from elastrain.checkpoints.manifest import algorithm_for_setting
     from elastrain.contracts.spec import CheckpointDigest, CheckpointSpec
 
     assert CheckpointSpec().digest == CheckpointDigest.xxh3

@@ -46,7 +46,7 @@ def _regroup(rank: int, world_size: int, port: int, hosted: dist.TCPStore | None
 
 def survive(rank: int, world_size: int, root: str) -> Any:
     from elastrain.workers.loop import train
-    from elastrain.workers.memory import ReplicaMemory
+    from elastrain.workers.memory.replica import ReplicaMemory
 
     spec = make_spec("ddp", every=100)
 

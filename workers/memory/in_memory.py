@@ -1,15 +1,11 @@
-"""A DCP checkpoint held in host memory, spread over the ranks that saved it.
+"""A DCP checkpoint held in host memory, spread over the ranks that saved it (the disk
+checkpoints stay the durable copy).
 
-`MemoryWriter` is a `torch.distributed.checkpoint` storage writer that keeps every item of
-a rank's shard in that rank's memory (tensors as host tensors of their chunks, the few
-pickled items as bytes) and records, in DCP's `Metadata`, which rank holds which item
-(`HeldBy`). Peer memory's snapshots (`elastrain.workers.memory.snapshots`) plan once with
-it and then resolve the same items against the CPU state dict DCP's staging makes
-(`held_blob`). `elastrain.workers.memory.peer_reader.PeerReader` loads such a checkpoint
-into a group of any size and layout with DCP's own load planner.
-
-Workers keep these "checkpoints" in peers' RAM (`elastrain.workers.memory`); the disk
-checkpoints stay the durable copy.
+`MemoryWriter`, a DCP storage writer, keeps every item of a rank's shard in that rank's
+memory (tensors as host tensors of their chunks, pickled items as bytes) and records in
+`Metadata.storage_data` which saving rank holds each. Snapshots plan once with it, then
+resolve the same items again (`held_blob`); `peer_reader.PeerReader` loads it into a
+group of any size and layout with DCP's own load planner.
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageMeta,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -36,18 +31,10 @@ from torch.futures import Future
 #: One rank's items: tensors as host tensors shaped like their chunk, pickled items as
 #: 1-D uint8 tensors.
 Blob = dict[MetadataIndex, torch.Tensor]
-#: A pickled item's bytes as last made, by item, with `pickle.dumps` of its value.
+#: A pickled item's bytes as last made, with `pickle.dumps` of its value.
 PickleCache = dict[MetadataIndex, tuple[bytes, torch.Tensor]]
 #: A tensor item's (dtype, chunk shape); None for a pickled item.
 Layout = tuple[torch.dtype, torch.Size] | None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class HeldBy:
-    """`Metadata.storage_data` of an in-memory checkpoint: the rank of the saving group
-    whose memory holds the item."""
-
-    rank: int
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -56,14 +43,9 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
-def blob_bytes(blob: Blob) -> int:
-    return sum(t.numel() * t.element_size() for t in blob.values())
-
-
 class MemoryWriter(StorageWriter):
-    """Keeps this rank's items (`blob`, host tensors by reference: a device tensor is
-    copied to the host); after the save, every rank's `dcp.save` returns the global
-    `Metadata` (DCP broadcasts it), whose `storage_data` says which rank holds each item."""
+    """Keeps this rank's items (`blob`: host tensors by reference, device ones copied);
+    every rank's `dcp.save` returns the `Metadata` saying which rank holds each item."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -82,20 +64,15 @@ class MemoryWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Plans come in group-rank order: say in each which rank's memory its items stay in.
-        return [dataclasses.replace(p, storage_data=HeldBy(i)) for i, p in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=i) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        held = plan.storage_data if isinstance(plan.storage_data, HeldBy) else HeldBy(self._rank)
+        held = plan.storage_data if isinstance(plan.storage_data, int) else self._rank
         assert isinstance(planner, DefaultSavePlanner)  # dcp.save's own, or a subclass
         self.items = list(plan.items)
         self.blob = {i: t.cpu() for i, t in held_blob(self.items, planner).items()}
         results = [
-            WriteResult(
-                index=index,
-                size_in_bytes=tensor.numel() * tensor.element_size(),
-                storage_data=held,
-            )
-            for index, tensor in self.blob.items()
+            WriteResult(index, t.numel() * t.element_size(), held) for index, t in self.blob.items()
         ]
         out: Future[list[WriteResult]] = Future()
         out.set_result(results)
@@ -103,9 +80,6 @@ class MemoryWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
-
-    def storage_meta(self) -> StorageMeta | None:
-        return None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -115,11 +89,9 @@ class MemoryWriter(StorageWriter):
 def held_blob(
     items: Iterable[WriteItem], planner: DefaultSavePlanner, pickled: PickleCache | None = None
 ) -> Blob:
-    """This rank's items of a save plan, resolved by `planner` (set up on the state to
-    keep): tensors by reference, pickled items as bytes. `pickled`: the bytes of an
-    earlier call, reused for an item whose value pickles the same (most hyperparameters,
-    every refresh: torch.save's ~60 µs an item, measured here, would be a tenth of a small
-    model's refresh)."""
+    """This rank's items of a save plan, resolved by `planner`: tensors by reference,
+    pickled items as bytes. `pickled`: an earlier call's bytes, reused for a value that
+    pickles the same (torch.save's ~60 µs an item would be a tenth of a small refresh)."""
     blob: Blob = {}
     for item in items:
         if item.type != WriteItemType.BYTE_IO:
@@ -141,24 +113,21 @@ def held_blob(
 
 
 def held_items(metadata: Metadata, rank: int) -> list[tuple[MetadataIndex, Layout]]:
-    """The items rank `rank` of the saving group holds, in an order every rank agrees on,
-    each with (dtype, chunk shape), or None for a pickled one."""
+    """The items saving rank `rank` holds, in an order every rank agrees on, with their
+    `Layout`."""
     storage = metadata.storage_data or {}
     mine = sorted(
-        (index for index, held in storage.items() if held.rank == rank),
+        (index for index, held in storage.items() if held == rank),
         key=lambda i: (i.fqn, tuple(i.offset or ())),
     )
-    return [(index, tensor_layout(metadata, index)) for index in mine]
-
-
-def tensor_layout(metadata: Metadata, index: MetadataIndex) -> Layout:
-    """(dtype, chunk shape) of a tensor item; None for a pickled one."""
-    md = metadata.state_dict_metadata[index.fqn]
-    if isinstance(md, BytesStorageMetadata):
-        return None
-    assert isinstance(md, TensorStorageMetadata)
-    offset = torch.Size(index.offset or ())
-    for chunk in md.chunks:
-        if chunk.offsets == offset:
-            return md.properties.dtype, chunk.sizes
-    raise KeyError(f"no chunk of {index.fqn} at offset {list(offset)} in the metadata")
+    out: list[tuple[MetadataIndex, Layout]] = []
+    for index in mine:
+        md = metadata.state_dict_metadata[index.fqn]
+        if isinstance(md, BytesStorageMetadata):
+            out.append((index, None))
+            continue
+        assert isinstance(md, TensorStorageMetadata)
+        offset = torch.Size(index.offset or ())
+        chunk = next(c for c in md.chunks if c.offsets == offset)
+        out.append((index, (md.properties.dtype, chunk.sizes)))
+    return out

@@ -1,15 +1,7 @@
-"""What a worker process keeps of a job's training state between attempts.
-
-Worker processes outlive attempts (`elastrain.workers.process`). When a peer dies mid-run, the
-survivors stop at a step boundary (the loop agrees on every step before any rank updates
-its weights) and keep here:
-
-- their live model and optimizer (`strategy`, at `step`): a ddp rank's is a whole
-  replica, so a new group can take the state from any one survivor;
-- snapshots of shards (`copies`, `elastrain.workers.memory.snapshots`): this rank's own and those of
-  the ranks whose buddy it is, refreshed every `checkpoint.memory_every` steps, so that the
-  survivors of a node loss together hold every shard of a sharded job (fsdp, tp, pipeline,
-  2-D) and the next group re-shards from them (`elastrain.workers.memory.handover`).
+"""What a worker process (which outlives attempts) keeps of a job's training state: when
+a peer dies, the survivors stop at a step boundary and keep their live model and
+optimizer (`strategy`: a ddp rank's is a whole replica) and snapshots of shards (`copies`:
+own and wards', so the survivors of a node loss hold every shard of a sharded job).
 """
 
 from __future__ import annotations
@@ -19,8 +11,8 @@ from dataclasses import dataclass, field
 
 from elastrain.contracts.group import HeldState
 from elastrain.contracts.messages import StepMetrics
+from elastrain.workers.memory.rules import NOTHING, Offer
 from elastrain.workers.memory.snapshots import Snapshot
-from elastrain.workers.memory.sources import NOTHING, Offer
 from elastrain.workers.strategies import Strategy
 
 
@@ -28,16 +20,15 @@ from elastrain.workers.strategies import Strategy
 class ReplicaMemory:
     job_id: int | None = None
     step: int = NOTHING
-    """Optimizer steps applied to the held state (the loop advances it after each one)."""
+    """Optimizer steps applied to the held state."""
     world_size: int = 0
     attempt: int = 0
     rank: int = 0
-    """This process's rank in the attempt that made the live state."""
     strategy: Strategy | None = None
     recent: Iterable[StepMetrics] = field(default_factory=tuple)
     """The newest metric points (handed on like those saved with a checkpoint)."""
     copies: list[Snapshot] = field(default_factory=list)
-    """Snapshot generations held, oldest first (at most two: `elastrain.workers.memory.snapshots`)."""
+    """Snapshot generations held, oldest first."""
 
     def hold(
         self,
@@ -61,7 +52,7 @@ class ReplicaMemory:
         self.copies = []
 
     def offer(self, job_id: int) -> Offer:
-        """What this process can give a new group of `job_id` (`elastrain.workers.memory.sources`)."""
+        """What this process can give a new group of `job_id`."""
         if self.job_id != job_id:
             return Offer()
         full = self.strategy is not None and self.strategy.full_replica

@@ -1,23 +1,16 @@
-"""Peer memory's refresh: every rank copies its shard to host memory and sends the copy to
-its buddy on another node (`elastrain.workers.memory.buddy`), every `checkpoint.memory_every` steps
-(`elastrain.workers.memory.pacing`).
+"""Peer memory's refresh: every rank copies its shard to host memory and sends it to its
+buddy on another node (`rules`).
 
-A snapshot is an in-memory DCP checkpoint (`elastrain.workers.memory.in_memory`): the
-items DCP's save planner says this rank writes, which is what an async save of the same
-state stages, item for item, into host buffers (pinned where a device copies into them).
-The first refresh of an attempt plans it collectively (the same items, deduplication and
-metadata as a disk checkpoint of the same state); later refreshes reuse that plan and only
-copy, locally. The buddy copy goes over a gloo group of its own, point to point, in
-buckets (`elastrain.workers.memory.transfer`): a small header with the byte sizes of the
-sender's pickled items, then every item's raw bytes.
+A snapshot is an in-memory DCP checkpoint (`in_memory`): the items DCP's save planner says
+this rank writes, as an async save would stage them. The first refresh of an attempt
+plans collectively; later ones reuse the plan and only copy. The buddy copy goes over a
+gloo group of its own (`transfer`): the sizes of the pickled items, then raw bytes.
 
-Two generations are kept. A refresh writes into the buffers of the older one and keeps
-the newest whole one: a refresh torn by a failure leaves that one whole on every rank (each
-rank finished it before the training step that followed, whose collectives every rank
-passed). The torn one is kept too, with what is whole of it (this rank's own copy, and the
-wards' that came in full): when a node dies mid-exchange, its ranks' copies may have
-reached their buddies already, and then the survivors together hold the newest step.
-`sources.choose_source` picks the newest generation the survivors' copies cover.
+Two generations are kept: a refresh writes into the older one's buffers and keeps the
+newest whole one, which a refresh torn by a failure leaves whole on every rank. The torn
+one keeps what is whole of it (own copy, wards' that came in full): a dead node's copies
+may have reached their buddies, and `rules.choose_source` uses it if the survivors'
+copies cover it.
 """
 
 from __future__ import annotations
@@ -37,19 +30,16 @@ from torch.distributed.checkpoint.planner import WriteItem
 from elastrain.contracts.spec import JobSpec
 from elastrain.workers.api import TrainContext
 from elastrain.workers.comm_release import group_forming
-from elastrain.workers.memory.buddy import buddies, wards
 from elastrain.workers.memory.in_memory import (
     Blob,
     Layout,
     MemoryWriter,
     PickleCache,
     as_bytes,
-    blob_bytes,
     held_blob,
     held_items,
 )
-from elastrain.workers.memory.pacing import RefreshPacer, overhead
-from elastrain.workers.memory.sources import Generation
+from elastrain.workers.memory.rules import Generation, RefreshPacer, buddies, overhead, wards
 from elastrain.workers.memory.transfer import stream
 from elastrain.workers.strategies import Strategy
 
@@ -63,26 +53,26 @@ ALIGN = 64
 
 @dataclass
 class Snapshot:
-    """One generation held by this process: items of the ranks in `blobs` (its own and
-    its wards'), and the metadata of the whole in-memory checkpoint."""
+    """One generation held here: items of the ranks in `blobs` (own, wards'), and the
+    metadata of the whole in-memory checkpoint."""
 
     generation: Generation
     metadata: Metadata
     blobs: dict[int, Blob]
     flat: dict[int, torch.Tensor]
-    """Per rank whose items it made room for, the buffer its tensor items are views of."""
+    """Per rank, the buffer its tensor items are views of."""
     whole: bool = True
-    """Every ward's copy came in (False: a torn refresh; never kept over a whole one)."""
+    """Every ward's copy came in (False: a torn refresh)."""
 
     @property
     def nbytes(self) -> int:
-        return sum(blob_bytes(b) for b in self.blobs.values())
+        return sum(t.numel() * t.element_size() for b in self.blobs.values() for t in b.values())
 
 
 @dataclass
 class PeerRefresher:
-    """One attempt's refreshes on one rank; every rank of the group calls `after_step`
-    after every optimizer step (refreshes are collective)."""
+    """One attempt's refreshes on one rank; every rank calls `after_step` after every
+    optimizer step (refreshes are collective)."""
 
     ctx: TrainContext
     group: dist.ProcessGroup
@@ -90,18 +80,16 @@ class PeerRefresher:
     wards: list[int]
     pacer: RefreshPacer
     periodic: bool = True
-    """Whether to refresh every `memory_every` steps; off when all ranks share a node: no
-    copy can then outlive a node loss, and a resize STOP refreshes at its step anyway."""
+    """Off when all ranks share a node: no copy can outlive a node loss then, and a
+    resize STOP refreshes at its step anyway."""
     _items: list[WriteItem] | None = None
     _metadata: Metadata | None = None
     _held: dict[int, list[tuple[MetadataIndex, Layout]]] = field(default_factory=dict)
-    """Per rank whose items this one holds (its own, its wards'), `held_items`."""
     _pickled: PickleCache = field(default_factory=dict)
 
     @classmethod
     def join(cls, ctx: TrainContext, spec: JobSpec) -> PeerRefresher:
-        """Collective (every rank, same point): a gloo group for peer memory (host
-        tensors, whatever the training backend) and every rank's node."""
+        """Collective: a gloo group for peer memory (host tensors) and every rank's node."""
         with group_forming():  # a rank blocked in an exchange is freed by a release too
             group = dist.new_group(backend="gloo")
         nodes: list[str] = [""] * ctx.world_size
@@ -129,9 +117,8 @@ class PeerRefresher:
         *,
         final: bool = False,
     ) -> Snapshot | None:
-        """Refresh `copies` (the process's list) when due after optimizer step `step`;
-        `final`: the group stops now, hand the state on as it is. The snapshot made, if
-        any."""
+        """Refresh `copies` (the process's list) when due after step `step` (`final`: the
+        group stops now); the snapshot made, if any."""
         if strategy.full_replica:
             return None  # every survivor holds the whole live state: nothing to copy
         if not (self.periodic or final):
@@ -142,8 +129,7 @@ class PeerRefresher:
         started = time.perf_counter()
         snapshot = self.refresh(copies, strategy, step)
         spent = time.perf_counter() - started
-        if self.pacer.measured:
-            # Every rank must choose the same interval: the group's slowest figures.
+        if self.pacer.fixed is None:  # every rank chooses from the slowest's figures
             agreed = torch.tensor([spent, self.pacer.mean_step_s()], dtype=torch.float64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
             self.pacer.refreshed(step, float(agreed[0]), float(agreed[1]))
@@ -171,8 +157,7 @@ class PeerRefresher:
         copies[:] = [kept] if kept is not None else []
         state = strategy.state_dict_for_checkpoint()
         if self._items is None:
-            # The first refresh of the attempt plans, collectively, what each rank keeps
-            # (by reference: nothing is copied yet).
+            # The attempt's first refresh plans collectively what each rank keeps.
             writer = MemoryWriter()
             metadata = state_dict_saver.save(state, storage_writer=writer, process_group=self.group)
             self._items, self._metadata = writer.items, metadata
@@ -193,10 +178,7 @@ class PeerRefresher:
         try:
             self._exchange(own, flat, blobs)
         finally:
-            # Torn by a peer gone mid-exchange, it keeps what is whole: this rank's own
-            # copy and each ward's that came in full. The lost rank's copy may have reached
-            # its buddy before it went; the survivors' offers say which generations they
-            # cover together (`sources.choose_source`), so this one is used only if whole.
+            # Torn, it keeps what is whole: own copy and each ward's that came in full.
             whole = set(blobs) == {rank, *self.wards}
             buffers = {r: buffer for r, (buffer, _) in flat.items()}
             snapshot = Snapshot(generation, metadata, blobs, buffers, whole=whole)
@@ -205,12 +187,10 @@ class PeerRefresher:
         return snapshot
 
     def _buffers(self, rank: int, old: Snapshot | None) -> tuple[torch.Tensor, Blob]:
-        """One flat host buffer for the tensor items rank `rank` of the group holds, and
-        the items as views of it, side by side: a copy of them travels as one message,
-        with no packing (bench/peer_restore_bench.py, a small gpt's fsdp refresh: 27-36 ms
-        so, 47-68 ms with its items packed into buckets, a copy on each side). The older
-        generation's buffer when it fits, else a new one (pinned for this rank's own where
-        a device copies into it, as DCP's stager pins its staging buffers)."""
+        """One flat host buffer for rank `rank`'s tensor items, and the items as views of
+        it: they travel as one message, unpacked (a small gpt's fsdp refresh: 27-36 ms so,
+        47-68 ms packed). The older generation's buffer when it fits, else a new one
+        (pinned for this rank's own where a device copies into it)."""
         layouts = [(i, layout) for i, layout in self._held[rank] if layout is not None]
         sizes = [shape.numel() * dtype.itemsize for _, (dtype, shape) in layouts]
         starts = [0]
@@ -231,10 +211,9 @@ class PeerRefresher:
     def _exchange(
         self, own: Blob, flat: dict[int, tuple[torch.Tensor, Blob]], held: dict[int, Blob]
     ) -> None:
-        """Send `own` to the buddy and receive each ward's items into `held` (those that
-        came in whole, even when the exchange then raises): first the sizes of the
-        pickled items (they change), then the flat buffer of the tensor items and the
-        pickled items' bytes, in `held_items` order."""
+        """Send `own` to the buddy and receive each ward's items into `held` (those whole,
+        even when the exchange raises): the pickled items' sizes (they change), then the
+        flat buffer and the pickled bytes, in `held_items` order."""
         mine = self._held[self.ctx.rank]
         sizes = torch.tensor(
             [own[i].numel() for i, layout in mine if layout is None], dtype=torch.int64
@@ -265,10 +244,9 @@ class PeerRefresher:
 
 
 def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Copy each source into its host target in one `torch._foreach_copy_` (one call, the
-    GIL released while it copies: 0.6 ms for 108 items of a small model where a loop of
-    `copy_`, as `_copy_state_dict` makes, took 2.0 ms); from a device, non-blocking on the
-    current stream, then one wait for all."""
+    """Copy sources into host targets in one `torch._foreach_copy_` (GIL released: 0.6 ms
+    for 108 items where a loop of `copy_` took 2.0 ms); from a device, non-blocking, then
+    one wait for all."""
     on_device = any(s.device.type != "cpu" for s in sources)
     if targets:
         torch._foreach_copy_(targets, sources, non_blocking=on_device)

@@ -1,14 +1,10 @@
-"""Tensors between ranks in buckets: what peer memory sends to a buddy and what a new
-group fetches from the survivors. Never a pickled state: raw bytes, point to point.
+"""Tensors between ranks in buckets, as raw bytes point to point, never pickled.
 
-Both sides of a pair know the byte size of every item, in order, so no header travels
-with the data. `bucket_plan` cuts the items into messages of at most `bucket_bytes`: an
-item of at least `direct_bytes` goes as its own message(s), bucket-sized slices of its
-own bytes (no copy on either side); smaller items are packed together into one flat
-buffer per message (one copy on each side, far fewer round trips than one message per
-small tensor). All receives and sends
-are posted at once (gloo's isend/irecv, each message under its own tag) and then waited
-on, so pairs stream concurrently and nothing waits on a send that has no receiver yet.
+Both sides know every item's byte size, so no header travels. `bucket_plan` cuts items
+into messages of at most `bucket_bytes`: a large item goes as slices of its own bytes
+(no copy), small ones are packed into one buffer per message (far fewer round trips).
+All receives and sends are posted at once, each under its own tag, then waited on, so
+pairs stream concurrently and no send waits for a receiver.
 """
 
 from __future__ import annotations
@@ -43,9 +39,8 @@ class Piece:
 def bucket_plan(
     sizes: Sequence[int], bucket_bytes: int = BUCKET_BYTES, direct_bytes: int = DIRECT_BYTES
 ) -> list[list[Piece]]:
-    """The messages that carry items of these byte sizes, in order: each a list of pieces.
-    A message of one piece is sent from (received into) the item itself; a message of
-    several is packed. Empty items travel in no message."""
+    """The messages carrying items of these byte sizes, in order. A message of one piece
+    is sent from (received into) the item itself; one of several is packed."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     direct_bytes = min(direct_bytes, bucket_bytes)
@@ -79,17 +74,11 @@ def stream(
     *,
     arrived: set[int] | None = None,
 ) -> int:
-    """Send `sends[peer]` (flat uint8 host tensors) to each peer and receive into
-    `recvs[peer]` (flat uint8 host tensors of the sizes the peer sends) from each; group
-    ranks. Returns the bytes moved (sent plus received).
-
-    A peer whose connection has already closed fails as its messages are posted; the
-    other peers' are posted and waited on regardless. On the first failed wait (a peer
-    gone mid-exchange) it stops waiting: no further waiting on the dead (a cut-off peer's
-    message would block until the attempt's release). Then it raises; first `arrived`,
-    when given, gets each peer whose items all came in whole by then (its messages
-    waited for, or already complete): what a torn exchange still delivered
-    (`elastrain.workers.memory.snapshots`)."""
+    """Send `sends[peer]` and receive into `recvs[peer]` (flat uint8 host tensors; group
+    ranks); returns the bytes moved. A failure to post fails that peer only. After the
+    first failed wait it waits no more (a cut-off peer would block until the attempt's
+    release) and raises, once `arrived` (if given) has every peer whose items all came
+    in whole: what a torn exchange still delivered."""
     works: list[tuple[int | None, dist.Work]] = []  # (the peer received from, or None)
     unpack: dict[int, list[tuple[torch.Tensor, list[Piece], Sequence[torch.Tensor]]]] = {}
     failed: set[int] = set()  # peers whose items did not all come
@@ -104,13 +93,13 @@ def stream(
             unpack[peer] = []
         try:
             for tag, message in enumerate(bucket_plan([t.numel() for t in items], bucket_bytes)):
+                buffer = _buffer(message, items, receiving=receiving)
                 if receiving:
-                    buffer = _target(message, items)
                     work = dist.irecv(buffer, group=group, group_src=peer, tag=tag)
                 else:
-                    buffer = _source(message, items)
                     work = dist.isend(buffer, group=group, group_dst=peer, tag=tag)
-                works.append((peer if receiving else None, _posted(work)))
+                assert work is not None  # None only for a rank outside `group`
+                works.append((peer if receiving else None, work))
                 moved += buffer.numel()
                 if receiving and len(message) > 1:
                     unpack[peer].append((buffer, message, items))
@@ -149,21 +138,13 @@ def stream(
     return moved
 
 
-def _posted(work: dist.Work | None) -> dist.Work:
-    # None only for a rank outside `group`, which a caller never is.
-    assert work is not None, "this rank is not in the group"
-    return work
-
-
-def _source(message: list[Piece], items: Sequence[torch.Tensor]) -> torch.Tensor:
+def _buffer(
+    message: list[Piece], items: Sequence[torch.Tensor], *, receiving: bool
+) -> torch.Tensor:
+    """A one-piece message's item slice itself, else a packed buffer (empty to receive)."""
     if len(message) == 1:
         p = message[0]
         return items[p.item][p.start : p.stop]
+    if receiving:
+        return torch.empty(sum(p.size for p in message), dtype=torch.uint8)
     return torch.cat([items[p.item][p.start : p.stop] for p in message])
-
-
-def _target(message: list[Piece], items: Sequence[torch.Tensor]) -> torch.Tensor:
-    if len(message) == 1:
-        p = message[0]
-        return items[p.item][p.start : p.stop]
-    return torch.empty(sum(p.size for p in message), dtype=torch.uint8)

@@ -5,8 +5,8 @@ loop); `take_in` hands each process that answered back to the pool, holding what
 A process that died leaves its rank waiting for a probe of its node's raylet, run on a
 thread of its own (`elastrain.workers.runtime.liveness`: up to half a second when the node
 does not answer), which says whether the node died with it. Ranks given up on after the
-grace (`elastrain.workers.runtime.phases.OUTCOME_GRACE_S`) are told to let go and become
-stragglers: the pool takes them back whenever they do.
+grace (`elastrain.workers.runtime.phases.OUTCOME_GRACE_S`; they were told to let go when
+the first rank ended badly) become stragglers: the pool takes them back whenever they do.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import ray
 
 from elastrain.contracts.group import RunOutcome
 from elastrain.contracts.messages import WorkerError
-from elastrain.workers.runtime.liveness import raylet_gone
+from elastrain.workers.runtime.liveness import nodes_to_probe, raylet_gone
 from elastrain.workers.runtime.pool import PooledWorker, WorkerPool
 from elastrain.workers.runtime.verdict import Outcome, ended_badly, process_died, stuck
 
@@ -39,6 +39,9 @@ class Outcomes:
         self._died: dict[int, BaseException] = {}  # ranks whose process died: node probed
         self.probes: dict[str | None, Future[bool]] = {}  # one per node, not per rank
         self.stragglers: dict[int, Future[Any]] = {}  # given up on: back to the pool later
+        # The periodic raylet probes of the nodes of ranks still out, and when each was sent
+        # (`watch_nodes`; `probes` above are the one-shot verdicts on a process death).
+        self._watched: dict[str | None, tuple[Future[bool], float]] = {}
 
     def start(self, workers: Sequence[PooledWorker], runs: dict[int, Future[Any]]) -> None:
         self.workers, self.runs = workers, runs
@@ -73,6 +76,31 @@ class Outcomes:
                 gone = probe.exception() is None and bool(probe.result())
                 self.known[rank] = self._died_error(rank, exc, gone=gone)
 
+    def watch_nodes(self, now: float) -> None:
+        """Probe the raylets of the nodes of ranks still out (each every REPROBE_S, on the
+        probes' threads; `now`: the monotonic clock); a node whose raylet refused has lost
+        its processes, or will, and each of its ranks still out ends now as a node loss,
+        without waiting for Ray's health checks to fail the calls."""
+        for node, (probe, _) in list(self._watched.items()):
+            if probe.done() and probe.exception() is None and probe.result():
+                self._lost_node(node)
+        out = [self.workers[r].node_id for r in self.runs]
+        probed = {node: at for node, (_, at) in self._watched.items()}
+        for node in nodes_to_probe(out, probed, now):
+            probe = _probes.submit(raylet_gone, node)
+            probe.add_done_callback(lambda _: self._wake())
+            self._watched[node] = (probe, now)
+
+    def _lost_node(self, node: str | None) -> None:
+        for rank in [r for r in self.runs if self.workers[r].node_id == node]:
+            del self.runs[rank]  # its call fails later, once Ray declares the node dead
+            worker = self.workers[rank]
+            worker.handle.abort.remote(self.pool.token)  # if it lives on, it lets go
+            self.pool.give_back(worker, None, alive=False)
+            gone = ConnectionRefusedError(f"the raylet of node {node} refuses connections")
+            self.known[rank] = self._died_error(rank, gone, gone=True)
+            self.bad = True
+
     def _probe(self, node_id: str | None) -> None:
         """Ask whether the node's raylet is gone too: the node died, not the process alone."""
         if node_id not in self.probes:
@@ -84,6 +112,12 @@ class Outcomes:
         worker = self.workers[rank]
         pid = worker.info.pid if worker.info else None
         return process_died(exc, rank=rank, node_id=worker.node_id, pid=pid, node_gone=gone)
+
+    def let_go(self) -> None:
+        """The ranks still out are told to let go (a peer ended badly); their outcomes
+        come back as usual."""
+        for rank in self.runs:
+            self.workers[rank].handle.abort.remote(self.pool.token)
 
     def give_up(self) -> None:
         """The ranks still out are told to let go; they come back as stragglers."""

@@ -59,6 +59,7 @@ from elastrain.workers.runtime.ordering import InOrder
 from elastrain.workers.runtime.phases import Facts, State, Step
 from elastrain.workers.runtime.placement import (
     ask,
+    being_placed,
     bundle_nodes,
     describe,
     gpu_processes_back,
@@ -68,7 +69,13 @@ from elastrain.workers.runtime.placement import (
     take_processes,
 )
 from elastrain.workers.runtime.pool import PooledWorker, WorkerPool
-from elastrain.workers.runtime.stragglers import Straggler, find_stragglers
+from elastrain.workers.runtime.stragglers import (
+    Straggler,
+    Streak,
+    confirm,
+    confirmed,
+    find_stragglers,
+)
 from elastrain.workers.runtime.verdict import verdict
 
 log = logging.getLogger("elastrain.driver")
@@ -138,6 +145,7 @@ class AttemptDriver:
         self._hang: Hang | None = None
         # RUN: the straggler watch, over the same answers: the slow ranks now, by rank.
         self._slow: dict[int, Straggler] = {}
+        self._streaks: dict[int, Streak] = {}  # ranks found slow, polls in a row
         detected = request.detected_at or time.time()
         if request.joined_at:  # a grow onto a node that joined: its timeline starts there
             self._mark(Phase.NODE_JOINED, at=min(request.joined_at, detected))
@@ -325,6 +333,7 @@ class AttemptDriver:
                 self._store.result()  # rank 0 failed to open it: raises, the attempt fails
             return replace(facts, store_open=self._store.done())
         if step == Step.RUN:
+            self._outcomes.watch_nodes(time.monotonic())
             self._outcomes.take_in()
             known, bad = len(self._outcomes.known), self._outcomes.bad
             hung = self._watch_hangs() if self._hang is None and not bad else False
@@ -353,10 +362,14 @@ class AttemptDriver:
         local = {r: s.progress.local for r, s in self._seen.items() if s.progress is not None}
         if len(local) < len(self.workers):
             return  # a rank not heard from yet: nothing to compare it with
-        found = find_stragglers(
-            local, threshold=failure.straggler_threshold, window=failure.straggler_window
-        )
-        slow = {s.rank: s for s in found}
+        window = failure.straggler_window
+        found = {
+            s.rank: s
+            for s in find_stragglers(local, threshold=failure.straggler_threshold, window=window)
+        }
+        newest = min(max((step for step, _ in pairs), default=0) for pairs in local.values())
+        self._streaks = confirm(found, newest, self._streaks, window)
+        slow = {rank: found[rank] for rank in confirmed(self._streaks)}
         with self._lock:
             for rank in sorted(slow.keys() - self._slow.keys()):
                 self._append(self._straggler_event(slow[rank]))
@@ -433,6 +446,8 @@ class AttemptDriver:
                 self._poll()
             case phases.AbortHung():
                 self._abort_hung()
+            case phases.LetGo():
+                self._outcomes.let_go()
             case phases.AbortStragglers():
                 self._outcomes.give_up()
                 if self._hang is not None:  # still out after the grace: hung too
@@ -486,7 +501,10 @@ class AttemptDriver:
 
     def _ask(self, where: phases.Where) -> None:
         """Replace the current ask with a new one (Ray places a new request at once, and a
-        pending one only about every second)."""
+        pending one only about every second), unless Ray is placing the current one now
+        (`being_placed`: then it is left to end placed or pending; the next ask decides)."""
+        if self.pg is not None and being_placed(self.pg):
+            return
         self._placed = None
         self._remove_placement_group()
         with self._lock:

@@ -7,18 +7,43 @@ and more by default). Told only "the process died", the scheduler would count a 
 as the job's failure. So the driver asks the node's raylet itself: a refused connection to
 its node-manager port means nothing listens there any more, the node is lost; an answer,
 or no answer in time (a partition: Ray's own verdict will come), leaves it a process death.
+
+A raylet killed alone (its host's agent crashed, the OOM killer) need not take the node's
+worker processes with it at once: they may train on for seconds (their calls and their
+collectives go to each other directly), and calls to them, once they exit, neither answer
+nor fail until the GCS declares the node dead. Meanwhile a grow or a recovery may place a
+rank there. So while an attempt runs, its driver probes the raylet of every node its ranks
+are on, every REPROBE_S (`nodes_to_probe`), and a refusal ends their part as a node loss
+at once.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import ray
 
 #: How long a probe may wait for the raylet's port to answer.
 PROBE_TIMEOUT_S = 0.5
+#: How often the raylet of a node an attempt's ranks run on is probed: one connection per
+#: node per second (the address is looked up once per node).
+REPROBE_S = 1.0
+
+
+def nodes_to_probe(
+    nodes: Iterable[str | None], probed_at: Mapping[str | None, float], now: float
+) -> set[str]:
+    """The nodes (of ranks still out) to probe at `now`: those not probed within the last
+    REPROBE_S (`probed_at`: node -> when it last was). Unknown nodes are not probed."""
+    return {
+        node for node in nodes if node and now - probed_at.get(node, float("-inf")) >= REPROBE_S
+    }
+
+
+#: node id -> its raylet's (address, port), once Ray said so: a node keeps both for life.
+_raylets: dict[str, tuple[str, int]] = {}
 
 
 def raylet_gone(
@@ -31,20 +56,23 @@ def raylet_gone(
     turns a process death into a node loss."""
     if not node_id:
         return False
+    raylet = _raylets.get(node_id)
+    if raylet is None:
+        try:
+            known = [n for n in nodes() if n.get("NodeID") == node_id]
+        except Exception:  # the GCS is unreachable: no verdict from here
+            return False
+        if not known:
+            return False
+        node = known[0]
+        if not node.get("Alive", True):
+            return True
+        address, port = node.get("NodeManagerAddress"), node.get("NodeManagerPort")
+        if not address or not port:
+            return False
+        raylet = _raylets[node_id] = (str(address), int(port))
     try:
-        known = [n for n in nodes() if n.get("NodeID") == node_id]
-    except Exception:  # the GCS is unreachable: no verdict from here
-        return False
-    if not known:
-        return False
-    node = known[0]
-    if not node.get("Alive", True):
-        return True
-    address, port = node.get("NodeManagerAddress"), node.get("NodeManagerPort")
-    if not address or not port:
-        return False
-    try:
-        with socket.create_connection((address, int(port)), timeout=timeout_s):
+        with socket.create_connection(raylet, timeout=timeout_s):
             return False
     except ConnectionRefusedError:
         return True

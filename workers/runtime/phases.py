@@ -26,6 +26,7 @@ OLD_GROUP_GRACE_S = 5.0
 #: again after PLACEMENT_RETRY_S, then twice as long each time up to PLACEMENT_RETRY_MAX_S.
 #: The resources are often being freed right now (the old attempt's bundles); Ray retries a
 #: pending placement group only about every second, while a new request is placed at once.
+#: (The driver replaces an ask only while Ray is not preparing its bundles: `being_placed`.)
 PREFERRED_PLACEMENT_S = 1.5
 PLACEMENT_RETRY_S = 0.15
 PLACEMENT_RETRY_MAX_S = 2.0
@@ -40,12 +41,13 @@ START_TIMEOUT_S = 300.0
 #: How long rank 0's process may take to open the group's store.
 STORE_TIMEOUT_S = 30.0
 #: After the first rank's part ended badly, how long to wait for the others' outcomes
-#: (survivors fail their next collective within milliseconds; a dead process is known to
+#: (they are told to let go at once and do within milliseconds; a dead process is known to
 #: Ray within a second or two).
 OUTCOME_GRACE_S = 15.0
 #: RUN: how often the ranks' processes are asked how far they got (the hang watch,
-#: `elastrain.workers.runtime.hangs`).
-POLL_S = 2.0
+#: `elastrain.workers.runtime.hangs`); also how often the driver wakes to probe the
+#: raylets of its ranks' nodes (`elastrain.workers.runtime.liveness`).
+POLL_S = 0.5
 
 
 class Step(str, Enum):
@@ -174,6 +176,14 @@ class AbortHung:
 
 
 @dataclass(frozen=True, slots=True)
+class LetGo:
+    """A rank ended badly: tell the ranks still out to let go now, not at the grace's end.
+    A peer blocked in a collective on it learns of it only when its connection breaks, and
+    a connection that went silent (a cut link, a hung NIC) breaks only at TCP's timeout;
+    the release frees it at once, holding the job's state."""
+
+
+@dataclass(frozen=True, slots=True)
 class AbortStragglers:
     """Tell the ranks still out to let go; the pool takes them back when they do."""
 
@@ -200,6 +210,7 @@ Action = (
     | Run
     | Poll
     | AbortHung
+    | LetGo
     | AbortStragglers
     | Verdict
     | Fail
@@ -306,8 +317,8 @@ def _run(state: State, f: Facts) -> tuple[State, list[Action]]:
     if f.hung and not state.hung:  # the others get the grace to let go
         after = replace(state, hung=True, poll_at=None, grace_until=f.now + OUTCOME_GRACE_S)
         return after, [AbortHung()]
-    if f.bad and state.grace_until is None:
-        return replace(state, grace_until=f.now + OUTCOME_GRACE_S, poll_at=None), []
+    if f.bad and state.grace_until is None:  # polls (and the raylet probes) go on
+        return replace(state, grace_until=f.now + OUTCOME_GRACE_S), [LetGo()]
     if state.poll_at is not None and f.now >= state.poll_at:
         return replace(state, poll_at=f.now + POLL_S), [Poll()]
     return state, []

@@ -71,6 +71,17 @@ def ask(request: LaunchRequest, name: str, where: Where, preferred: Sequence[str
                            bundle_label_selector=selectors)  # fmt: skip
 
 
+def being_placed(pg: Any) -> bool:
+    """Whether Ray is preparing or committing the group's bundles on their nodes right now.
+    Such a group is not removed to ask again: when a node dies under the preparation, Ray
+    2.60 leaks the bundles already prepared elsewhere and places no later group on the
+    cluster (ray#64693; a chaos run asking again every 0.15-2 s after a raylet kill lost
+    its job so, and every later job waited for placement). Waiting for it costs nothing:
+    it ends placed, or failed and pending again."""
+    stats = ray.util.placement_group_table(pg).get("stats") or {}
+    return stats.get("scheduling_state") == "SCHEDULING_STARTED"
+
+
 def bundle_nodes(pg: Any, n: int) -> list[str]:
     """The node of each of a placed group's `n` bundles."""
     table = ray.util.placement_group_table(pg)

@@ -11,19 +11,23 @@ least `STAYS_ABOVE` of those steps (a slower device is slower on nearly every st
 on a busy machine makes single steps slow, not most), and on average, by at least
 `MIN_EXCESS_S` (jitter of a few hundred microseconds on tiny updates is no straggler).
 The median of the others, not of all: with two ranks the median of all would sit halfway
-between them.
+between them. And found so on `CONFIRMATIONS` polls in a row, over windows that share no
+step (`confirm`): steps of a few milliseconds make a window a fraction of a second, which a
+burst of contention on a shared machine can fill (CI once evicted a healthy rank so).
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 #: Below this excess over the others' median (seconds per step), no rank is a straggler.
 MIN_EXCESS_S = 0.0005
 #: The share of the window's steps a straggler's local work is above the threshold on.
 STAYS_ABOVE = 0.75
+#: The polls in a row (windows sharing no step) a rank must be found slow on to count.
+CONFIRMATIONS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,3 +72,34 @@ def find_stragglers(
         ):
             found.append(Straggler(rank=rank, local_s=mean, others_s=others))
     return found
+
+
+@dataclass(frozen=True, slots=True)
+class Streak:
+    """A rank found slow on `polls` polls in a row, the last counted at window end `step`."""
+
+    polls: int
+    step: int
+
+
+def confirm(
+    found: Iterable[int], newest: int, streaks: Mapping[int, Streak], window: int
+) -> dict[int, Streak]:
+    """The streaks after a poll that found the ranks `found` slow over a window ending at
+    step `newest`: a rank not found loses its streak; a found one counts this poll only
+    when its window shares no step with the last it counted (a poll that saw no new step
+    confirms nothing)."""
+    out = {}
+    for rank in found:
+        had = streaks.get(rank)
+        if had is None:
+            out[rank] = Streak(polls=1, step=newest)
+        elif newest - had.step >= window:
+            out[rank] = Streak(polls=had.polls + 1, step=newest)
+        else:
+            out[rank] = had
+    return out
+
+
+def confirmed(streaks: Mapping[int, Streak]) -> set[int]:
+    return {rank for rank, streak in streaks.items() if streak.polls >= CONFIRMATIONS}

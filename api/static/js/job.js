@@ -251,15 +251,27 @@ class JobView {
     const started = parseTime(job.started_at);
     const end = parseTime(job.finished_at) || Date.now();
     const stat = (label, ...value) => [h("div", { class: "stat" }, h("dt", {}, label), h("dd", {}, ...value))];
+    const bar = (fraction) => h("div", { class: "progress", role: "progressbar", "aria-valuemin": 0, "aria-valuemax": 100, "aria-valuenow": Math.round(100 * fraction) },
+      h("div", { class: `bar bar-${job.state.toLowerCase()}`, style: `width:${(100 * fraction).toFixed(1)}%` }));
+    const etaText = (seconds) => terminal ? "" : seconds == null ? "  ETA —" : `  ETA ${fmtDuration(seconds)}`;
+    // A prepare job's steps are progress points: its progress is input bytes, files and rows.
+    const prep = spec.workload?.name === "prepare" ? this.lastPoint || {} : null;
     this.stats.replaceChildren(
-      ...stat("Progress",
-        h("div", { class: "progress", role: "progressbar", "aria-valuemin": 0, "aria-valuemax": maxSteps, "aria-valuenow": job.step },
-          h("div", { class: `bar bar-${job.state.toLowerCase()}`, style: `width:${pct.toFixed(1)}%` })),
-        h("span", { class: "num", id: "stat-step" }, `${job.step.toLocaleString()} / ${maxSteps.toLocaleString()}`),
-        h("span", { class: "muted" }, terminal ? "" : eta === null ? "  ETA —" : `  ETA ${fmtDuration(eta)}`)),
-      ...stat("Workers", h("span", { class: "num big", id: "stat-world" }, job.world_size ?? "—"),
-        h("span", { class: "muted" }, ` of ${scaling.min_workers ?? "?"}..${scaling.max_workers ?? "?"}`)),
-      ...stat("Latest loss", h("span", { class: "num big", id: "stat-loss" }, fmtNum(job.latest_loss, 5))),
+      ...(prep ? [
+        ...stat("Progress", bar(job.state === "SUCCEEDED" ? 1 : Number(prep.progress ?? 0)),
+          h("span", { class: "num", id: "stat-files" }, `files ${prep.files_done ?? 0} / ${prep.files ?? "?"}`),
+          h("span", { class: "muted", id: "stat-prepare-eta" }, etaText(prep.eta_s))),
+        ...stat("Read", h("span", { class: "num", id: "stat-rows" }, `${Number(prep.rows ?? 0).toLocaleString()} rows`),
+          h("span", { class: "muted", id: "stat-bytes" }, ` · ${fmtBytes(Number(prep.bytes ?? 0))}`)),
+        ...stat("Tokens", h("span", { class: "num big", id: "stat-tokens" }, Number(prep.tokens ?? 0).toLocaleString())),
+      ] : [
+        ...stat("Progress", bar(pct / 100),
+          h("span", { class: "num", id: "stat-step" }, `${job.step.toLocaleString()} / ${maxSteps.toLocaleString()}`),
+          h("span", { class: "muted" }, etaText(eta))),
+        ...stat("Workers", h("span", { class: "num big", id: "stat-world" }, job.world_size ?? "—"),
+          h("span", { class: "muted" }, ` of ${scaling.min_workers ?? "?"}..${scaling.max_workers ?? "?"}`)),
+        ...stat("Latest loss", h("span", { class: "num big", id: "stat-loss" }, fmtNum(job.latest_loss, 5))),
+      ]),
       ...stat("Strategy", h("span", {}, strategyText(spec, job.strategy))),
       ...stat("Attempt", h("span", { class: "num" }, `${job.attempt}`),
         h("span", { class: "muted" }, ` · ${job.restarts} restart${job.restarts === 1 ? "" : "s"}`)),

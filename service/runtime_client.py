@@ -48,6 +48,10 @@ log = logging.getLogger("elastrain.launcher")
 #: attempt reports its last known status; the pass goes on (it holds no DB lock meanwhile).
 _RECONCILE_TIMEOUT_S = 5.0
 _CALL_TIMEOUT_S = 30.0
+#: How long a runtime just created (or restarted by Ray) may take to answer its first call:
+#: its process must start and import torch first, which took over 30 s on a loaded 2-core
+#: CI machine while a killed runtime's pool processes were being torn down.
+_START_TIMEOUT_S = 180.0
 #: How long a replaced runtime's name may take to come free.
 _REPLACE_TIMEOUT_S = 30.0
 
@@ -265,9 +269,9 @@ class RuntimeClient:
 
 def _owned_by(handle: Any, token: str) -> bool:
     """Whether the runtime behind `handle` takes `token`; False for one too old to check
-    (its handle has no `owned_by`)."""
+    (its handle has no `owned_by`). The first call to a runtime: it waits for its start."""
     try:  # an old runtime: no such method on its handle, or an error raised by its call
-        return bool(ray.get(handle.owned_by.remote(token), timeout=_CALL_TIMEOUT_S))
+        return bool(ray.get(handle.owned_by.remote(token), timeout=_START_TIMEOUT_S))
     except AttributeError:  # (Ray's error from a task is an instance of the task's error)
         return False
 

@@ -141,9 +141,20 @@ TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 STEPS_BETWEEN = 8
 #: A fault not recovered from in this long counts as not recovered.
 RECOVERY_TIMEOUT_S = 180.0
-#: A hang needs two ranks: how long to wait for a job at 1 worker to grow back to 2.
+#: Kinds a lone rank cannot show: a hang inside a collective needs a peer, and a straggler
+#: is slow only against its peers (a job at 1 worker has none to be slower than).
+NEEDS_PEERS = frozenset({"collective_hang", "slow"})
+#: How long to wait for a job at 1 worker to grow back to 2 before such a fault.
 GROW_WAIT_S = 90.0
 NAMESPACE = "elastrain-chaos"
+#: The `slow` fault's stop/resume period. A slower device is slower on every step; turns
+#: make slower only the work that spans a stop. The straggler watch compares the ranks'
+#: local work per step (batch and update: 2-5 ms in these jobs here, of which AdamW's
+#: update 0.4-0.9 ms). With 4 ms turns a 2.7 ms piece of work ran a median 1.77x slower
+#: and a 0.9 ms one was slowed on 38 % of steps; with 0.25 ms turns every piece from 0.2 ms
+#: up ran about 2x slower on every step (docs/bench-stragglers.md, "Turns shorter than the
+#: work they slow").
+SLOW_TURN_S = 0.00025
 SERVICE_ENV = {
     "ELASTRAIN_RAY_NAMESPACE": NAMESPACE,
     "ELASTRAIN_SCHEDULER_INTERVAL_S": "0.3",
@@ -438,7 +449,7 @@ def inject(c: Campaign, job: dict[str, Any], kind: str) -> Fault:
         os.kill(pid, signal.SIGSTOP)
         after = lambda: _quietly(os.kill, pid, signal.SIGCONT)  # noqa: E731
     elif kind == "slow":
-        during = slowed(pid)
+        during = slowed(pid, period_s=SLOW_TURN_S)
     elif kind == "collective_hang":
         during = cut_between(pid, peers)
     elif kind == "preemption":
@@ -465,7 +476,7 @@ def inject(c: Campaign, job: dict[str, Any], kind: str) -> Fault:
                 cut_note = f"{len(cut)} connections cut" if cut else "no connection to a peer found"
                 fault.note = f"{cut_note}; {fault.note}"
         if kind == "slow" and cut.factor is not None:  # what the injector achieved
-            fault.note = f"slowed {cut.factor:.2f}x; {fault.note}"
+            fault.note = f"slowed {cut.factor:.2f}x at world size {job['world_size']}; {fault.note}"
     finally:
         if after is not None:
             after()
@@ -774,10 +785,11 @@ def run_strategy(c: Campaign, strategy: str, faults: int, kinds: list[str]) -> d
     c.resumed_at = 0
     for _ in range(faults):
         kind = c.rng.choice(kinds)
-        job = _ready(c, job_id, ranks=2 if kind == "collective_hang" else 1)
+        ranks = 2 if kind in NEEDS_PEERS else 1
+        job = _ready(c, job_id, ranks=ranks)
         if job is None:
             break
-        if job["world_size"] < (2 if kind == "collective_hang" else 1):
+        if job["world_size"] < ranks:
             note = "the job stayed at 1 worker: not injected"
             c.faults.append(Fault(strategy, kind, -1, time.time(), note=note))
             continue

@@ -22,7 +22,9 @@ first (the process starts at it: its "first save" time).
   the staging wait; tail: the wait to finish the save after them. Whole cost = blocked +
   extra + tail (the background work taking the cores from training included).
 - verified load: `load_latest` (digests checked) against a plain sequential read of the
-  files each rank's load reads, both from a cold page cache. `--only load` measures only
+  files each rank's load reads, both from a cold page cache; beside them `dcp.load` of the
+  same folder (DCP's `FileSystemReader`, nothing verified), which says how much of the gap
+  is the verifying and how much DCP's own read path. `--only load` measures only
   this (no other kind of save) and prints its figure without writing the report.
 """
 
@@ -273,13 +275,22 @@ def bench_body(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
         step += 1
         sync.put(step, state())
         folder = work / "sync" / f"step_{step:09d}-a0"
-        if rank == 0:
-            drop_cache(folder)
-        dist.barrier()
-        started = time.perf_counter()
-        outcome = sync.load_latest(state())
-        assert outcome is not None and outcome.info.step == step
-        record("load.verify", time.perf_counter() - started)
+        # Verified, then DCP's own load of the same folder with nothing verified (which
+        # splits the gap to a plain read into what verifying costs and what DCP's read
+        # path does), in turns, each from a cold cache.
+        loads = ("load.verify", "load.dcp") if len(rec.get("load.dcp", [])) % 2 == 0 else (
+            "load.dcp", "load.verify")  # fmt: skip
+        for kind in loads:
+            if rank == 0:
+                drop_cache(folder)
+            dist.barrier()
+            started = time.perf_counter()
+            if kind == "load.verify":
+                outcome = sync.load_latest(state())
+                assert outcome is not None and outcome.info.step == step
+            else:
+                dcp.load(state(), checkpoint_id=str(folder))
+            record(kind, time.perf_counter() - started)
         # A sharded rank's load reads its own shard; a DDP rank's every shard (its state
         # is the whole replica), its own first.
         own = sorted(folder.glob(f"__{rank}_*.distcp"))
@@ -354,6 +365,8 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
          f"{whole('async') / whole('sync'):.2f}", "<= 0.50", whole("async") / whole("sync") <= 0.5),
         ("verified load MB/s / plain read MB/s (cold cache)", f"{load:.2f}", ">= 0.70",
          load >= 0.7),
+        ("the same for DCP's own load, nothing verified", f"{r['plain.read'] / r['load.dcp']:.2f}",
+         "", None),
         ("dcp.async_save THREAD vs PROCESS: stall, % of sync", versus(
             lambda m: f"{stall_pct(m):.1f} %"), "choose", None),
         ("the same: median step while the save writes / none in flight", versus(
@@ -393,7 +406,8 @@ def render(cfg: dict[str, Any], out: dict[str, Any]) -> str:
         row("**whole cost (s)**", lambda m: f"**{whole(m):.3f}**"),
         row("first save, start to finish (s)", lambda m: f"{res[m + '.first'][0]:.2f}"),
         "",
-        f"Verified load (`load_latest`, XXH3-128 digests): {r['load.verify']:.3f} s; a plain "
+        f"Verified load (`load_latest`, XXH3-128 digests): {r['load.verify']:.3f} s; "
+        f"`dcp.load` of the same folder, nothing verified: {r['load.dcp']:.3f} s; a plain "
         f"read of the same shard files: {r['plain.read']:.3f} s.",
     ]
     if "process" in modes and "thread" in modes:
@@ -412,11 +426,14 @@ def render_load(cfg: dict[str, Any], out: dict[str, Any]) -> str:
     """The verified-load figure alone (`--only load`)."""
     res = out["results"]
     verify, plain = statistics.median(res["load.verify"]), statistics.median(res["plain.read"])
+    own = statistics.median(res["load.dcp"])
     return (
         f"{cfg['strategy'].upper()}, checkpoint of {out['total_bytes'] / MB:.0f} MB, medians "
-        f"of {cfg['repeats']}: verified load {verify:.3f} s, plain read {plain:.3f} s, "
-        f"verified load MB/s / plain read MB/s {plain / verify:.2f} (target >= 0.70); "
-        f"runs {', '.join(f'{v:.3f}' for v in res['load.verify'])} s / "
+        f"of {cfg['repeats']}: verified load {verify:.3f} s, dcp.load unverified {own:.3f} s, "
+        f"plain read {plain:.3f} s; verified load MB/s / plain read MB/s {plain / verify:.2f} "
+        f"(target >= 0.70), dcp.load's {plain / own:.2f}; runs "
+        f"{', '.join(f'{v:.3f}' for v in res['load.verify'])} s / "
+        f"{', '.join(f'{d:.3f}' for d in res['load.dcp'])} s / "
         f"{', '.join(f'{p:.3f}' for p in res['plain.read'])} s"
     )
 

@@ -13,8 +13,9 @@ a CPU-less head and `--world` worker nodes of 1 logical CPU. Each trial:
    default threshold (0.25) and window (20 steps), trains `--steps` steps past its first
    `--settle` seconds;
 2. the last rank's process is slowed `--slowdown` times from outside
-   (`cluster_service.slowed`: stopped and resumed in turns every 4 ms, as the chaos
-   campaign's `slow` fault does) until the job has left its node;
+   (`cluster_service.slowed`: stopped and resumed in turns every 4 ms, shorter than this
+   workload's batch of a few milliseconds; the chaos campaign's jobs, whose local work is
+   under a millisecond, take 0.25 ms turns) until the job has left its node;
 3. measured: slowed -> the `straggler` event, -> the `node_draining` event (the eviction
    decided) and -> the first step at the smaller size; steps/s over the last `--steps`
    steps before the slowing, over the steps while slowed, and over `--steps` steps after

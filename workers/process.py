@@ -544,6 +544,7 @@ class WorkerProcess:
         from elastrain.workers.devices import rank_device
         from elastrain.workers.errors import error_kind
         from elastrain.workers.loop import train
+        from elastrain.workers.strategies.mesh import leave_group
 
         if self.memory.job_id not in (None, a.job_id):
             self.memory.forget()  # another job's state: never resumed from here again
@@ -639,5 +640,4 @@ class WorkerProcess:
             with self._lock:
                 self._group_sockets = None
             with contextlib.suppress(Exception):
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+                leave_group()

@@ -15,7 +15,9 @@ pipeline's replica-major order.
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from elastrain.workers.comm_release import group_forming
 from elastrain.workers.strategies.base import Layout
@@ -52,3 +54,23 @@ def grid_mesh(device_type: str, layout: Layout) -> DeviceMesh:
         return init_device_mesh(
             device_type, (layout.dp, layout.pp, layout.tp), mesh_dim_names=MESH_DIMS
         )
+
+
+def leave_group() -> None:
+    """Destroy this process's default group and forget what DTensor cached about its
+    meshes, so that the process's next attempt starts from its own.
+
+    A `DeviceMesh` compares and hashes equal to any other with the same ranks' layout,
+    device type and dimension names: a new attempt's mesh equals the last one's even when
+    this process now holds another rank of it. DTensor's sharding propagation caches
+    (Python and C++) are keyed by such meshes and hand back output specs holding the
+    mesh they were first computed with, whose coordinate is this process's old rank. In
+    a warm process at the same world size under another rank, every FSDP parameter and
+    optimizer-state DTensor then claimed the old rank's offsets: checkpoints and peer
+    memory wrote shards under another rank's offsets, a chaos run's fsdp job restored a
+    wrong state and then failed DCP's plan check on every attempt
+    (tests/unit/test_warm_process_mesh.py).
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _clear_sharding_prop_cache()

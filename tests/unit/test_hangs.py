@@ -31,9 +31,19 @@ def rank(
     [
         # training: nothing
         ({0: rank(), 1: rank()}, None, None, ""),
-        # before the first step: not watched, however long
+        # before the first step: no step is late, however long (a compile, a warm-up)
         ({0: rank(ago=600, steps=0, median=None), 1: rank(ago=600, steps=0, median=None)},
          None, None, ""),
+        # ... but a frozen process is, once silent START_SILENT_S: its peers wait for it in
+        # the rendezvous (their polls answer: no loop yet) and must not be the ones blamed
+        ({0: RankSeen(None), 1: RankSeen(None, unanswered_since=NOW - 31)}, None, (1,),
+         "rank 1: its process has not answered for 31s, before the attempt's first step"),
+        ({0: RankSeen(None), 1: RankSeen(None, unanswered_since=NOW - 29)}, None, None, ""),
+        ({0: rank(ago=600, steps=0, median=None), 1: rank(steps=0, median=None, silent=31)},
+         None, (1,), "rank 1: its process has not answered for 31s"),
+        # ... or the job's own threshold
+        ({0: RankSeen(None), 1: RankSeen(None, unanswered_since=NOW - 13)}, 12.0, (1,),
+         "rank 1: its process has not answered for 13s"),
         # a stuck data loader: the rank still getting its batch, the others in the step
         ({0: rank(ago=12), 1: rank(ago=12, phase="data"), 2: rank(ago=12)}, None, (1,),
          "rank 1: no step finished for 12s after step 5, in data for 12s at stall.py:30"),

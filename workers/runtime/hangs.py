@@ -15,9 +15,14 @@ by default max(10 s, 5x the median step time)):
   data loader), or the reverse. When all do the same, no rank can be told from the rest
   (a collective that never returns, or user code stuck inside the step): all are named.
 
-Not watched before the attempt's first step (a first step may compile, or warm up, for
-minutes) nor for ranks whose process reports no loop (`workload.command` scripts); while a
-rank checkpoints or evaluates (which may take long), only a silent process is a hang.
+Before the attempt's first step (a first step may compile, or warm up, for minutes) only a
+silent process is a hang, and only once silent for `START_SILENT_S` (or the job's own
+threshold): a process answers its polls from another thread while its rank compiles or
+waits for its peers, but a frozen one never starts its rank, and the others would wait
+for it in the group's rendezvous until their timeout and be blamed for it (a chaos run
+placed such a process into eleven attempts in a row). Not watched for ranks whose process
+reports no loop (`workload.command` scripts); while a rank checkpoints or evaluates
+(which may take long), only a silent process is a hang.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ DEFAULT_FLOOR_S = 10.0
 MEDIAN_STEPS = 5.0
 #: A poll unanswered this long, while no rank steps, marks its rank as the cause.
 QUIET_S = 1.0
+#: Before the first step, how long a process may leave a poll unanswered: well under the
+#: group rendezvous' timeout (`collective_timeout_s`, 60 s by default), so the silent rank
+#: is named before its peers give up waiting for it.
+START_SILENT_S = 30.0
 #: The phases a rank is expected to leave within the threshold; in any other (a
 #: checkpoint, an evaluation, the start) only a silent process is a hang.
 WATCHED_PHASES = frozenset({"data", "step"})
@@ -71,7 +80,7 @@ def threshold_s(seen: dict[int, RankSeen], hang_after_s: float | None) -> float 
 def find_hang(seen: dict[int, RankSeen], now: float, hang_after_s: float | None) -> Hang | None:
     """The hung ranks of an attempt at wall time `now`, or None."""
     if not any(_stepped(s) for s in seen.values()):
-        return None  # before the first step: not watched
+        return _silent_before_first_step(seen, now, hang_after_s)
     limit = threshold_s(seen, hang_after_s)
     assert limit is not None
     silent = _unanswered(seen, now, limit)
@@ -103,6 +112,22 @@ def find_hang(seen: dict[int, RankSeen], now: float, hang_after_s: float | None)
     odd = sorted(r for r, p in answered.items() if p.phase != usual)
     named = odd if odd and len(odd) < len(answered) else sorted(answered)
     return _hang(limit, {r: _describe(answered[r], now) for r in named})
+
+
+def _silent_before_first_step(
+    seen: dict[int, RankSeen], now: float, hang_after_s: float | None
+) -> Hang | None:
+    limit = hang_after_s if hang_after_s is not None else START_SILENT_S
+    silent = _unanswered(seen, now, limit)
+    if not silent:
+        return None
+    return _hang(
+        limit,
+        {
+            r: f"its process has not answered for {s:.0f}s, before the attempt's first step"
+            for r, s in silent.items()
+        },
+    )
 
 
 def _unanswered(seen: dict[int, RankSeen], now: float, at_least: float) -> dict[int, float]:
